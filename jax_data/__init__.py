@@ -1,0 +1,35 @@
+"""jax_data: host data for jit-compiled JAX loops.
+
+Mini-batches and full-data maps inside ``jit``, ``lax.scan``, ``vmap`` and
+``pmap``, served from host memory, memmaps or ``tf.data`` pipelines.
+"""
+
+from jax_data.full_access import full_data_mapper
+from jax_data.full_access import full_reference_data
+from jax_data.host import HostLoaderError
+from jax_data.host import PipelineReleasedError
+from jax_data.loader import DataLoader
+from jax_data.loader import DeviceDataLoader
+from jax_data.loader import HostDataLoader
+from jax_data.numpy_loader import DeviceNumpyDataLoader
+from jax_data.numpy_loader import NumpyDataLoader
+from jax_data.random_access import random_reference_data
+from jax_data.types import CacheState
+from jax_data.types import MiniBatchInformation
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheState",
+    "DataLoader",
+    "DeviceDataLoader",
+    "DeviceNumpyDataLoader",
+    "HostDataLoader",
+    "HostLoaderError",
+    "MiniBatchInformation",
+    "NumpyDataLoader",
+    "PipelineReleasedError",
+    "full_data_mapper",
+    "full_reference_data",
+    "random_reference_data",
+]

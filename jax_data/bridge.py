@@ -1,0 +1,190 @@
+"""Device side of the bridge: fetching chunks from compiled code.
+
+Every fetch goes through one ``jax.pure_callback`` that takes a *lane* axis:
+``L`` chains and chunk indices, answered by one host call. Two
+``jax.custom_batching.custom_vmap`` wrappers keep it that way under ``vmap``
+(``spec/CALLBACKS.md``):
+
+* a vmapped call folds its batch axis into the lane axis, nested vmaps
+  included, so all lanes are served by one host call;
+* the refresh of a random chain is a ``lax.cond`` whose predicate stays
+  unbatched (any lane needs a new chunk), so the host is called once per
+  cache refresh, not on every step.
+
+Callback inputs are small int32 arrays with gradients stopped; outputs are
+made device-varying inside ``shard_map`` by a select against a varying value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_batching import custom_vmap
+
+from jax_data.host import ChunkServer
+from jax_data.types import PyTree
+
+
+def _vma(x) -> frozenset:
+  return frozenset(getattr(jax.typeof(x), "vma", ()) or ())
+
+
+def _broadcast(axis_size: int, batched: Sequence[bool], args: Sequence[Any]
+               ) -> List[Any]:
+  return [a if b else jnp.broadcast_to(a, (axis_size,) + jnp.shape(a))
+          for a, b in zip(args, batched)]
+
+
+def _fold_lanes(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """Wraps a function of lane-major arrays so that ``vmap`` folds into lanes.
+
+  ``fn`` takes and returns flat lists of arrays with a leading lane axis. A
+  vmapped call with batch size ``B`` over ``L`` lanes calls ``fn`` once with
+  ``B * L`` lanes.
+  """
+  wrapped = custom_vmap(fn)
+
+  @wrapped.def_vmap
+  def _rule(axis_size, in_batched, *args):
+    args = _broadcast(axis_size, in_batched, args)
+    lanes = args[0].shape[1]
+    flat = [a.reshape((axis_size * lanes,) + a.shape[2:]) for a in args]
+    outs = wrapped(*flat)
+    outs = [o.reshape((axis_size, lanes) + o.shape[1:]) for o in outs]
+    return outs, [True] * len(outs)
+
+  return wrapped
+
+
+class Bridge:
+  """Compiled-code access to a :class:`ChunkServer`.
+
+  Args:
+    server: The host side.
+    batch_format: Pytree of ``jax.ShapeDtypeStruct`` of one chunk, with
+      leading axes ``(cache_size, mb_size)``.
+  """
+
+  def __init__(self, server: ChunkServer, batch_format: PyTree):
+    self.server = server
+    leaves, self.treedef = jax.tree_util.tree_flatten(batch_format)
+    self._leaf_formats = [jax.ShapeDtypeStruct(s.shape, s.dtype)
+                          for s in leaves]
+    self._mask_format = jax.ShapeDtypeStruct(
+        (server.cache_size, server.mb_size), jnp.bool_)
+    self._fetch_many = _fold_lanes(self._fetch_lanes_flat)
+    self._refresh_many = _fold_lanes(self._refresh_lanes_flat)
+    self.fetch = self._make_fetch()
+    self.refresh = self._make_refresh()
+
+  def _callback(self, chains, chunks, need):
+    return self.server.serve(chains, chunks, need)
+
+  def _fetch_lanes(self, chains, chunks, need) -> List[jax.Array]:
+    lanes = chains.shape[0]
+    outs = [jax.ShapeDtypeStruct((lanes,) + s.shape, s.dtype)
+            for s in self._leaf_formats + [self._mask_format]]
+    return list(jax.pure_callback(self._callback, outs, chains, chunks, need,
+                                  vmap_method="sequential"))
+
+  def _fetch_lanes_flat(self, chains, chunks):
+    need = jnp.ones(chains.shape, jnp.bool_)
+    outs = self._fetch_lanes(chains, chunks, need)
+    return _varying_like(outs, chains == chains, _vma(chains) | _vma(chunks))
+
+  def _refresh_lanes_flat(self, chains, chunks, cached_chunks, mask,
+                          *leaves):
+    need = cached_chunks != chunks
+
+    def fetch(ops):
+      chains, chunks, cached_chunks, mask, *leaves = ops
+      need = cached_chunks != chunks
+      new = self._fetch_lanes(chains, chunks, need)
+      old = list(leaves) + [mask]
+      merged = [jnp.where(need.reshape(need.shape + (1,) * (n.ndim - 1)), n, o)
+                for n, o in zip(new, old)]
+      return [jnp.where(need, chunks, cached_chunks)] + merged
+
+    def keep(ops):
+      chains, chunks, cached_chunks, mask, *leaves = ops
+      return [cached_chunks] + list(leaves) + [mask]
+
+    ops = [chains, chunks, cached_chunks, mask] + list(leaves)
+    return lax.cond(jnp.any(need), fetch, keep, ops)
+
+  def _make_fetch(self):
+    @custom_vmap
+    def fetch(chain, chunk):
+      outs = self._fetch_many(chain[None], chunk[None])
+      return [o[0] for o in outs]
+
+    @fetch.def_vmap
+    def _rule(axis_size, in_batched, chain, chunk):
+      chain, chunk = _broadcast(axis_size, in_batched, (chain, chunk))
+      outs = self._fetch_many(chain, chunk)
+      return outs, [True] * len(outs)
+
+    def fetch_chunk(chain: jax.Array, chunk: jax.Array
+                    ) -> Tuple[PyTree, jax.Array]:
+      """Chunk ``chunk`` of chain ``chain``: (batches, mask)."""
+      chain = lax.stop_gradient(jnp.asarray(chain, jnp.int32))
+      chunk = lax.stop_gradient(jnp.asarray(chunk, jnp.int32))
+      *leaves, mask = fetch(chain, chunk)
+      return self.treedef.unflatten(leaves), mask
+
+    return fetch_chunk
+
+  def _make_refresh(self):
+    @custom_vmap
+    def refresh(chain, chunk, cached_chunk, mask, *leaves):
+      def fetch(ops):
+        chain, chunk, cached_chunk, mask, *leaves = ops
+        new = self._fetch_lanes(chain[None], chunk[None],
+                                jnp.ones((1,), jnp.bool_))
+        new = [n[0] for n in new]
+        axes = _vma(chain) | _vma(chunk) | _vma(mask)
+        new = _varying_like(new, chain == chain, axes)
+        return [chunk] + new
+
+      def keep(ops):
+        chain, chunk, cached_chunk, mask, *leaves = ops
+        return [cached_chunk] + list(leaves) + [mask]
+
+      ops = [chain, chunk, cached_chunk, mask] + list(leaves)
+      return lax.cond(cached_chunk != chunk, fetch, keep, ops)
+
+    @refresh.def_vmap
+    def _rule(axis_size, in_batched, *args):
+      args = _broadcast(axis_size, in_batched, args)
+      outs = self._refresh_many(*args)
+      return outs, [True] * len(outs)
+
+    def refresh_cache(chain, chunk, cached_chunk, batches, mask):
+      """Makes sure the cache holds ``chunk``: (cached_chunk, batches, mask)."""
+      leaves = self.treedef.flatten_up_to(batches)
+      args = [chain, chunk, cached_chunk, mask] + list(leaves)
+      args = [lax.stop_gradient(a) for a in args]
+      cached_chunk, *rest = refresh(*args)
+      *leaves, mask = rest
+      return cached_chunk, self.treedef.unflatten(leaves), mask
+
+    return refresh_cache
+
+
+def _varying_like(outs, predicate, axes) -> List[jax.Array]:
+  """Marks callback outputs device-varying when their inputs are.
+
+  Inside ``shard_map`` a callback's outputs are typed device-invariant even
+  when its inputs vary; a select against a varying (always true) predicate
+  gives them the varying type without a collective.
+  """
+  if not axes:
+    return outs
+  marked = []
+  for o in outs:
+    pred = predicate.reshape(predicate.shape + (1,) * (o.ndim - predicate.ndim))
+    marked.append(jnp.where(pred, o, jnp.zeros((), o.dtype)))
+  return marked

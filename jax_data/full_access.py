@@ -1,0 +1,261 @@
+"""Mapping a function over every observation inside compiled code:
+:func:`full_reference_data` and :func:`full_data_mapper`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_data import pipeline as pl
+from jax_data.loader import DataLoader, DeviceDataLoader
+from jax_data.random_access import LoaderRef
+from jax_data.sampling import ObservationRange
+from jax_data.types import CacheState, MiniBatchInformation, PyTree
+from jax_data.validation import check_int, check_keywords
+
+
+def _observations(count: int, shard_index, shard_count) -> ObservationRange:
+  if shard_index is None and shard_count is None:
+    return ObservationRange(0, count)
+  if shard_index is None or shard_count is None:
+    raise ValueError(
+        "shard_index and shard_count go together, got "
+        f"shard_index={shard_index!r}, shard_count={shard_count!r}")
+  shard_count = check_int("shard_count", shard_count, minimum=1,
+                          maximum=count, what="the observation count")
+  shard_index = check_int("shard_index", shard_index, minimum=0,
+                          maximum=shard_count - 1, what="shard_count - 1 =")
+  return ObservationRange.shard(count, shard_index, shard_count)
+
+
+class _PassPlan:
+  """How one pass over ``count`` observations splits into chunks."""
+
+  def __init__(self, count: int, cache_size: int, mb_size: int):
+    self.count = count
+    self.mb_size = mb_size
+    self.batches = math.ceil(count / mb_size)
+    self.cache_size = min(cache_size, self.batches)
+    self.full_chunks, self.tail = divmod(self.batches, self.cache_size)
+    self.chunks = self.full_chunks + (1 if self.tail else 0)
+
+
+def _map_pass(fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]],
+              plan: _PassPlan, fun: Callable, carry: PyTree, masking: bool,
+              information: bool) -> Tuple[PyTree, PyTree]:
+  """Scans over the chunks of one pass and over the batches of each chunk."""
+
+  def apply(carry, batch_and_mask):
+    batch, mask = batch_and_mask
+    if information:
+      batch = (batch, MiniBatchInformation(
+          observation_count=plan.count, mask=mask, batch_size=plan.mb_size))
+    if masking:
+      result, carry = fun(batch, mask, carry)
+    else:
+      result, carry = fun(batch, carry)
+    return carry, result
+
+  def over_chunk(carry, batches, mask):
+    return lax.scan(apply, carry, (batches, mask))
+
+  def outer(carry, chunk):
+    batches, mask = fetch_chunk(chunk)
+    return over_chunk(carry, batches, mask)
+
+  carry, results = lax.scan(outer, carry,
+                            jnp.arange(plan.full_chunks, dtype=jnp.int32))
+  results = jax.tree_util.tree_map(
+      lambda r: r.reshape((plan.full_chunks * plan.cache_size,) + r.shape[2:]),
+      results)
+  if plan.tail:
+    batches, mask = fetch_chunk(jnp.int32(plan.full_chunks))
+    head = lambda x: x[:plan.tail]
+    carry, tail = over_chunk(carry, jax.tree_util.tree_map(head, batches),
+                             head(mask))
+    results = jax.tree_util.tree_map(
+        lambda a, b: jnp.concatenate([a, b], axis=0), results, tail)
+  if not masking:
+    # One result per observation: drop the fillers of the last batch.
+    results = jax.tree_util.tree_map(
+        lambda r: r.reshape((plan.batches * plan.mb_size,) + r.shape[2:])[
+            :plan.count], results)
+  return results, carry
+
+
+def full_reference_data(data_loader: DataLoader,
+                        cached_batches_count: int = 100,
+                        mb_size: Optional[int] = None, *,
+                        shard_index: Optional[int] = None,
+                        shard_count: Optional[int] = None) -> pl.Pipeline:
+  """Maps functions over every observation, in order, inside compiled code.
+
+  Each call of ``map_fn`` makes one pass over observations ``0 .. N - 1``
+  in batches of ``mb_size``; the host serves ``cached_batches_count``
+  batches per call, and the next chunk is prepared while the device works.
+
+  >>> import jax.numpy as jnp
+  >>> import jax_data
+  >>> loader = jax_data.NumpyDataLoader(x=jnp.arange(10))
+  >>> init_fn, map_fn, release_fn = jax_data.full_reference_data(
+  ...     loader, cached_batches_count=2, mb_size=4)
+  >>> state, (squares, _) = map_fn(lambda b, c: (b["x"] ** 2, c), init_fn(),
+  ...                              None)
+  >>> squares.tolist()
+  [0, 1, 4, 9, 16, 25, 36, 49, 64, 81]
+
+  Args:
+    data_loader: A ``HostDataLoader`` or ``DeviceDataLoader``.
+    cached_batches_count: Batches fetched per host call.
+    mb_size: Observations per batch.
+    shard_index: With ``shard_count``, pass over only this contiguous shard
+      of the observations (e.g. ``jax.process_index()``).
+    shard_count: Number of shards (e.g. ``jax.process_count()``).
+
+  Returns:
+    ``(init_fn, map_fn, release_fn)``. ``map_fn(fun, data_state, carry,
+    masking=False, information=False, device_count=1)`` returns
+    ``(data_state, (results, carry))``. With ``masking=True``,
+    ``fun(batch, mask, carry)`` returns one result per batch; otherwise
+    ``fun(batch, carry)`` returns one per observation and the results of
+    fillers are dropped, so results have leading axis ``N``.
+  """
+  loader = pl.check_loader(data_loader)
+  total = loader.static_information["observation_count"]
+  observations = _observations(total, shard_index, shard_count)
+  cache_size, mb_size = pl.check_sizes(loader, cached_batches_count, mb_size,
+                                       observations.count)
+  plan = _PassPlan(observations.count, cache_size, mb_size)
+  if isinstance(loader, DeviceDataLoader):
+    init_fn, fetch_chunk, release_fn, bridge = _device_chunks(
+        LoaderRef(loader), plan, observations)
+  else:
+    pl.warn_large_cache(cache_size, mb_size, observations.count)
+    shard = ({} if shard_index is None else
+             {"shard_index": shard_index, "shard_count": shard_count})
+    init_fn, fetch_chunk, release_fn, bridge = _host_chunks(
+        loader, plan, shard)
+  expected = pl.make_state(-1 if bridge is None else 0, 0, mb_size)
+
+  def map_fn(fun: Callable, data_state: CacheState, carry: PyTree,
+             masking: bool = False, information: bool = False,
+             device_count: int = 1):
+    if not callable(fun):
+      raise TypeError(f"fun must be callable, got fun={fun!r}")
+    data_state = pl.check_state(data_state, expected, "map_fn")
+    masking = pl.check_flag("masking", masking)
+    information = pl.check_flag("information", information)
+    pl.check_device_count(device_count)
+    results, carry = _map_pass(lambda k: fetch_chunk(data_state, k), plan,
+                               fun, carry, masking, information)
+    return data_state, (results, carry)
+
+  return pl.Pipeline((init_fn, map_fn, release_fn), bridge, "full")
+
+
+def _host_chunks(loader, plan: _PassPlan, shard):
+  bridge = pl.make_bridge(loader, plan.cache_size, plan.mb_size)
+  server = bridge.server
+
+  def init_fn(**kwargs: Any) -> CacheState:
+    check_keywords("init_fn of a full-data pipeline", kwargs, ())
+    chain = server.register("ordered", cycle=plan.chunks, **shard)
+    return pl.make_state(chain, 0, plan.mb_size)
+
+  def fetch_chunk(state: CacheState, chunk: jax.Array):
+    server.loader  # raises if released
+    return bridge.fetch(state.chain, chunk)
+
+  return init_fn, fetch_chunk, server.release, bridge
+
+
+def _device_chunks(ref: LoaderRef, plan: _PassPlan,
+                   observations: ObservationRange):
+  def init_fn(**kwargs: Any) -> CacheState:
+    check_keywords("init_fn of a full-data pipeline", kwargs, ())
+    ref.loader  # raises if released
+    return pl.make_state(-1, 0, plan.mb_size)
+
+  def fetch_chunk(state: CacheState, chunk: jax.Array):
+    del state
+    data = ref.loader.get_full_data()
+    batch = (chunk * plan.cache_size + jnp.arange(plan.cache_size)
+             ) % plan.batches
+    positions = batch[:, None] * plan.mb_size + jnp.arange(plan.mb_size)
+    indices = positions % observations.count + observations.start
+    batches = jax.tree_util.tree_map(lambda a: jnp.take(a, indices, axis=0),
+                                     data)
+    return batches, positions < observations.count
+
+  return init_fn, fetch_chunk, ref.release, None
+
+
+def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
+                     mb_size: int = 1, *, shard_index: Optional[int] = None,
+                     shard_count: Optional[int] = None):
+  """Like :func:`full_reference_data`, but no data state is threaded through.
+
+  >>> import jax.numpy as jnp
+  >>> import jax_data
+  >>> loader = jax_data.NumpyDataLoader(x=jnp.arange(10.0))
+  >>> mapper_fn, release_fn = jax_data.full_data_mapper(loader, 2, 4)
+  >>> sums, _ = mapper_fn(lambda b, m, c: (jnp.sum(b["x"] * m), c), None,
+  ...                     masking=True)
+  >>> float(sums.sum())
+  45.0
+
+  Args:
+    data_loader: A ``HostDataLoader`` or ``DeviceDataLoader``.
+    cached_batches_count: Batches fetched per host call.
+    mb_size: Observations per batch.
+    shard_index: See :func:`full_reference_data`.
+    shard_count: See :func:`full_reference_data`.
+
+  Returns:
+    ``(mapper_fn, release_fn)``. ``mapper_fn(fun, carry, masking=False,
+    information=False, batched=True, device_count=1)`` returns
+    ``(results, carry)``; with ``batched=False``, ``fun(observation, carry)``
+    is vmapped over each batch and the carry of the batch's first
+    observation is kept.
+  """
+  pipeline = full_reference_data(data_loader, cached_batches_count, mb_size,
+                                 shard_index=shard_index,
+                                 shard_count=shard_count)
+  init_fn, map_fn, release_fn = pipeline
+  state = init_fn()
+
+  def mapper_fn(fun: Callable, carry: PyTree, masking: bool = False,
+                information: bool = False, batched: bool = True,
+                device_count: int = 1):
+    if not callable(fun):
+      raise TypeError(f"fun must be callable, got fun={fun!r}")
+    if not pl.check_flag("batched", batched):
+      if masking:
+        raise ValueError(
+            "masking=True needs a batched fun (batched=True): vectorise fun "
+            "and take the mask as its second argument")
+      if information:
+        raise ValueError(
+            "information=True needs a batched fun (batched=True), got "
+            "batched=False")
+      fun = _batched(fun)
+    _, (results, carry) = map_fn(fun, state, carry, masking=masking,
+                                 information=information,
+                                 device_count=device_count)
+    return results, carry
+
+  return pl.Pipeline((mapper_fn, release_fn), pipeline.bridge, "mapper")
+
+
+def _batched(fun: Callable) -> Callable:
+  vmapped = jax.vmap(fun, in_axes=(0, None))
+
+  def batched_fun(batch, carry):
+    results, carries = vmapped(batch, carry)
+    return results, jax.tree_util.tree_map(lambda c: c[0], carries)
+
+  return batched_fun

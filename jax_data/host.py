@@ -1,0 +1,330 @@
+"""Host side of the bridge: answers chunk requests from compiled code.
+
+A request names a chain and a chunk index. The answer is a pure function of
+the two (``spec/CALLBACKS.md``, rule 1): a request that comes again (remat
+replay, a state used twice, every device of a replicated ``pmap``) gets the
+same data and never advances the chain twice. Three pieces make this hold
+with bounded memory:
+
+* a small store of recent chunks per chain (futures, so concurrent requests
+  for one chunk wait for a single production);
+* snapshots of the loader chain's position (``save_state``) taken before each
+  chunk and thinned out logarithmically with age; a request for a chunk that
+  is no longer stored restores the nearest earlier snapshot and replays;
+* a background thread that produces the next chunk while the device consumes
+  the current one.
+
+Only NumPy runs here; nothing calls JAX.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from jax_data.loader import HostDataLoader
+
+Leaves = List[np.ndarray]
+
+# Snapshots newer than this many chunks are all kept; older ones thin out to
+# about this many per doubling of age.
+_RECENT_SNAPSHOTS = 16
+
+
+class HostLoaderError(RuntimeError):
+  """A host loader failed while producing a chunk for compiled code."""
+
+
+class PipelineReleasedError(RuntimeError):
+  """A released pipeline was used."""
+
+
+@dataclasses.dataclass
+class _ChainRecord:
+  """The bridge's bookkeeping for one chain."""
+  chain_id: int
+  kind: str  # "random" or "ordered"
+  registration: Dict[str, Any]  # keyword arguments the chain was made with
+  cycle: Optional[int]  # chunks per pass when requests wrap around
+  snapshots: Dict[int, Any]  # chunk index -> loader state before it
+  next_index: Optional[int]  # chunk the loader chain produces next
+  chunks: "collections.OrderedDict[int, concurrent.futures.Future]"
+  produce_lock: threading.Lock = dataclasses.field(
+      default_factory=threading.Lock)
+  pruned_size: int = 0
+
+
+def keep_snapshot(index: int, newest: int) -> bool:
+  """Whether the snapshot before chunk ``index`` survives thinning.
+
+  All of the last ``_RECENT_SNAPSHOTS`` are kept; older ones are kept at a
+  spacing that doubles with age, so their number grows as ``log(newest)``.
+  """
+  age = newest - index
+  if age < _RECENT_SNAPSHOTS or index == 0:
+    return True
+  spacing = 1 << max(0, (age // _RECENT_SNAPSHOTS).bit_length() - 1)
+  return index % spacing == 0
+
+
+class ChunkServer:
+  """Serves chunks of one pipeline's chains to compiled code.
+
+  Args:
+    loader: The host loader.
+    cache_size: Batches per chunk.
+    mb_size: Observations per batch.
+    leaf_formats: ``(shape, dtype)`` of each flattened batch leaf, with the
+      leading ``(cache_size, mb_size)`` axes, in the order compiled code
+      expects them.
+    flatten: Turns a batch pytree of NumPy arrays into that list of leaves.
+    prefetch: Produce the next chunk in a background thread.
+    verify_calls: Warn when a request replays a chunk that is no longer
+      stored (a state used twice), which costs regeneration.
+    keep: Served chunks kept per chain besides the prefetched one.
+  """
+
+  def __init__(self, loader: HostDataLoader, cache_size: int, mb_size: int,
+               leaf_formats: Sequence[Tuple[Tuple[int, ...], np.dtype]],
+               flatten, prefetch: bool = True, verify_calls: bool = False,
+               keep: int = 2):
+    self._loader: Optional[HostDataLoader] = loader
+    self._name = repr(loader)
+    self.cache_size = cache_size
+    self.mb_size = mb_size
+    self._leaf_formats = [(tuple(s), np.dtype(d)) for s, d in leaf_formats]
+    self._flatten = flatten
+    self._verify_calls = verify_calls
+    self._keep = keep
+    self._records: Dict[int, _ChainRecord] = {}
+    self._lock = threading.Lock()
+    self._executor = (concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="jax_data-prefetch")
+                      if prefetch else None)
+    self._zeros: Optional[Leaves] = None
+    self.requests = 0  # host calls served, for tests and diagnostics
+
+  # -- chains -------------------------------------------------------------
+
+  @property
+  def loader(self) -> HostDataLoader:
+    if self._loader is None:
+      raise PipelineReleasedError(
+          f"this pipeline over {self._name} was released by its release_fn; "
+          "create a new pipeline to draw more data")
+    return self._loader
+
+  @property
+  def released(self) -> bool:
+    return self._loader is None
+
+  def register(self, kind: str, cycle: Optional[int] = None,
+               **kwargs: Any) -> int:
+    """Registers a chain on the loader and returns its id."""
+    loader = self.loader
+    if kind == "random":
+      chain_id = loader.register_random_pipeline(
+          cache_size=self.cache_size, mb_size=self.mb_size, **kwargs)
+    else:
+      chain_id = loader.register_ordered_pipeline(
+          cache_size=self.cache_size, mb_size=self.mb_size, **kwargs)
+    record = _ChainRecord(chain_id, kind, dict(kwargs), cycle,
+                          {0: loader.save_state(chain_id)}, 0,
+                          collections.OrderedDict())
+    with self._lock:
+      self._records[chain_id] = record
+    return chain_id
+
+  def record(self, chain_id: int) -> _ChainRecord:
+    with self._lock:
+      record = self._records.get(int(chain_id))
+    if record is None:
+      self.loader  # raises if released
+      raise ValueError(
+          f"chain {int(chain_id)} was not created by this pipeline's init_fn "
+          f"(chains of this pipeline: {sorted(self._records)})")
+    return record
+
+  def snapshot_before(self, chain_id: int, index: int) -> Tuple[int, Any]:
+    """The newest snapshot at or before chunk ``index``: (its index, state)."""
+    record = self.record(chain_id)
+    with record.produce_lock:
+      base = max(i for i in record.snapshots if i <= index)
+      return base, record.snapshots[base]
+
+  def adopt_snapshot(self, chain_id: int, index: int, state: Any) -> None:
+    """Adds a snapshot taken elsewhere (a checkpoint) to a chain."""
+    record = self.record(chain_id)
+    with record.produce_lock:
+      record.snapshots[int(index)] = state
+
+  # -- serving ------------------------------------------------------------
+
+  def chunk(self, chain_id: int, index: int) -> Tuple[Leaves, np.ndarray]:
+    """Chunk ``index`` of a chain: flattened batch leaves and mask."""
+    record = self.record(chain_id)
+    future, produce = self._future(record, index)
+    if produce:
+      self._produce_into(record, index, future)
+    try:
+      result = future.result()
+    except HostLoaderError:
+      with self._lock:
+        if record.chunks.get(index) is future:
+          del record.chunks[index]  # a later request tries again
+      raise
+    self._schedule_next(record, index)
+    return result
+
+  def _future(self, record: _ChainRecord, index: int):
+    with self._lock:
+      future = record.chunks.get(index)
+      if future is not None:
+        record.chunks.move_to_end(index)
+        return future, False
+      future = concurrent.futures.Future()
+      record.chunks[index] = future
+      self._evict(record)
+      return future, True
+
+  def _evict(self, record: _ChainRecord) -> None:
+    """Keeps the newest ``keep + 1`` chunks (with ``_lock`` held)."""
+    while len(record.chunks) > self._keep + 1:
+      oldest = next(iter(record.chunks))
+      record.chunks.pop(oldest)
+
+  def _schedule_next(self, record: _ChainRecord, index: int) -> None:
+    if self._executor is None or self._loader is None:
+      return
+    following = index + 1
+    if record.cycle is not None:
+      following %= record.cycle
+    with self._lock:
+      if following in record.chunks:
+        return
+      future = concurrent.futures.Future()
+      record.chunks[following] = future
+      self._evict(record)
+    try:
+      self._executor.submit(self._produce_into, record, following, future)
+    except RuntimeError:  # executor shut down by a concurrent release
+      future.set_exception(PipelineReleasedError("pipeline was released"))
+
+  def _produce_into(self, record: _ChainRecord, index: int,
+                    future: concurrent.futures.Future) -> None:
+    try:
+      future.set_result(self._produce(record, index))
+    except BaseException as e:  # every failure reaches the waiting request
+      future.set_exception(self._wrap(record, index, e))
+
+  def _wrap(self, record: _ChainRecord, index: int, e: BaseException):
+    if isinstance(e, (HostLoaderError, PipelineReleasedError)):
+      return e
+    error = HostLoaderError(
+        f"{self._name}, chain {record.chain_id}, chunk {index}: "
+        f"{type(e).__name__}: {e}")
+    error.__cause__ = e
+    return error
+
+  def _produce(self, record: _ChainRecord, index: int
+               ) -> Tuple[Leaves, np.ndarray]:
+    loader = self.loader
+    with record.produce_lock:
+      if record.next_index != index:
+        base = max(i for i in record.snapshots if i <= index)
+        if self._verify_calls and record.next_index is not None:
+          warnings.warn(
+              f"{self._name}, chain {record.chain_id}: chunk {index} was "
+              f"requested again after chunk {record.next_index - 1}; "
+              f"replaying from chunk {base}", stacklevel=2)
+        loader.load_state(record.chain_id, record.snapshots[base])
+        record.next_index = base
+      while True:
+        current = record.next_index
+        if current not in record.snapshots:
+          record.snapshots[current] = loader.save_state(record.chain_id)
+        record.next_index = None  # unknown until get_batches returns
+        batches, mask = loader.get_batches(record.chain_id)
+        record.next_index = current + 1
+        self._thin(record)
+        if current == index:
+          return self._check(record, batches, mask)
+
+  def _thin(self, record: _ChainRecord) -> None:
+    if len(record.snapshots) <= 2 * record.pruned_size + _RECENT_SNAPSHOTS:
+      return
+    newest = max(record.snapshots)
+    record.snapshots = {i: s for i, s in record.snapshots.items()
+                        if keep_snapshot(i, newest)}
+    record.pruned_size = len(record.snapshots)
+
+  def _check(self, record: _ChainRecord, batches: Any,
+             mask: Optional[np.ndarray]) -> Tuple[Leaves, np.ndarray]:
+    """Flattens a chunk and checks it against the pipeline's format."""
+    leaves = self._flatten(batches)
+    if len(leaves) != len(self._leaf_formats):
+      raise ValueError(
+          f"get_batches returned {len(leaves)} arrays, expected "
+          f"{len(self._leaf_formats)} as in the loader's observation_format")
+    checked = []
+    for leaf, (shape, dtype) in zip(leaves, self._leaf_formats):
+      leaf = np.asarray(leaf)
+      if leaf.shape != shape:
+        raise ValueError(
+            f"get_batches returned an array of shape {leaf.shape}, expected "
+            f"{shape} (cache_size, mb_size, ...)")
+      checked.append(leaf if leaf.dtype == dtype else leaf.astype(dtype))
+    shape = (self.cache_size, self.mb_size)
+    if mask is None:
+      mask = np.ones(shape, bool)
+    mask = np.asarray(mask, dtype=bool)
+    if mask.shape != shape:
+      raise ValueError(f"get_batches returned a mask of shape {mask.shape}, "
+                       f"expected {shape}")
+    return checked, mask
+
+  def serve(self, chains: np.ndarray, chunks: np.ndarray, need: np.ndarray
+            ) -> Tuple[np.ndarray, ...]:
+    """The callback body: chunks for ``L`` lanes, stacked on a leading axis.
+
+    Lanes whose ``need`` is False get zeros; compiled code keeps their cache.
+    """
+    chains = np.asarray(chains).reshape(-1)
+    chunks = np.asarray(chunks).reshape(-1)
+    need = np.asarray(need).reshape(-1)
+    self.requests += 1
+    lanes = []
+    for chain, index, wanted in zip(chains, chunks, need):
+      lanes.append(self.chunk(int(chain), int(index)) if wanted
+                   else self._zero_chunk())
+    if len(lanes) == 1:
+      leaves, mask = lanes[0]
+      return tuple(leaf[None] for leaf in leaves) + (mask[None],)
+    stacked = [np.stack([lane[0][i] for lane in lanes])
+               for i in range(len(self._leaf_formats))]
+    return tuple(stacked) + (np.stack([lane[1] for lane in lanes]),)
+
+  def _zero_chunk(self) -> Tuple[Leaves, np.ndarray]:
+    if self._zeros is None:
+      self._zeros = [np.zeros(s, d) for s, d in self._leaf_formats]
+    return self._zeros, np.zeros((self.cache_size, self.mb_size), bool)
+
+  # -- release ------------------------------------------------------------
+
+  def release(self) -> None:
+    """Drops the loader and every stored chunk; idempotent."""
+    with self._lock:
+      loader, self._loader = self._loader, None
+      records, self._records = self._records, {}
+    if self._executor is not None:
+      self._executor.shutdown(wait=True, cancel_futures=True)
+    if loader is not None:
+      for chain_id in records:
+        loader.release_chain(chain_id)
+    self._zeros = None

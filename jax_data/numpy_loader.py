@@ -1,0 +1,341 @@
+"""Loaders over NumPy arrays: on the host (:class:`NumpyDataLoader`) or on
+the device (:class:`DeviceNumpyDataLoader`)."""
+
+from __future__ import annotations
+
+import copy as copy_module
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_data import sampling
+from jax_data.loader import DataLoader, DeviceDataLoader, HostDataLoader
+from jax_data.types import MiniBatchInformation, PyTree
+from jax_data.validation import check_bool, check_int, check_keywords
+
+_STATE_VERSION = 1
+
+
+def _as_host_array(name: str, value: Any, copy: bool) -> np.ndarray:
+  """One keyword argument as a NumPy array, checked and with JAX's dtype."""
+  if isinstance(value, np.memmap) and not copy:
+    array = value  # stays on disk; rows are read per chunk
+  elif isinstance(value, jax.Array):
+    array = np.asarray(value)
+  else:
+    try:
+      array = np.array(value) if copy else np.asarray(value)
+    except (TypeError, ValueError) as e:
+      raise TypeError(
+          f"array {name!r} cannot become an array: {type(e).__name__}: {e}"
+      ) from e
+  if array.dtype.kind not in "biufc":
+    raise TypeError(
+        f"array {name!r} has dtype {array.dtype}, which cannot become a JAX "
+        "array; pass numeric or boolean arrays only")
+  if array.ndim == 0:
+    raise ValueError(
+        f"array {name!r} must have a first axis of observations, got a "
+        f"scalar {name}={value!r}")
+  target = jax.dtypes.canonicalize_dtype(array.dtype)
+  if copy and array.dtype != target:
+    array = array.astype(target)
+  return array
+
+
+def _prepare(loader: str, copy: Any, arrays: Dict[str, Any]
+             ) -> Tuple[Dict[str, np.ndarray], int]:
+  check_bool("copy", copy)
+  if not arrays:
+    raise ValueError(
+        f"{loader} needs at least one array as a keyword argument, e.g. "
+        f"{loader}(x=x, y=y); got none")
+  prepared = {k: _as_host_array(k, v, copy) for k, v in arrays.items()}
+  lengths = {k: v.shape[0] for k, v in prepared.items()}
+  if len(set(lengths.values())) > 1:
+    raise ValueError(
+        "all arrays must have the same length along their first axis, got "
+        + ", ".join(f"{k}: {n}" for k, n in lengths.items()))
+  count = next(iter(lengths.values()))
+  if count == 0:
+    raise ValueError(
+        f"{loader} got empty arrays (observation count 0): "
+        + ", ".join(f"{k}.shape={v.shape}" for k, v in prepared.items()))
+  return prepared, count
+
+
+def _observation_format(arrays: Dict[str, np.ndarray]) -> Dict[str, Any]:
+  return {k: jax.ShapeDtypeStruct(v.shape[1:],
+                                  jax.dtypes.canonicalize_dtype(v.dtype))
+          for k, v in arrays.items()}
+
+
+@dataclasses.dataclass
+class _Chain:
+  """Host-side bookkeeping of one registered chain."""
+  kind: str  # "random" or "ordered"
+  cache_size: int
+  mb_size: int
+  stream: Union[sampling.RandomStream, sampling.OrderedStream]
+  settings: Dict[str, Any]
+  all_valid: np.ndarray  # shape=(cache_size, mb_size), bool, read-only
+
+
+class NumpyDataLoader(HostDataLoader):
+  """Host loader over arrays with equal first axes.
+
+  Each keyword becomes a key of the batch dict. Arrays may be lists, NumPy
+  or JAX arrays, or ``numpy.memmap`` files; with ``copy=False`` a memmap is
+  not read into memory: each chunk reads only its rows.
+
+  >>> import numpy as np
+  >>> from jax_data import NumpyDataLoader
+  >>> loader = NumpyDataLoader(x=np.arange(10), y=np.zeros((10, 4, 3)))
+  >>> {k: (v.shape, str(v.dtype)) for k, v in loader.initializer_batch(4).items()}
+  {'x': ((4,), 'int32'), 'y': ((4, 4, 3), 'float32')}
+
+  Args:
+    copy: Copy the arrays (default). With False, arrays are referenced and
+      memmaps stay on disk.
+    **reference_data: The arrays, one per keyword.
+
+  Raises:
+    ValueError: no arrays, empty arrays, or first axes of different lengths.
+    TypeError: an array that cannot become a JAX array (strings, objects).
+  """
+
+  _RANDOM_KEYWORDS = ("seed", "shuffle", "in_epochs", "shard_index",
+                      "shard_count")
+  _ORDERED_KEYWORDS = ("shard_index", "shard_count")
+
+  def __init__(self, copy: bool = True, **reference_data: Any):
+    self._arrays, self._count = _prepare(type(self).__name__, copy,
+                                         reference_data)
+    self._format = _observation_format(self._arrays)
+    self._chains: List[Optional[_Chain]] = []
+
+  def __repr__(self) -> str:
+    keys = ", ".join(self._arrays)
+    return f"{type(self).__name__}({keys}; {self._count} observations)"
+
+  @property
+  def static_information(self) -> Dict[str, int]:
+    return {"observation_count": self._count}
+
+  @property
+  def observation_format(self) -> PyTree:
+    return self._format
+
+  def _observations(self, shard_index, shard_count) -> sampling.ObservationRange:
+    if shard_index is None and shard_count is None:
+      return sampling.ObservationRange(0, self._count)
+    if shard_index is None or shard_count is None:
+      raise ValueError(
+          "shard_index and shard_count go together, got "
+          f"shard_index={shard_index!r}, shard_count={shard_count!r}")
+    shard_count = check_int("shard_count", shard_count, minimum=1,
+                            maximum=self._count, what="the observation count")
+    shard_index = check_int("shard_index", shard_index, minimum=0,
+                            maximum=shard_count - 1, what="shard_count - 1 =")
+    return sampling.ObservationRange.shard(self._count, shard_index,
+                                           shard_count)
+
+  def _check_sizes(self, cache_size, mb_size, observations):
+    cache_size = check_int("cache_size", cache_size, minimum=1)
+    if mb_size is None:
+      raise ValueError("mb_size must be given, got mb_size=None")
+    mb_size = check_int("mb_size", mb_size, minimum=1,
+                        maximum=observations.count,
+                        what="the observation count")
+    return cache_size, mb_size
+
+  def _add(self, chain: _Chain) -> int:
+    chain.all_valid.setflags(write=False)
+    self._chains.append(chain)
+    return len(self._chains) - 1
+
+  def register_random_pipeline(self, cache_size: int = 1,
+                               mb_size: Optional[int] = None,
+                               **kwargs: Any) -> int:
+    """Registers a random chain (SAMPLING.md).
+
+    Args:
+      cache_size: Batches per chunk.
+      mb_size: Observations per batch.
+      **kwargs: ``seed`` (default: the chain id), ``shuffle``, ``in_epochs``,
+        and ``shard_index``/``shard_count`` to draw from one contiguous shard.
+
+    Returns:
+      The chain id.
+    """
+    check_keywords("a random chain of NumpyDataLoader", kwargs,
+                   self._RANDOM_KEYWORDS)
+    chain_id = len(self._chains)
+    seed = kwargs.get("seed")
+    seed = chain_id if seed is None else check_int("seed", seed, minimum=0)
+    shuffle = check_bool("shuffle", kwargs.get("shuffle", False))
+    in_epochs = check_bool("in_epochs", kwargs.get("in_epochs", False))
+    if in_epochs and not shuffle:
+      raise ValueError(
+          "in_epochs=True needs shuffle=True, got shuffle=False")
+    observations = self._observations(kwargs.get("shard_index"),
+                                      kwargs.get("shard_count"))
+    cache_size, mb_size = self._check_sizes(cache_size, mb_size, observations)
+    stream = sampling.RandomStream(observations, mb_size, seed, shuffle,
+                                   in_epochs)
+    settings = {"seed": seed, "shuffle": shuffle, "in_epochs": in_epochs,
+                "shard": [observations.start, observations.count]}
+    return self._add(_Chain("random", cache_size, mb_size, stream, settings,
+                            np.ones((cache_size, mb_size), bool)))
+
+  def register_ordered_pipeline(self, cache_size: int = 1,
+                                mb_size: Optional[int] = None,
+                                **kwargs: Any) -> int:
+    """Registers a chain that visits every observation in order, pass after
+    pass; the last batch of a pass is padded and masked (SAMPLING.md).
+
+    Args:
+      cache_size: Batches per chunk.
+      mb_size: Observations per batch.
+      **kwargs: ``shard_index``/``shard_count`` to pass over one shard.
+
+    Returns:
+      The chain id.
+    """
+    check_keywords("an ordered chain of NumpyDataLoader", kwargs,
+                   self._ORDERED_KEYWORDS)
+    observations = self._observations(kwargs.get("shard_index"),
+                                      kwargs.get("shard_count"))
+    cache_size, mb_size = self._check_sizes(cache_size, mb_size, observations)
+    stream = sampling.OrderedStream(observations, mb_size)
+    settings = {"shard": [observations.start, observations.count]}
+    return self._add(_Chain("ordered", cache_size, mb_size, stream, settings,
+                            np.ones((cache_size, mb_size), bool)))
+
+  def _chain(self, chain_id: int) -> _Chain:
+    chain_id = check_int("chain_id", chain_id, minimum=0)
+    chain = self._chains[chain_id] if chain_id < len(self._chains) else None
+    if chain is None:
+      state = "was released" if chain_id < len(self._chains) else (
+          f"does not exist ({len(self._chains)} chains registered)")
+      raise ValueError(f"chain_id={chain_id} of {self!r} {state}")
+    return chain
+
+  def get_batches(self, chain_id: int) -> Tuple[Dict[str, np.ndarray],
+                                                np.ndarray]:
+    chain = self._chain(chain_id)
+    indices, mask = chain.stream.draw(chain.cache_size)
+    return self._gather(indices), (chain.all_valid if mask is None else mask)
+
+  def _gather(self, indices: np.ndarray) -> Dict[str, np.ndarray]:
+    flat = indices.reshape(-1)
+    batches = {}
+    for key, array in self._arrays.items():
+      if isinstance(array, np.memmap):
+        # Read rows in file order; a memmap's pages are then read once each.
+        order = np.argsort(flat, kind="stable")
+        rows = np.empty((flat.size,) + array.shape[1:], array.dtype)
+        rows[order] = array[flat[order]]
+      else:
+        rows = np.take(array, flat, axis=0)
+      rows = rows.reshape(indices.shape + array.shape[1:])
+      target = self._format[key].dtype
+      batches[key] = rows if rows.dtype == target else rows.astype(target)
+    return batches
+
+  def save_state(self, chain_id: int) -> Dict[str, Any]:
+    chain = self._chain(chain_id)
+    return {"version": _STATE_VERSION, "kind": chain.kind,
+            "cache_size": chain.cache_size, "mb_size": chain.mb_size,
+            "observation_count": self._count,
+            "stream": chain.stream.get_state()}
+
+  def load_state(self, chain_id: int, data: Dict[str, Any]) -> None:
+    chain = self._chain(chain_id)
+    expected = {"version": _STATE_VERSION, "kind": chain.kind,
+                "cache_size": chain.cache_size, "mb_size": chain.mb_size,
+                "observation_count": self._count}
+    if not isinstance(data, dict):
+      raise TypeError(f"data must be a dict from save_state, got {data!r}")
+    differ = {k: (data.get(k), v) for k, v in expected.items()
+              if data.get(k) != v}
+    if differ:
+      raise ValueError(
+          f"state does not fit chain {chain_id} of {self!r}: " + ", ".join(
+              f"{k} is {got!r} in the state but {want!r} here"
+              for k, (got, want) in differ.items()))
+    chain.stream.set_state(copy_module.deepcopy(data["stream"]))
+
+  def release_chain(self, chain_id: int) -> None:
+    if 0 <= chain_id < len(self._chains):
+      self._chains[chain_id] = None
+
+  def chain_fingerprint(self, chain_id: int) -> Dict[str, Any]:
+    chain = self._chain(chain_id)
+    return {"loader": type(self).__name__,
+            "observation_count": self._count, "kind": chain.kind,
+            "cache_size": chain.cache_size, "mb_size": chain.mb_size,
+            **chain.settings}
+
+
+class DeviceNumpyDataLoader(DeviceDataLoader):
+  """The same arrays as :class:`NumpyDataLoader`, kept on the device.
+
+  Random batches are independent draws with ``jax.random`` (keyword ``key``
+  of ``init_fn``); no host calls are made.
+
+  Args:
+    copy: Copy the arrays before moving them to the device.
+    **reference_data: The arrays, one per keyword.
+  """
+
+  def __init__(self, copy: bool = True, **reference_data: Any):
+    arrays, self._count = _prepare(type(self).__name__, copy, reference_data)
+    self._format = _observation_format(arrays)
+    self._arrays = {k: jnp.asarray(v, dtype=self._format[k].dtype)
+                    for k, v in arrays.items()}
+
+  def __repr__(self) -> str:
+    keys = ", ".join(self._arrays)
+    return f"{type(self).__name__}({keys}; {self._count} observations)"
+
+  @property
+  def static_information(self) -> Dict[str, int]:
+    return {"observation_count": self._count}
+
+  @property
+  def observation_format(self) -> PyTree:
+    return self._format
+
+  def init_random_data(self, **kwargs: Any) -> jax.Array:
+    """A chain's PRNG key: keyword ``key`` (default ``PRNGKey(0)``)."""
+    check_keywords("a random chain of DeviceNumpyDataLoader", kwargs,
+                   ("key",))
+    key = kwargs.get("key")
+    if key is None:
+      return jax.random.PRNGKey(0)
+    if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+      key = jax.random.key_data(key)
+    key = jnp.asarray(key)
+    if key.shape != (2,) or key.dtype != jnp.uint32:
+      raise TypeError(
+          f"key must be a PRNG key (jax.random.PRNGKey or jax.random.key), "
+          f"got key with shape {key.shape} and dtype {key.dtype}")
+    return key
+
+  def get_random_data(self, state: jax.Array, batch_size: int):
+    key, split = jax.random.split(state)
+    indices = jax.random.randint(split, (batch_size,), 0, self._count)
+    batch = jax.tree_util.tree_map(lambda a: jnp.take(a, indices, axis=0),
+                                   self._arrays)
+    info = MiniBatchInformation(observation_count=self._count,
+                                mask=jnp.ones(batch_size, jnp.bool_),
+                                batch_size=batch_size)
+    return key, (batch, info)
+
+  def get_full_data(self) -> Dict[str, jax.Array]:
+    return self._arrays
+

@@ -1,0 +1,140 @@
+"""What the random and full-data pipelines share: set-up checks, the host
+server and bridge, and the returned tuple type."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_data.bridge import Bridge
+from jax_data.host import ChunkServer
+from jax_data.loader import DataLoader, DeviceDataLoader, HostDataLoader
+from jax_data.types import CacheState
+from jax_data.validation import check_bool, check_int
+
+
+class Pipeline(tuple):
+  """The tuple a pipeline constructor returns, e.g. ``(init_fn, batch_fn,
+  release_fn)``; it unpacks like a plain tuple.
+
+  The attribute ``bridge`` (None for device-resident loaders) gives
+  checkpoints and diagnostics access to the host side.
+  """
+
+  def __new__(cls, functions, bridge: Optional[Bridge], kind: str):
+    self = super().__new__(cls, functions)
+    self.bridge = bridge
+    self.kind = kind
+    return self
+
+  def __getnewargs__(self):
+    return (tuple(self), self.bridge, self.kind)
+
+
+def check_loader(data_loader: Any) -> DataLoader:
+  if not isinstance(data_loader, (HostDataLoader, DeviceDataLoader)):
+    raise TypeError(
+        "data_loader must be a HostDataLoader or DeviceDataLoader (for "
+        "example NumpyDataLoader), got "
+        f"data_loader={data_loader!r} of type {type(data_loader).__name__}")
+  return data_loader
+
+
+def check_sizes(data_loader: DataLoader, cache_size: Any, mb_size: Any,
+                observation_count: Optional[int] = None,
+                cache_name: str = "cached_batches_count"):
+  """Checks the cache and batch sizes against the data; warns on a cache
+  larger than the dataset."""
+  if observation_count is None:
+    observation_count = data_loader.static_information["observation_count"]
+  cache_size = check_int(cache_name, cache_size, minimum=1)
+  if mb_size is None:
+    raise ValueError("mb_size must be given, got mb_size=None")
+  mb_size = check_int("mb_size", mb_size, minimum=1,
+                      maximum=observation_count,
+                      what="the observation count")
+  return cache_size, mb_size
+
+
+def warn_large_cache(cache_size: int, mb_size: int, observation_count: int):
+  if isinstance(cache_size, int) and cache_size * mb_size > observation_count:
+    warnings.warn(
+        f"the cache holds {cache_size} batches of {mb_size} = "
+        f"{cache_size * mb_size} observations, more than the dataset's "
+        f"{observation_count}; consider a smaller cache or a "
+        "DeviceNumpyDataLoader", UserWarning, stacklevel=3)
+
+
+def make_bridge(loader: HostDataLoader, cache_size: int, mb_size: int,
+                verify_calls: bool = False) -> Bridge:
+  batch_format, _ = loader.batch_format(cache_size, mb_size)
+  leaves, treedef = jax.tree_util.tree_flatten(batch_format)
+  formats = [(s.shape, np.dtype(s.dtype)) for s in leaves]
+  server = ChunkServer(loader, cache_size, mb_size, formats,
+                       flatten=treedef.flatten_up_to,
+                       verify_calls=verify_calls)
+  return Bridge(server, batch_format)
+
+
+def make_state(chain: int, cache_size: int, mb_size: int,
+               batch_format=None, key=None) -> CacheState:
+  """A state positioned before a chain's first batch, with an empty cache."""
+  if batch_format is None:
+    batches, mask = {}, jnp.zeros((0, mb_size), jnp.bool_)
+  else:
+    batches = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                     batch_format)
+    mask = jnp.zeros((cache_size, mb_size), jnp.bool_)
+  if key is None:
+    key = jnp.zeros((2,), jnp.uint32)
+  return CacheState(chain=jnp.int32(chain), chunk=jnp.int32(0),
+                    position=jnp.int32(0), cached_chunk=jnp.int32(-1),
+                    batches=batches, mask=mask, key=key)
+
+
+def check_state(state: Any, expected: CacheState, where: str) -> CacheState:
+  """Checks that ``state`` has the structure and shapes of this pipeline's
+  states, before anything is traced."""
+  if not isinstance(state, CacheState):
+    raise TypeError(
+        f"{where} expects a CacheState from this pipeline's init_fn, got "
+        f"state of type {type(state).__name__}")
+  got = jax.tree_util.tree_structure(state)
+  want = jax.tree_util.tree_structure(expected)
+  if got != want:
+    raise TypeError(
+        f"state does not belong to this pipeline: its structure is {got}, "
+        f"expected {want}")
+  for g, w in zip(jax.tree_util.tree_leaves(state),
+                  jax.tree_util.tree_leaves(expected)):
+    # Inside vmap/pmap a state has its unbatched shapes again.
+    if np.shape(g) != np.shape(w) or jnp.result_type(g) != jnp.result_type(w):
+      raise TypeError(
+          f"state does not belong to this pipeline: a field has shape "
+          f"{np.shape(g)} and dtype {jnp.result_type(g)}, expected "
+          f"{np.shape(w)} and {jnp.result_type(w)}")
+  return state
+
+
+def check_device_count(device_count: Any) -> int:
+  return check_int("device_count", device_count, minimum=1)
+
+
+def check_flag(name: str, value: Any) -> bool:
+  return check_bool(name, value)
+
+
+def batches_per_pass(observation_count: int, mb_size: int) -> int:
+  return math.ceil(observation_count / mb_size)
+
+
+def chunk_batch(batches, mask, position):
+  """Batch ``position`` of a cache."""
+  pick = lambda x: jax.lax.dynamic_index_in_dim(x, position, keepdims=False)
+  return jax.tree_util.tree_map(pick, batches), pick(mask)
+

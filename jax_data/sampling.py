@@ -1,0 +1,207 @@
+"""Index streams of host chains: which observations each batch holds.
+
+Pure NumPy, no JAX. A stream draws the indices of the next ``count`` batches,
+and its whole position is a small, JSON-compatible dict (``get_state`` /
+``set_state``), so the host bridge can snapshot it cheaply before every chunk
+and regenerate any chunk later. The streams follow ``spec/SAMPLING.md``
+exactly: users moving from the data-loading guide's library get the same
+batches for the same seeds.
+
+A stream works on the observations ``start .. start + count - 1`` of its
+loader, so a chain can be restricted to one shard of the data.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+Indices = np.ndarray  # shape=(count, mb_size), int64
+Mask = np.ndarray  # shape=(count, mb_size), bool
+
+
+def default_rng(seed: int) -> np.random.Generator:
+  """The generator of a random chain with seed ``seed`` (SAMPLING.md)."""
+  return np.random.default_rng(np.random.SeedSequence(seed).spawn(1)[0])
+
+
+def _state_key(state: Dict[str, Any]) -> Tuple[int, ...]:
+  inner = state["state"]
+  return (inner["state"], inner["inc"], state["has_uint32"],
+          state["uinteger"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ObservationRange:
+  """The observations a chain draws from: ``start .. start + count - 1``."""
+  start: int
+  count: int
+
+  @classmethod
+  def shard(cls, observation_count: int, shard_index: int,
+            shard_count: int) -> "ObservationRange":
+    """Contiguous shard ``shard_index`` of ``shard_count`` equal-sized parts.
+
+    Shards are disjoint and cover all observations; their sizes differ by at
+    most one.
+    """
+    start = shard_index * observation_count // shard_count
+    stop = (shard_index + 1) * observation_count // shard_count
+    return cls(start, stop - start)
+
+
+class RandomStream:
+  """Random mini-batch indices in one of three modes (SAMPLING.md).
+
+  * independent draws (``shuffle=False``): ``rng.integers(0, n, mb)`` per
+    batch, which equals ``rng.choice(n, mb, replace=True)``;
+  * shuffling (``shuffle=True``): concatenated permutations
+    ``rng.choice(n, n, replace=False)``, cut into batches of ``mb``;
+  * shuffling in epochs (``shuffle=True, in_epochs=True``): one permutation
+    per epoch, the last batch padded with observation 0 and masked.
+
+  The position is ``(rng state before the current permutation, offset)``;
+  the current permutation is re-drawn from that state when needed, so a
+  snapshot never copies an O(n) array.
+  """
+
+  _PERMUTATIONS_KEPT = 2
+
+  def __init__(self, observations: ObservationRange, mb_size: int, seed: int,
+               shuffle: bool, in_epochs: bool):
+    self.observations = observations
+    self.mb_size = mb_size
+    self.seed = seed
+    self.shuffle = shuffle
+    self.in_epochs = in_epochs
+    self._rng = default_rng(seed)
+    # For the shuffle modes: state before the current permutation is drawn,
+    # and the next unserved position in it (a batch index in epoch mode).
+    self._epoch_state = self._rng.bit_generator.state
+    self._offset = 0
+    # rng-state key -> (permutation, rng state after drawing it)
+    self._permutations: Dict[Tuple[int, ...], Tuple[np.ndarray, Dict]] = {}
+
+  @property
+  def mode(self) -> str:
+    if not self.shuffle:
+      return "independent"
+    return "epochs" if self.in_epochs else "shuffle"
+
+  def get_state(self) -> Dict[str, Any]:
+    """The stream's position as a small JSON-compatible dict (a copy)."""
+    if self.shuffle:
+      rng_state = copy.deepcopy(self._epoch_state)
+    else:
+      rng_state = self._rng.bit_generator.state
+    return {"mode": self.mode, "seed": self.seed, "rng": rng_state,
+            "offset": self._offset}
+
+  def set_state(self, state: Dict[str, Any]) -> None:
+    """Moves the stream to a position from ``get_state`` (not mutated)."""
+    if state.get("mode") != self.mode:
+      raise ValueError(
+          f"state is for a chain in mode {state.get('mode')!r}, but this "
+          f"chain is in mode {self.mode!r}")
+    self.seed = state["seed"]
+    if self.shuffle:
+      self._epoch_state = copy.deepcopy(state["rng"])
+      self._offset = int(state["offset"])
+    else:
+      self._rng.bit_generator.state = copy.deepcopy(state["rng"])
+
+  def _permutation(self, rng_state: Dict) -> Tuple[np.ndarray, Dict]:
+    """The permutation drawn from ``rng_state`` and the state after it."""
+    key = _state_key(rng_state)
+    cached = self._permutations.get(key)
+    if cached is None:
+      self._rng.bit_generator.state = rng_state
+      n = self.observations.count
+      perm = self._rng.choice(n, size=n, replace=False)
+      cached = (perm, self._rng.bit_generator.state)
+      if len(self._permutations) >= self._PERMUTATIONS_KEPT:
+        self._permutations.pop(next(iter(self._permutations)))
+      self._permutations[key] = cached
+    return cached
+
+  def draw(self, count: int) -> Tuple[Indices, Optional[Mask]]:
+    """Indices of the next ``count`` batches, and their mask.
+
+    The mask is None when every position is valid (all modes but epochs).
+    """
+    if not self.shuffle:
+      n, mb = self.observations.count, self.mb_size
+      rows = [self._rng.integers(0, n, size=mb) for _ in range(count)]
+      return np.stack(rows) + self.observations.start, None
+    if self.in_epochs:
+      return self._draw_epochs(count)
+    return self._draw_shuffled(count)
+
+  def _draw_shuffled(self, count: int) -> Tuple[Indices, None]:
+    n, mb = self.observations.count, self.mb_size
+    needed = count * mb
+    parts = []
+    while needed > 0:
+      perm, after = self._permutation(self._epoch_state)
+      take = min(needed, n - self._offset)
+      parts.append(perm[self._offset:self._offset + take])
+      self._offset += take
+      needed -= take
+      if self._offset == n:
+        self._epoch_state, self._offset = after, 0
+    indices = np.concatenate(parts).reshape(count, mb)
+    return indices + self.observations.start, None
+
+  def _draw_epochs(self, count: int) -> Tuple[Indices, Mask]:
+    n, mb = self.observations.count, self.mb_size
+    batches_per_epoch = math.ceil(n / mb)
+    indices = np.zeros((count, mb), dtype=np.int64)
+    mask = np.zeros((count, mb), dtype=bool)
+    for row in range(count):
+      perm, after = self._permutation(self._epoch_state)
+      first = self._offset * mb
+      part = perm[first:first + mb]
+      indices[row, :part.size] = part
+      mask[row, :part.size] = True
+      self._offset += 1
+      if self._offset == batches_per_epoch:
+        self._epoch_state, self._offset = after, 0
+    # Padding is observation 0 of the chain's range, masked out.
+    return indices + self.observations.start, mask
+
+
+class OrderedStream:
+  """Batches in order: every pass starts at observation 0 (SAMPLING.md).
+
+  Batch ``j`` of a pass covers ``j * mb .. j * mb + mb - 1`` modulo the
+  observation count; positions past the end are marked invalid. The position
+  is the batch index within the current pass, so any chunk can be produced
+  directly.
+  """
+
+  def __init__(self, observations: ObservationRange, mb_size: int):
+    self.observations = observations
+    self.mb_size = mb_size
+    self.batches_per_pass = math.ceil(observations.count / mb_size)
+    self._batch = 0
+
+  def get_state(self) -> Dict[str, Any]:
+    return {"mode": "ordered", "batch": self._batch}
+
+  def set_state(self, state: Dict[str, Any]) -> None:
+    if state.get("mode") != "ordered":
+      raise ValueError(
+          f"state is for a chain in mode {state.get('mode')!r}, but this "
+          "chain is ordered")
+    self._batch = int(state["batch"]) % self.batches_per_pass
+
+  def draw(self, count: int) -> Tuple[Indices, Mask]:
+    n, mb = self.observations.count, self.mb_size
+    batch = (self._batch + np.arange(count)) % self.batches_per_pass
+    positions = batch[:, None] * mb + np.arange(mb)[None, :]
+    self._batch = int((self._batch + count) % self.batches_per_pass)
+    return positions % n + self.observations.start, positions < n

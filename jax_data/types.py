@@ -1,0 +1,95 @@
+"""Types shared by the loaders, the host bridge and the in-jit access functions."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Protocol, Tuple
+
+import jax
+
+PyTree = Any
+
+
+class MiniBatchInformation(NamedTuple):
+  """Static facts about a mini-batch, and which of its observations are valid.
+
+  Attributes:
+    observation_count: Number of observations in the dataset (Python int).
+    mask: bool array of shape ``(batch_size,)``: True for a real observation,
+      False for a filler that pads the last batch of an epoch or pass.
+    batch_size: Number of observations in a batch (Python int).
+  """
+  observation_count: int
+  mask: jax.Array
+  batch_size: int
+
+
+class CacheState(NamedTuple):
+  """Device-side position of one chain: a value, carried through ``jit``.
+
+  The host answers a request for chunk ``k`` of a chain with the same data
+  every time, so a state can be used twice, replayed under remat, stacked for
+  ``vmap`` or replicated for ``pmap``. Shapes and dtypes are fixed per
+  pipeline.
+
+  Attributes:
+    chain: shape=(), int32. Host chain id; -1 for device-resident pipelines.
+    chunk: shape=(), int32. Index of the chunk that holds the next batch.
+    position: shape=(), int32. Index of the next batch within that chunk.
+    cached_chunk: shape=(), int32. Index of the chunk held in ``batches``;
+      -1 when none is held yet (a fresh or restored state).
+    batches: Pytree of arrays with leading axes ``(cache_size, mb_size)``;
+      an empty dict for pipelines that keep no cache on the device.
+    mask: shape=(cache_size, mb_size), bool. Valid observations of ``batches``.
+    key: shape=(2,), uint32. PRNG key of device-resident random pipelines;
+      zeros for host pipelines.
+  """
+  chain: jax.Array
+  chunk: jax.Array
+  position: jax.Array
+  cached_chunk: jax.Array
+  batches: PyTree
+  mask: jax.Array
+  key: jax.Array
+
+
+Batch = PyTree
+
+
+class InitFn(Protocol):
+  """Creates the state of a new chain; keywords go to the loader."""
+
+  def __call__(self, **kwargs: Any) -> CacheState:
+    ...
+
+
+class BatchFn(Protocol):
+  """Returns the next batch of a chain and the advanced state."""
+
+  def __call__(self, state: CacheState, information: bool = False,
+               device_count: int = 1) -> Tuple[CacheState, Any]:
+    ...
+
+
+class ReleaseFn(Protocol):
+  """Drops every reference the pipeline holds to its loader (idempotent)."""
+
+  def __call__(self) -> None:
+    ...
+
+
+class MapFn(Protocol):
+  """Maps ``fun`` over every observation of the dataset once."""
+
+  def __call__(self, fun: Callable, data_state: CacheState, carry: PyTree,
+               masking: bool = False, information: bool = False,
+               device_count: int = 1) -> Tuple[CacheState, Tuple[Any, Any]]:
+    ...
+
+
+class MapperFn(Protocol):
+  """Maps ``fun`` over every observation; the data state stays on the host."""
+
+  def __call__(self, fun: Callable, carry: PyTree, masking: bool = False,
+               information: bool = False, batched: bool = True,
+               device_count: int = 1) -> Tuple[Any, Any]:
+    ...

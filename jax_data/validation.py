@@ -1,0 +1,50 @@
+"""Argument checks shared by the public functions.
+
+Every check runs eagerly in Python, before anything is traced, and names the
+argument, its value and what was expected.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Iterable, Mapping, Optional
+
+
+def check_int(name: str, value: Any, minimum: Optional[int] = None,
+              maximum: Optional[int] = None, what: str = "") -> int:
+  """Returns ``value`` as an int, or raises naming ``name`` and ``value``."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{name} must be an integer, got {name}={value!r}")
+  value = int(value)
+  if minimum is not None and value < minimum:
+    raise ValueError(_range_message(name, value, minimum, maximum, what))
+  if maximum is not None and value > maximum:
+    raise ValueError(_range_message(name, value, minimum, maximum, what))
+  return value
+
+
+def _range_message(name, value, minimum, maximum, what):
+  if maximum is None:
+    return f"{name} must be at least {minimum}, got {name}={value}"
+  bound = f"{maximum}" if not what else f"{what} {maximum}"
+  return f"{name} must be between {minimum} and {bound}, got {name}={value}"
+
+
+def check_bool(name: str, value: Any) -> bool:
+  if not isinstance(value, (bool,)) and not (
+      hasattr(value, "dtype") and getattr(value, "shape", None) == ()
+      and value.dtype == bool):
+    raise TypeError(f"{name} must be True or False, got {name}={value!r}")
+  return bool(value)
+
+
+def check_keywords(where: str, kwargs: Mapping[str, Any],
+                   allowed: Iterable[str]) -> None:
+  """Unknown keyword arguments are errors, not silently ignored."""
+  allowed = tuple(allowed)
+  unknown = sorted(set(kwargs) - set(allowed))
+  if unknown:
+    raise TypeError(
+        f"{where} got unknown keyword argument(s) "
+        f"{', '.join(f'{k}={kwargs[k]!r}' for k in unknown)}; "
+        f"expected any of: {', '.join(allowed) or 'none'}")
