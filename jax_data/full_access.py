@@ -124,6 +124,12 @@ def full_reference_data(data_loader: DataLoader,
     ``fun(batch, carry)`` returns one per observation and the results of
     fillers are dropped, so results have leading axis ``N``.
   """
+  return _full_pipeline(data_loader, cached_batches_count, mb_size,
+                        shard_index, shard_count, stacklevel=4)
+
+
+def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
+                   shard_count, stacklevel):
   loader = pl.check_loader(data_loader)
   total = loader.static_information["observation_count"]
   observations = _observations(total, shard_index, shard_count)
@@ -134,7 +140,7 @@ def full_reference_data(data_loader: DataLoader,
     init_fn, fetch_chunk, release_fn, bridge = _device_chunks(
         LoaderRef(loader), plan, observations)
   else:
-    pl.warn_large_cache(cache_size, mb_size, observations.count)
+    pl.warn_large_cache(cache_size, mb_size, observations.count, stacklevel)
     shard = ({} if shard_index is None else
              {"shard_index": shard_index, "shard_count": shard_count})
     init_fn, fetch_chunk, release_fn, bridge = _host_chunks(
@@ -222,9 +228,8 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
     is vmapped over each batch and the carry of the batch's first
     observation is kept.
   """
-  pipeline = full_reference_data(data_loader, cached_batches_count, mb_size,
-                                 shard_index=shard_index,
-                                 shard_count=shard_count)
+  pipeline = _full_pipeline(data_loader, cached_batches_count, mb_size,
+                            shard_index, shard_count, stacklevel=4)
   init_fn, map_fn, release_fn = pipeline
   state = init_fn()
 

@@ -61,13 +61,16 @@ def check_sizes(data_loader: DataLoader, cache_size: Any, mb_size: Any,
   return cache_size, mb_size
 
 
-def warn_large_cache(cache_size: int, mb_size: int, observation_count: int):
-  if isinstance(cache_size, int) and cache_size * mb_size > observation_count:
+def warn_large_cache(cache_size: int, mb_size: int, observation_count: int,
+                     stacklevel: int = 3):
+  """Warns when the cache holds more batches than one pass over the data."""
+  needed = math.ceil(observation_count / mb_size)
+  if cache_size > needed:
     warnings.warn(
-        f"the cache holds {cache_size} batches of {mb_size} = "
-        f"{cache_size * mb_size} observations, more than the dataset's "
-        f"{observation_count}; consider a smaller cache or a "
-        "DeviceNumpyDataLoader", UserWarning, stacklevel=3)
+        f"the cache holds {cache_size} batches of {mb_size}, more than the "
+        f"{needed} that hold all {observation_count} observations; consider "
+        "a smaller cache or a DeviceNumpyDataLoader", UserWarning,
+        stacklevel=stacklevel)
 
 
 def make_bridge(loader: HostDataLoader, cache_size: int, mb_size: int,

@@ -1,0 +1,136 @@
+"""full_reference_data and full_data_mapper: every observation, in order."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jax_data
+from jax_data import DeviceNumpyDataLoader, NumpyDataLoader
+
+
+@pytest.mark.parametrize("n,mb,cache", [(10, 4, 1), (10, 4, 2), (10, 4, 5),
+                                        (12, 4, 2), (7, 1, 3), (9, 9, 4),
+                                        (23, 5, 100)])
+@pytest.mark.parametrize("loader_cls", [NumpyDataLoader, DeviceNumpyDataLoader])
+def test_every_observation_once_in_order_pass_after_pass(loader_cls, n, mb,
+                                                         cache):
+  x = np.arange(n) * 10
+  init_fn, map_fn, _ = jax_data.full_reference_data(loader_cls(x=x), cache,
+                                                    mb)
+
+  def per_observation(batch, carry):
+    return batch["x"], carry + 1
+
+  def per_batch(batch, mask, carry):
+    return jnp.stack([batch["x"], mask.astype(jnp.int32)]), carry
+
+  @jax.jit
+  def passes(state):
+    def body(state, _):
+      state, (values, count) = map_fn(per_observation, state, 0)
+      state, (batches, _) = map_fn(per_batch, state, None, masking=True)
+      return state, (values, count, batches)
+    return lax.scan(body, state, None, length=3)
+
+  _, (values, counts, batches) = passes(init_fn())
+  per_pass = math.ceil(n / mb)
+  for p in range(3):
+    assert values[p].tolist() == x.tolist()
+    assert int(counts[p]) == per_pass
+    got = batches[p, :, 0][batches[p, :, 1] == 1]
+    assert got.tolist() == x.tolist()
+    padding = batches[p, :, 0][batches[p, :, 1] == 0]
+    assert padding.tolist() == x[:per_pass * mb - n].tolist()
+
+
+def test_guide_sum_of_potentials():
+  loader = NumpyDataLoader(base=jnp.arange(10))
+  init_fun, map_fun, _ = jax_data.full_reference_data(loader, 3, 4)
+
+  def sum_potentials(exp, data, mask, carry):
+    return jnp.sum(mask * jnp.power(data["base"], exp)), carry
+
+  def body(state, exp):
+    state, (sums, _) = map_fun(lambda d, m, c: sum_potentials(exp, d, m, c),
+                               state, None, masking=True)
+    return state, jnp.sum(sums)
+
+  _, result = lax.scan(body, init_fun(), jnp.arange(3))
+  assert result.tolist() == [10, 45, 285]
+
+
+def test_information_and_carry():
+  loader = NumpyDataLoader(x=np.arange(7.0))
+  init_fn, map_fn, _ = jax_data.full_reference_data(loader, 2, 3)
+
+  def fun(batch_and_info, carry):
+    batch, info = batch_and_info
+    assert info.observation_count == 7 and info.batch_size == 3
+    return batch["x"] * info.mask, carry + jnp.sum(batch["x"] * info.mask)
+
+  _, (values, total) = jax.jit(
+      lambda s: map_fn(fun, s, 0.0, information=True))(init_fn())
+  assert values.tolist() == list(range(7)) and float(total) == 21.0
+
+
+def test_mapper_batched_and_unbatched():
+  loader = NumpyDataLoader(x=np.arange(10.0), y=np.ones((10, 2)))
+  mapper_fn, release_fn = jax_data.full_data_mapper(loader, 2, 3)
+  batched, carry = jax.jit(lambda: mapper_fn(
+      lambda b, c: (b["x"][:, None] * b["y"], c), 1.0))()
+  assert batched.shape == (10, 2) and float(carry) == 1.0
+  unbatched, _ = mapper_fn(lambda o, c: (o["x"] * o["y"], c), None,
+                           batched=False)
+  np.testing.assert_array_equal(batched, unbatched)
+  with pytest.raises(ValueError, match="masking=True needs a batched fun"):
+    mapper_fn(lambda o, m, c: (o, c), None, masking=True, batched=False)
+  release_fn()
+  with pytest.raises(jax_data.PipelineReleasedError):
+    mapper_fn(lambda b, c: (b["x"], c), None)
+
+
+def test_mapper_with_default_sizes_and_vmap_over_parameters():
+  x = np.linspace(-1, 1, 9)
+  mapper_fn, _ = jax_data.full_data_mapper(NumpyDataLoader(x=x))
+
+  def loglik(w):
+    values, _ = mapper_fn(lambda b, c: (-(b["x"] - w) ** 2, c), None)
+    return jnp.sum(values)
+
+  ws = jnp.array([0.0, 0.5, 1.0])
+  got = jax.jit(jax.vmap(loglik))(ws)
+  expected = [-np.sum((x - w) ** 2) for w in ws.tolist()]
+  np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_shards_cover_the_data_once():
+  x = np.arange(11.0)
+  total = 0.0
+  for index in range(3):
+    mapper_fn, _ = jax_data.full_data_mapper(
+        NumpyDataLoader(x=x), 2, 2, shard_index=index, shard_count=3)
+    sums, _ = mapper_fn(lambda b, m, c: (jnp.sum(b["x"] * m), c), None,
+                        masking=True)
+    total += float(jnp.sum(sums))
+  assert total == float(x.sum())
+
+
+def test_bad_arguments():
+  loader = NumpyDataLoader(x=np.arange(10))
+  with pytest.raises(ValueError, match="mb_size=None"):
+    jax_data.full_reference_data(loader, 2)
+  with pytest.raises(ValueError, match="cached_batches_count=0"):
+    jax_data.full_data_mapper(loader, 0, 2)
+  with pytest.raises(ValueError, match="shard_index=3"):
+    jax_data.full_data_mapper(loader, 1, 2, shard_index=3, shard_count=3)
+  init_fn, map_fn, _ = jax_data.full_reference_data(loader, 2, 2)
+  with pytest.raises(TypeError, match="unknown keyword.*seed=1"):
+    init_fn(seed=1)
+  with pytest.raises(TypeError, match="fun must be callable"):
+    map_fn(None, init_fn(), None)
+  with pytest.raises(TypeError, match="masking must be True or False"):
+    map_fn(lambda b, c: (b, c), init_fn(), None, masking="yes")

@@ -1,0 +1,166 @@
+"""NumpyDataLoader and DeviceNumpyDataLoader: input checks, dtypes, chains,
+checkpoints."""
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_data import DeviceNumpyDataLoader, NumpyDataLoader
+
+MODES = [dict(), dict(shuffle=True), dict(shuffle=True, in_epochs=True)]
+
+
+def _stream(loader, chain, chunks):
+  out = [loader.get_batches(chain) for _ in range(chunks)]
+  return [b["x"].tolist() for b, _ in out], [m.tolist() for _, m in out]
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(x=np.arange(3), y=np.arange(4)), ValueError, "x: 3, y: 4"),
+    (dict(x=np.zeros((0, 2))), ValueError, "observation count 0"),
+    (dict(), ValueError, "at least one array"),
+    (dict(x=np.array(["a", "b"])), TypeError, "'x' has dtype <U1"),
+    (dict(x=np.array([object(), 1], dtype=object)), TypeError, "'x'"),
+    (dict(x=np.float32(3.0)), ValueError, "first axis"),
+    (dict(copy="yes", x=np.arange(2)), TypeError, "copy='yes'"),
+])
+def test_bad_arrays_are_named(kwargs, error, match):
+  for cls in (NumpyDataLoader, DeviceNumpyDataLoader):
+    with pytest.raises(error, match=match):
+      cls(**kwargs)
+
+
+def test_accepts_lists_numpy_and_jax_arrays_with_jax_dtypes():
+  loader = NumpyDataLoader(a=[1, 2, 3], b=np.ones(3, np.float64),
+                           c=jnp.arange(3), d=np.zeros(3, np.uint8),
+                           e=np.array([True, False, True]))
+  fmt = {k: str(v.dtype) for k, v in loader.initializer_batch(2).items()}
+  assert fmt == {"a": "int32", "b": "float32", "c": "int32", "d": "uint8",
+                 "e": "bool"}
+  batches, _ = loader.get_batches(loader.register_ordered_pipeline(1, 3))
+  assert {k: str(v.dtype) for k, v in batches.items()} == fmt
+  assert batches["a"].tolist() == [[1, 2, 3]]
+
+
+def test_initializer_batch_and_batch_format():
+  loader = NumpyDataLoader(x_r=np.arange(10), y_r=np.zeros((10, 2)))
+  zero = loader.initializer_batch()
+  assert zero["x_r"].shape == () and zero["y_r"].shape == (2,)
+  fmt, info = loader.batch_format(5, 3)
+  assert fmt["y_r"].shape == (5, 3, 2) and fmt["y_r"].dtype == jnp.float32
+  assert info.observation_count == 10 and info.batch_size == 3
+  assert info.mask.tolist() == [True] * 3
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(cache_size=0, mb_size=2), ValueError, "cache_size=0"),
+    (dict(cache_size=1, mb_size=0), ValueError, "mb_size=0"),
+    (dict(cache_size=1, mb_size=11), ValueError, "mb_size=11"),
+    (dict(cache_size=1, mb_size=None), ValueError, "mb_size=None"),
+    (dict(cache_size=1.5, mb_size=2), TypeError, "cache_size=1.5"),
+    (dict(mb_size=2, in_epochs=True), ValueError, "in_epochs=True needs"),
+    (dict(mb_size=2, sed=1), TypeError, "sed=1"),
+    (dict(mb_size=2, seed=-1), ValueError, "seed=-1"),
+    (dict(mb_size=2, shuffle="no"), TypeError, "shuffle='no'"),
+    (dict(mb_size=2, shard_index=2, shard_count=2), ValueError,
+     "shard_index=2"),
+    (dict(mb_size=2, shard_index=0), ValueError, "go together"),
+])
+def test_bad_chain_arguments_are_named(kwargs, error, match):
+  loader = NumpyDataLoader(x=np.arange(10))
+  with pytest.raises(error, match=match):
+    loader.register_random_pipeline(**kwargs)
+
+
+def test_chain_ids_count_registrations_and_default_seed():
+  loader = NumpyDataLoader(x=np.arange(50))
+  assert loader.register_ordered_pipeline(2, 3) == 0
+  chain = loader.register_random_pipeline(2, 3)
+  assert chain == 1
+  explicit = loader.register_random_pipeline(2, 3, seed=1)
+  assert _stream(loader, chain, 3) == _stream(loader, explicit, 3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_save_and_load_state_continue_exactly(mode):
+  loader = NumpyDataLoader(x=np.arange(23))
+  chain = loader.register_random_pipeline(3, 4, seed=11, **mode)
+  _stream(loader, chain, 2)
+  saved = loader.save_state(chain)
+  frozen = copy.deepcopy(saved)
+  expected = _stream(loader, chain, 6)
+  # Into the same chain, and into a new chain of a new loader.
+  loader.load_state(chain, saved)
+  assert _stream(loader, chain, 6) == expected
+  other = NumpyDataLoader(x=np.arange(23))
+  chain2 = other.register_random_pipeline(3, 4, seed=99, **mode)
+  other.load_state(chain2, saved)
+  assert _stream(other, chain2, 6) == expected
+  assert saved == frozen  # loading never mutates the checkpoint
+
+
+def test_save_and_load_state_of_ordered_chain():
+  loader = NumpyDataLoader(x=np.arange(10))
+  chain = loader.register_ordered_pipeline(2, 4)
+  loader.get_batches(chain)
+  saved = loader.save_state(chain)
+  expected = _stream(loader, chain, 4)
+  loader.load_state(chain, saved)
+  assert _stream(loader, chain, 4) == expected
+
+
+def test_load_state_names_what_differs():
+  loader = NumpyDataLoader(x=np.arange(10))
+  a = loader.register_random_pipeline(2, 3)
+  b = loader.register_random_pipeline(4, 3)
+  with pytest.raises(ValueError, match="cache_size is 2 in the state but 4"):
+    loader.load_state(b, loader.save_state(a))
+  c = loader.register_random_pipeline(2, 3, shuffle=True)
+  with pytest.raises(ValueError, match="mode 'independent'"):
+    loader.load_state(c, loader.save_state(a))
+
+
+def test_released_chain_is_an_error():
+  loader = NumpyDataLoader(x=np.arange(10))
+  chain = loader.register_random_pipeline(2, 3)
+  loader.release_chain(chain)
+  with pytest.raises(ValueError, match="was released"):
+    loader.get_batches(chain)
+  with pytest.raises(ValueError, match="does not exist"):
+    loader.get_batches(5)
+
+
+def test_memmap_without_copy_stays_on_disk(tmp_path):
+  path = tmp_path / "x.npy"
+  data = np.lib.format.open_memmap(path, mode="w+", dtype=np.float64,
+                                   shape=(100, 3))
+  data[:] = np.arange(300).reshape(100, 3)
+  data.flush()
+  mm = np.load(path, mmap_mode="r")
+  loader = NumpyDataLoader(copy=False, x=mm)
+  assert isinstance(loader._arrays["x"], np.memmap)
+  chain = loader.register_random_pipeline(2, 5, seed=3)
+  batches, _ = loader.get_batches(chain)
+  reference = NumpyDataLoader(x=np.asarray(mm))
+  ref_chain = reference.register_random_pipeline(2, 5, seed=3)
+  expected, _ = reference.get_batches(ref_chain)
+  assert batches["x"].dtype == np.float32
+  np.testing.assert_array_equal(batches["x"], expected["x"])
+
+
+def test_device_loader_draws_with_key():
+  loader = DeviceNumpyDataLoader(x=np.arange(10), y=np.zeros((10, 2)))
+  key = loader.init_random_data(key=jax.random.PRNGKey(3))
+  key2, (batch, info) = jax.jit(loader.get_random_data,
+                                static_argnums=1)(key, 4)
+  assert batch["x"].shape == (4,) and batch["y"].shape == (4, 2)
+  assert not np.array_equal(key, key2)
+  assert info.mask.tolist() == [True] * 4
+  typed = loader.init_random_data(key=jax.random.key(3))
+  np.testing.assert_array_equal(typed, key)
+  with pytest.raises(TypeError, match="seed=1"):
+    loader.init_random_data(seed=1)
+  assert loader.get_full_data()["x"].tolist() == list(range(10))

@@ -1,0 +1,279 @@
+"""random_reference_data inside compiled code: streams, values, release."""
+
+import gc
+import threading
+import warnings
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import psutil
+import pytest
+from jax import lax
+
+import jax_data
+from jax_data import NumpyDataLoader
+
+MODES = [dict(), dict(shuffle=True), dict(shuffle=True, in_epochs=True)]
+
+
+def _expected_stream(n, cache, mb, steps, **chain_kwargs):
+  """The chain's batches straight from a loader, without the bridge."""
+  loader = NumpyDataLoader(x=np.arange(n))
+  chain = loader.register_random_pipeline(cache, mb, **chain_kwargs)
+  rows, masks = [], []
+  while len(rows) < steps:
+    batches, mask = loader.get_batches(chain)
+    rows.extend(batches["x"].tolist())
+    masks.extend(mask.tolist())
+  return rows[:steps], masks[:steps]
+
+
+def _scan(batch_fn, steps):
+  @jax.jit
+  def run(state):
+    def body(state, _):
+      state, (batch, info) = batch_fn(state, information=True)
+      return state, (batch["x"], info.mask)
+    return lax.scan(body, state, None, length=steps)
+  return run
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_jit_scan_and_eager_give_the_loader_stream(mode):
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(13)), 3, 4)
+  expected = _expected_stream(13, 3, 4, 20, seed=5, **mode)
+  state, (x, mask) = _scan(batch_fn, 20)(init_fn(seed=5, **mode))
+  assert (x.tolist(), mask.tolist()) == expected
+  eager = init_fn(seed=5, **mode)
+  rows = []
+  for _ in range(20):
+    eager, batch = batch_fn(eager)
+    rows.append(batch["x"].tolist())
+  assert rows == expected[0]
+  release_fn()
+
+
+def test_guide_batches():
+  loader = NumpyDataLoader(x_r=np.arange(10), y_r=np.zeros((10, 2)))
+  with pytest.warns(UserWarning, match="more than the 5 that hold all 10"):
+    init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 100, 2)
+  _, (batch, info) = batch_fn(init_fn(seed=0), information=True)
+  assert batch["x_r"].tolist() == [8, 9]
+  assert repr(info) == ("MiniBatchInformation(observation_count=10, "
+                        "mask=Array([ True,  True], dtype=bool), batch_size=2)")
+
+
+def test_same_state_twice_gives_same_batches_and_stream_continues():
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(50)), 4, 3)
+  expected, _ = _expected_stream(50, 4, 3, 30, seed=2, shuffle=True)
+  run = _scan(batch_fn, 10)
+  start = init_fn(seed=2, shuffle=True)
+  s1, (first, _) = run(start)
+  s2, (again, _) = run(start)  # the same initial state: the same batches
+  assert first.tolist() == again.tolist() == expected[:10]
+  _, (after, _) = run(s1)  # and the stream continues where it was
+  assert after.tolist() == expected[10:20]
+  _, (after2, _) = run(s2)
+  assert after2.tolist() == expected[10:20]
+  _, b1 = batch_fn(s1)
+  _, b2 = batch_fn(s1)
+  assert b1["x"].tolist() == b2["x"].tolist() == expected[10]
+
+
+def test_repeated_host_request_never_advances_chain():
+  pipeline = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(40)), 2, 3)
+  init_fn, batch_fn, _ = pipeline
+  server = pipeline.bridge.server
+  chain = int(init_fn(seed=4).chain)
+  first = server.chunk(chain, 0)[0][0].copy()
+  second_chunk = server.chunk(chain, 1)[0][0].copy()
+  assert (server.chunk(chain, 0)[0][0] == first).all()
+  for _ in range(3):
+    server.chunk(chain, 5)  # a far chunk, then the old ones again
+  np.testing.assert_array_equal(server.chunk(chain, 1)[0][0], second_chunk)
+  np.testing.assert_array_equal(server.chunk(chain, 0)[0][0], first)
+  expected, _ = _expected_stream(40, 2, 3, 4, seed=4)
+  assert np.concatenate([first, second_chunk]).tolist() == expected
+
+
+def test_inside_cond_while_loop_and_grad():
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(10.0)), 2, 2)
+  expected, _ = _expected_stream(10, 2, 2, 6, seed=1)
+
+  @jax.jit
+  def loop(state):
+    def cond(carry):
+      return carry[0] < 6
+
+    def body(carry):
+      i, state, out = carry
+      state, batch = lax.cond(i % 2 == 0, batch_fn, batch_fn, state)
+      return i + 1, state, out.at[i].set(batch["x"])
+
+    return lax.while_loop(cond, body, (0, state, jnp.zeros((6, 2))))[2]
+
+  assert loop(init_fn(seed=1)).tolist() == expected
+
+  def loss(w, state):
+    state, batch = batch_fn(state)
+    return jnp.sum(w * batch["x"]), state
+
+  grad, _ = jax.jit(jax.grad(loss, has_aux=True))(2.0, init_fn(seed=1))
+  assert float(grad) == float(sum(expected[0]))
+
+
+def test_compiles_once_for_new_states():
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(30)), 3, 2)
+  traces = []
+
+  @jax.jit
+  def run(state):
+    traces.append(1)
+    return lax.scan(lambda s, _: batch_fn(s), state, None, length=5)
+
+  outs = [run(init_fn(seed=s))[1]["x"].tolist() for s in range(3)]
+  assert len(traces) == 1
+  assert outs[0] != outs[1]
+  assert outs[2] == _expected_stream(30, 3, 2, 5, seed=2)[0]
+
+
+def test_remat_replay_keeps_stream():
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(20.0)), 2, 2)
+  expected, _ = _expected_stream(20, 2, 2, 8, seed=0)
+
+  def loss(w, state):
+    def body(state, _):
+      state, batch = batch_fn(state)
+      return state, jnp.sum(w * batch["x"])
+    body = jax.checkpoint(body)
+    state, terms = lax.scan(body, state, None, length=8)
+    return jnp.sum(terms), state
+
+  grad, state = jax.jit(jax.grad(loss, has_aux=True))(1.0, init_fn(seed=0))
+  assert float(grad) == float(np.sum(expected))
+  _, batch = batch_fn(state)
+  assert batch["x"].tolist() == _expected_stream(20, 2, 2, 9, seed=0)[0][8]
+
+
+def test_host_answers_with_numpy_only(monkeypatch):
+  pipeline = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(20.0)), 2, 2)
+  init_fn, batch_fn, _ = pipeline
+  server = pipeline.bridge.server
+  in_callback = threading.local()
+  jax_calls, results = [], []
+  serve = server.serve
+
+  def watched_serve(*args):
+    in_callback.on = True
+    try:
+      out = serve(*args)
+    finally:
+      in_callback.on = False
+    results.extend(out)
+    return out
+
+  def spy(name, fn):
+    def wrapper(*a, **k):
+      if getattr(in_callback, "on", False):
+        jax_calls.append(name)
+      return fn(*a, **k)
+    return wrapper
+
+  monkeypatch.setattr(server, "serve", watched_serve)
+  for name in ("array", "asarray", "zeros"):
+    monkeypatch.setattr(jnp, name, spy(name, getattr(jnp, name)))
+  monkeypatch.setattr(jax, "device_put", spy("device_put", jax.device_put))
+  _scan(batch_fn, 6)(init_fn())
+  assert results and all(type(r) is np.ndarray for r in results)
+  assert jax_calls == []
+
+
+def test_host_memory_bounded_over_100k_steps():
+  pipeline = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(1000.0)), 5, 2)
+  init_fn, batch_fn, _ = pipeline
+  run = jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
+                                   length=20_000)[0])
+  state = run(init_fn(seed=0))  # warm up: compile, first allocations
+  gc.collect()
+  rss = psutil.Process().memory_info().rss
+  for _ in range(4):
+    state = run(state)
+  gc.collect()
+  grown = psutil.Process().memory_info().rss - rss
+  record = pipeline.bridge.server.record(int(state.chain))
+  assert int(state.chunk) * 5 == 100_000
+  assert len(record.chunks) <= 3
+  assert len(record.snapshots) < 400  # ~16 per doubling, not 100k
+  assert grown < 30 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB"
+
+
+def test_bad_arguments_raise_before_tracing():
+  loader = NumpyDataLoader(x=np.arange(10))
+  with pytest.raises(TypeError, match="data_loader=.*list"):
+    jax_data.random_reference_data([1, 2], 1, 1)
+  with pytest.raises(ValueError, match="cached_batches_count=0"):
+    jax_data.random_reference_data(loader, 0, 2)
+  with pytest.raises(ValueError, match="mb_size=11"):
+    jax_data.random_reference_data(loader, 1, 11)
+  with pytest.raises(ValueError, match="mb_size=0"):
+    jax_data.random_reference_data(loader, 1, 0)
+  init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 2, 2)
+  with pytest.raises(TypeError, match="unknown keyword.*epochs=True"):
+    init_fn(epochs=True)
+  with pytest.raises(ValueError, match="in_epochs=True needs shuffle=True"):
+    init_fn(in_epochs=True)
+  with pytest.raises(TypeError, match="CacheState"):
+    batch_fn({"x": 1})
+  with pytest.raises(ValueError, match="device_count=0"):
+    batch_fn(init_fn(), device_count=0)
+  other_init, _, _ = jax_data.random_reference_data(loader, 3, 2)
+  with pytest.raises(TypeError, match="does not belong to this pipeline"):
+    batch_fn(other_init())
+
+
+def test_no_warning_for_a_cache_smaller_than_the_data():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jax_data.random_reference_data(NumpyDataLoader(x=np.arange(10)), 3, 3)
+
+
+def test_release_is_idempotent_and_frees_the_loader():
+  loader = NumpyDataLoader(x=np.arange(100.0))
+  ref = weakref.ref(loader)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 2, 2)
+  run = _scan(batch_fn, 5)
+  state, _ = run(init_fn())
+  release_fn()
+  release_fn()
+  del loader
+  gc.collect()
+  assert ref() is None, gc.get_referrers(ref())
+  with pytest.raises(jax_data.PipelineReleasedError, match="released"):
+    init_fn()
+  with pytest.raises(jax_data.PipelineReleasedError, match="released"):
+    batch_fn(state)
+
+
+def test_device_loader_pipeline():
+  loader = jax_data.DeviceNumpyDataLoader(x=np.arange(10))
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 1, 3)
+  state = init_fn(key=jax.random.PRNGKey(1))
+  s1, (batch, info) = jax.jit(batch_fn, static_argnums=1)(state, True)
+  _, again = batch_fn(state)
+  assert batch["x"].tolist() == again["x"].tolist()
+  assert info.mask.tolist() == [True] * 3 and info.observation_count == 10
+  _, nxt = batch_fn(s1)
+  assert nxt["x"].shape == (3,)
+  release_fn()
+  with pytest.raises(jax_data.PipelineReleasedError):
+    init_fn()

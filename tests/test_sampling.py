@@ -1,0 +1,136 @@
+"""Index streams: the exact rules of spec/SAMPLING.md."""
+
+import math
+
+import numpy as np
+import pytest
+
+from jax_data import sampling
+
+
+def _random(n, mb, seed=0, shuffle=False, in_epochs=False, start=0):
+  return sampling.RandomStream(sampling.ObservationRange(start, n), mb, seed,
+                               shuffle, in_epochs)
+
+
+def _batches(stream, count, cache=1):
+  """``count`` batches drawn ``cache`` at a time."""
+  rows, masks = [], []
+  while len(rows) < count:
+    idx, mask = stream.draw(cache)
+    rows.extend(idx)
+    masks.extend(np.ones_like(idx, bool) if mask is None else mask)
+  return np.array(rows[:count]), np.array(masks[:count])
+
+
+def test_independent_draws_equal_rng_choice():
+  rng = sampling.default_rng(7)
+  expected = [rng.choice(1000, size=5, replace=True) for _ in range(20)]
+  got, mask = _batches(_random(1000, 5, seed=7), 20)
+  np.testing.assert_array_equal(got, expected)
+  assert mask.all()
+
+
+def test_shuffle_stream_is_concatenated_permutations():
+  n, mb = 10, 3
+  rng = sampling.default_rng(1)
+  stream = np.concatenate([rng.choice(n, size=n, replace=False)
+                           for _ in range(4)])
+  got, mask = _batches(_random(n, mb, seed=1, shuffle=True), 12)
+  np.testing.assert_array_equal(got.reshape(-1), stream[:36])
+  assert mask.all()
+
+
+def test_shuffle_duplicates_only_across_permutation_boundary():
+  n, mb = 10, 3
+  duplicates = 0
+  for seed in range(5):
+    got, _ = _batches(_random(n, mb, seed=seed, shuffle=True), 30)
+    flat = got.reshape(-1)
+    for start in range(0, flat.size - n + 1, n):
+      # Every aligned window of n indices is one permutation.
+      assert sorted(flat[start:start + n]) == list(range(n))
+    for j, batch in enumerate(got):
+      if len(set(batch.tolist())) < mb:
+        duplicates += 1
+        spans_boundary = (j * mb) // n != (j * mb + mb - 1) // n
+        assert spans_boundary, f"seed {seed}: batch {j} repeats {batch}"
+  assert duplicates > 0  # repeats do happen across boundaries
+
+
+def test_epochs_serve_every_observation_once_with_padding():
+  n, mb = 10, 3
+  per_epoch = math.ceil(n / mb)
+  got, mask = _batches(_random(n, mb, seed=2, shuffle=True, in_epochs=True),
+                       per_epoch * 5, cache=4)
+  for epoch in range(5):
+    rows = got[epoch * per_epoch:(epoch + 1) * per_epoch]
+    valid = mask[epoch * per_epoch:(epoch + 1) * per_epoch]
+    assert sorted(rows[valid].tolist()) == list(range(n))
+    assert (rows[~valid] == 0).all()
+    assert valid.sum() == n
+    assert not valid[-1, 1:].any()  # the last batch is padded
+
+
+def test_guide_fourth_batches():
+  """Three chains registered independent, shuffle, epochs: seeds 0, 1, 2."""
+  cases = [(0, False, False, [4, 6, 6], [True] * 3),
+           (1, True, False, [0, 4, 7], [True] * 3),
+           (2, True, True, [5, 0, 0], [True, False, False])]
+  for seed, shuffle, in_epochs, batch, valid in cases:
+    got, mask = _batches(_random(10, 3, seed, shuffle, in_epochs), 4, cache=2)
+    assert got[3].tolist() == batch
+    assert mask[3].tolist() == valid
+
+
+@pytest.mark.parametrize("shuffle,in_epochs", [(False, False), (True, False),
+                                                (True, True)])
+def test_cache_size_does_not_change_stream(shuffle, in_epochs):
+  a, ma = _batches(_random(17, 4, 5, shuffle, in_epochs), 40, cache=3)
+  b, mb_ = _batches(_random(17, 4, 5, shuffle, in_epochs), 40, cache=5)
+  np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(ma, mb_)
+
+
+@pytest.mark.parametrize("shuffle,in_epochs", [(False, False), (True, False),
+                                                (True, True)])
+def test_state_round_trip_continues_stream(shuffle, in_epochs):
+  original = _random(23, 5, 9, shuffle, in_epochs)
+  original.draw(7)
+  state = original.get_state()
+  frozen = repr(state)
+  expected = original.draw(11)
+  restored = _random(23, 5, 9, shuffle, in_epochs)
+  restored.set_state(state)
+  got = restored.draw(11)
+  np.testing.assert_array_equal(got[0], expected[0])
+  assert repr(state) == frozen  # set_state did not mutate it
+
+
+def test_state_of_other_mode_is_rejected():
+  state = _random(10, 2).get_state()
+  with pytest.raises(ValueError, match="mode 'independent'"):
+    _random(10, 2, shuffle=True).set_state(state)
+
+
+def test_ordered_passes_start_at_zero():
+  n, mb = 10, 4
+  stream = sampling.OrderedStream(sampling.ObservationRange(0, n), mb)
+  idx, mask = stream.draw(7)  # two passes of 3 batches and one more
+  assert idx[:3].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
+  assert mask[2].tolist() == [True, True, False, False]
+  np.testing.assert_array_equal(idx[3:6], idx[:3])
+  assert idx[6].tolist() == [0, 1, 2, 3]
+
+
+def test_shards_are_disjoint_and_cover():
+  for n in (1, 7, 10, 101):
+    for k in range(1, min(n, 5) + 1):
+      shards = [sampling.ObservationRange.shard(n, i, k) for i in range(k)]
+      covered = [j for s in shards for j in range(s.start, s.start + s.count)]
+      assert covered == list(range(n))
+
+
+def test_sharded_stream_draws_inside_its_shard():
+  got, _ = _batches(_random(5, 2, seed=1, shuffle=True, start=20), 10)
+  assert set(got.reshape(-1)) == set(range(20, 25))
