@@ -4,6 +4,7 @@ Mini-batches and full-data maps inside ``jit``, ``lax.scan``, ``vmap`` and
 ``pmap``, served from host memory, memmaps or ``tf.data`` pipelines.
 """
 
+from jax_data.distributed import process_shard
 from jax_data.full_access import full_data_mapper
 from jax_data.full_access import full_reference_data
 from jax_data.host import HostLoaderError
@@ -31,5 +32,6 @@ __all__ = [
     "PipelineReleasedError",
     "full_data_mapper",
     "full_reference_data",
+    "process_shard",
     "random_reference_data",
 ]
