@@ -142,12 +142,13 @@ class Bridge:
     def refresh(chain, chunk, cached_chunk, mask, *leaves):
       def fetch(ops):
         chain, chunk, cached_chunk, mask, *leaves = ops
-        new = self._fetch_lanes(chain[None], chunk[None],
-                                jnp.ones((1,), jnp.bool_))
-        new = [n[0] for n in new]
-        axes = _vma(chain) | _vma(chunk) | _vma(mask)
-        new = _varying_like(new, chain == chain, axes)
-        return [chunk] + new
+        need = cached_chunk != chunk
+        new = self._fetch_lanes(chain[None], chunk[None], need[None])
+        # Merging with the old cache (a select, once per refresh) gives the
+        # outputs the device-varying type of the state inside shard_map.
+        merged = [jnp.where(need, n[0], o)
+                  for n, o in zip(new, list(leaves) + [mask])]
+        return [jnp.where(need, chunk, cached_chunk)] + merged
 
       def keep(ops):
         chain, chunk, cached_chunk, mask, *leaves = ops

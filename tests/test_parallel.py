@@ -1,0 +1,212 @@
+"""Many chains and many devices: vmap, pmap, shard_map, device_count."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+import jax_data
+from jax_data import NumpyDataLoader
+
+CHAINS = [dict(seed=0), dict(seed=1, shuffle=True),
+          dict(seed=2, shuffle=True, in_epochs=True), dict(seed=3)]
+N, CACHE, MB, STEPS = 11, 3, 4, 10
+
+
+def _stack(states):
+  return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *states)
+
+
+def _counting_loader():
+  """A loader that counts the chunks it produces."""
+  loader = NumpyDataLoader(x=np.arange(N))
+  produced = []
+  get_batches = loader.get_batches
+
+  def counted(chain_id):
+    produced.append(chain_id)
+    return get_batches(chain_id)
+
+  loader.get_batches = counted
+  return loader, produced
+
+
+def _run(batch_fn, steps=STEPS):
+  def body(state, _):
+    state, (batch, info) = batch_fn(state, information=True)
+    return state, (batch["x"], info.mask)
+  return lambda state: lax.scan(body, state, None, length=steps)
+
+
+def _solo(kwargs, steps=STEPS):
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(N)), CACHE, MB)
+  _, (x, mask) = jax.jit(_run(batch_fn, steps))(init_fn(**kwargs))
+  return x.tolist(), mask.tolist()
+
+
+@pytest.fixture(scope="module")
+def solo():
+  return [_solo(kwargs) for kwargs in CHAINS]
+
+
+def test_vmap_lanes_equal_solo_chains_with_one_host_call_per_refresh(solo):
+  pipeline = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(N)), CACHE, MB)
+  init_fn, batch_fn, _ = pipeline
+  states = _stack([init_fn(**kwargs) for kwargs in CHAINS])
+  run = jax.jit(jax.vmap(_run(batch_fn)))
+  server = pipeline.bridge.server
+  before = server.requests
+  _, (x, mask) = run(states)
+  for lane, (sx, smask) in enumerate(solo):
+    assert x[lane].tolist() == sx and mask[lane].tolist() == smask
+  refreshes = -(-STEPS // CACHE)
+  assert server.requests - before == refreshes  # not per step, not per lane
+
+
+def test_nested_vmap_is_one_host_call_per_refresh(solo):
+  pipeline = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(N)), CACHE, MB)
+  init_fn, batch_fn, _ = pipeline
+  states = _stack([init_fn(**kwargs) for kwargs in CHAINS])
+  grid = jax.tree_util.tree_map(lambda a: a.reshape((2, 2) + a.shape[1:]),
+                                states)
+  before = pipeline.bridge.server.requests
+  _, (x, _) = jax.jit(jax.vmap(jax.vmap(_run(batch_fn))))(grid)
+  assert x.reshape(4, STEPS, MB).tolist() == [s[0] for s in solo]
+  assert pipeline.bridge.server.requests - before == -(-STEPS // CACHE)
+
+
+def test_vmapped_lanes_may_refresh_at_different_steps():
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(N)), CACHE, MB)
+  a, b = init_fn(seed=5), init_fn(seed=6)
+  b, _ = batch_fn(b)  # one lane a step ahead
+  _, (x, _) = jax.jit(jax.vmap(_run(batch_fn, 7)))(_stack([a, b]))
+  _, (xa, _) = jax.jit(_run(batch_fn, 7))(a)
+  _, (xb, _) = jax.jit(_run(batch_fn, 7))(b)
+  assert x[0].tolist() == xa.tolist() and x[1].tolist() == xb.tolist()
+
+
+def test_map_fn_under_vmap_over_parameters():
+  x = np.linspace(-2, 2, 13)
+  init_fn, map_fn, _ = jax_data.full_reference_data(
+      NumpyDataLoader(x=x), 2, 3)
+  state = init_fn()
+
+  def loglik(w):
+    _, (values, _) = map_fn(lambda b, c: (-(b["x"] - w) ** 2, c), state, None)
+    return jnp.sum(values)
+
+  ws = jnp.linspace(-1, 1, 5)
+  np.testing.assert_allclose(jax.jit(jax.vmap(loglik))(ws),
+                             [loglik(w) for w in ws], rtol=1e-6)
+
+
+def test_map_fn_under_vmap_over_states():
+  init_fn, map_fn, _ = jax_data.full_reference_data(
+      NumpyDataLoader(x=np.arange(7)), 2, 3)
+  states = _stack([init_fn(), init_fn()])
+  _, (values, _) = jax.jit(jax.vmap(
+      lambda s: map_fn(lambda b, c: (b["x"], c), s, None)))(states)
+  assert values.tolist() == [list(range(7))] * 2
+
+
+def test_pmap_over_stacked_states_equals_solo(solo):
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(N)), CACHE, MB)
+  devices = jax.local_device_count()
+  assert devices == 4, "tests run with 4 CPU devices (conftest.py)"
+  states = _stack([init_fn(**kwargs) for kwargs in CHAINS])
+  _, (x, mask) = jax.pmap(_run(batch_fn))(states)
+  for lane, (sx, smask) in enumerate(solo):
+    assert x[lane].tolist() == sx and mask[lane].tolist() == smask
+
+
+def test_replicated_state_gives_every_device_the_same_batches_once():
+  loader, produced = _counting_loader()
+  init_fn, batch_fn, _ = jax_data.random_reference_data(loader, CACHE, MB)
+  state = init_fn(seed=7)
+  produced.clear()
+
+  def per_device(i):
+    _, (x, _) = _run(lambda s, **kw: batch_fn(s, device_count=4, **kw))(state)
+    return x
+
+  x = jax.jit(jax.pmap(per_device))(jnp.arange(4))
+  assert all(x[d].tolist() == x[0].tolist() for d in range(4))
+  expected, _ = _solo(dict(seed=7))
+  assert x[0].tolist() == expected
+  chunks = -(-STEPS // CACHE)
+  # Each chunk is generated once on the host (plus at most one prefetched).
+  assert chunks <= len(produced) <= chunks + 1
+
+
+def test_wrong_device_count_keeps_memory_bounded():
+  pipeline = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(N)), CACHE, MB)
+  init_fn, batch_fn, _ = pipeline
+  state = init_fn()
+  run = jax.jit(_run(lambda s, **kw: batch_fn(s, device_count=64, **kw),
+                     steps=300))
+  state, _ = run(state)
+  state, _ = run(state)
+  record = pipeline.bridge.server.record(int(state.chain))
+  assert len(record.chunks) <= 3
+
+
+def test_shard_map_behaves_like_pmap(solo):
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(N)), CACHE, MB)
+  mesh = Mesh(np.array(jax.devices()), ("d",))
+  states = _stack([init_fn(**kwargs) for kwargs in CHAINS])
+  run = jax.jit(jax.shard_map(jax.vmap(_run(batch_fn)), mesh=mesh,
+                              in_specs=PartitionSpec("d"),
+                              out_specs=PartitionSpec("d")))
+  _, (x, mask) = run(states)
+  for lane, (sx, smask) in enumerate(solo):
+    assert x[lane].tolist() == sx and mask[lane].tolist() == smask
+  # A replicated state: every device gets the same batches.
+  state = init_fn(seed=7)
+  replicated = jax.jit(jax.shard_map(
+      lambda s: _run(batch_fn)(s)[1][0][None], mesh=mesh,
+      in_specs=PartitionSpec(), out_specs=PartitionSpec("d")))(state)
+  assert all(replicated[d].tolist() == _solo(dict(seed=7))[0]
+             for d in range(4))
+
+
+def test_full_data_mapper_with_a_pmapped_function_inside_jit():
+  n = 22
+  x = np.arange(n, dtype=np.float32)
+  loader = NumpyDataLoader(x=x, index=np.arange(n))
+  mapper_fn, _ = jax_data.full_data_mapper(loader, 2, 4)
+  squared = jax.pmap(lambda v: v ** 2)
+
+  def fun(batch, carry):
+    values = squared(batch["x"].reshape(4, 1)).reshape(4)
+    return (values, batch["index"]), carry
+
+  (values, index), _ = jax.jit(lambda: mapper_fn(fun, None))()
+  assert index.tolist() == list(range(n))  # every observation exactly once
+  np.testing.assert_array_equal(values, x ** 2)
+
+
+def test_full_map_under_shard_map_with_per_device_states():
+  init_fn, map_fn, _ = jax_data.full_reference_data(
+      NumpyDataLoader(x=np.arange(9)), 2, 4)
+  mesh = Mesh(np.array(jax.devices()), ("d",))
+  states = _stack([init_fn() for _ in range(4)])
+
+  def per_device(states):
+    def one(state):
+      _, (values, _) = map_fn(lambda b, c: (b["x"] * 2, c), state, None)
+      return values
+    return jax.vmap(one)(states)
+
+  values = jax.jit(jax.shard_map(per_device, mesh=mesh,
+                                 in_specs=PartitionSpec("d"),
+                                 out_specs=PartitionSpec("d")))(states)
+  assert values.tolist() == [[2 * i for i in range(9)]] * 4
