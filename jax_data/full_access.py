@@ -155,9 +155,10 @@ def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
     data_state = pl.check_state(data_state, expected, "map_fn")
     masking = pl.check_flag("masking", masking)
     information = pl.check_flag("information", information)
-    pl.check_device_count(device_count)
-    results, carry = _map_pass(lambda k: fetch_chunk(data_state, k), plan,
-                               fun, carry, masking, information)
+    device_count = pl.check_device_count(device_count)
+    results, carry = _map_pass(
+        lambda k: fetch_chunk(data_state, k, device_count), plan, fun, carry,
+        masking, information)
     return data_state, (results, carry)
 
   return pl.Pipeline((init_fn, map_fn, release_fn), bridge, "full")
@@ -172,9 +173,9 @@ def _host_chunks(loader, plan: _PassPlan, shard):
     chain = server.register("ordered", cycle=plan.chunks, **shard)
     return pl.make_state(chain, 0, plan.mb_size)
 
-  def fetch_chunk(state: CacheState, chunk: jax.Array):
+  def fetch_chunk(state: CacheState, chunk: jax.Array, device_count: int):
     server.loader  # raises if released
-    return bridge.fetch(state.chain, chunk)
+    return bridge.fetch(state.chain, chunk, device_count)
 
   return init_fn, fetch_chunk, server.release, bridge
 
@@ -186,8 +187,8 @@ def _device_chunks(ref: LoaderRef, plan: _PassPlan,
     ref.loader  # raises if released
     return pl.make_state(-1, 0, plan.mb_size)
 
-  def fetch_chunk(state: CacheState, chunk: jax.Array):
-    del state
+  def fetch_chunk(state: CacheState, chunk: jax.Array, device_count: int):
+    del state, device_count
     data = ref.loader.get_full_data()
     batch = (chunk * plan.cache_size + jnp.arange(plan.cache_size)
              ) % plan.batches

@@ -7,7 +7,8 @@ same data and never advances the chain twice. Three pieces make this hold
 with bounded memory:
 
 * a small store of recent chunks per chain (futures, so concurrent requests
-  for one chunk wait for a single production);
+  for one chunk wait for a single production); a chunk asked for with
+  ``device_count=N`` stays until N requests took it, within a hard cap;
 * snapshots of the loader chain's position (``save_state``) taken before each
   chunk and thinned out logarithmically with age; a request for a chunk that
   is no longer stored restores the nearest earlier snapshot and replays;
@@ -35,6 +36,8 @@ Leaves = List[np.ndarray]
 # Snapshots newer than this many chunks are all kept; older ones thin out to
 # about this many per doubling of age.
 _RECENT_SNAPSHOTS = 16
+# Hard limit of stored chunks per chain, whatever device_count says.
+_MAX_STORED = 32
 
 
 class HostLoaderError(RuntimeError):
@@ -46,6 +49,13 @@ class PipelineReleasedError(RuntimeError):
 
 
 @dataclasses.dataclass
+class _Entry:
+  """A stored chunk and how many more requests are expected for it."""
+  future: concurrent.futures.Future
+  pending: Optional[int] = None  # None: prefetched, not yet requested
+
+
+@dataclasses.dataclass
 class _ChainRecord:
   """The bridge's bookkeeping for one chain."""
   chain_id: int
@@ -54,10 +64,11 @@ class _ChainRecord:
   cycle: Optional[int]  # chunks per pass when requests wrap around
   snapshots: Dict[int, Any]  # chunk index -> loader state before it
   next_index: Optional[int]  # chunk the loader chain produces next
-  chunks: "collections.OrderedDict[int, concurrent.futures.Future]"
+  chunks: "collections.OrderedDict[int, _Entry]"
   produce_lock: threading.Lock = dataclasses.field(
       default_factory=threading.Lock)
   pruned_size: int = 0
+  devices: int = 1  # largest device_count a request for this chain named
 
 
 def keep_snapshot(index: int, newest: int) -> bool:
@@ -87,7 +98,9 @@ class ChunkServer:
     prefetch: Produce the next chunk in a background thread.
     verify_calls: Warn when a request replays a chunk that is no longer
       stored (a state used twice), which costs regeneration.
-    keep: Served chunks kept per chain besides the prefetched one.
+    keep: Served chunks kept per chain besides the prefetched one. Chunks
+      still awaited by some of ``device_count`` devices are kept too, up to
+      ``keep + 1 + 2 * device_count`` (at most ``_MAX_STORED``) per chain.
   """
 
   def __init__(self, loader: HostDataLoader, cache_size: int, mb_size: int,
@@ -166,38 +179,58 @@ class ChunkServer:
 
   # -- serving ------------------------------------------------------------
 
-  def chunk(self, chain_id: int, index: int) -> Tuple[Leaves, np.ndarray]:
-    """Chunk ``index`` of a chain: flattened batch leaves and mask."""
+  def chunk(self, chain_id: int, index: int, device_count: int = 1
+            ) -> Tuple[Leaves, np.ndarray]:
+    """Chunk ``index`` of a chain: flattened batch leaves and mask.
+
+    ``device_count`` requests are expected for the chunk (one per device of
+    a replicated state); it is kept until they all came, within the cap.
+    """
     record = self.record(chain_id)
-    future, produce = self._future(record, index)
+    future, produce = self._future(record, index, device_count)
     if produce:
       self._produce_into(record, index, future)
     try:
       result = future.result()
     except HostLoaderError:
       with self._lock:
-        if record.chunks.get(index) is future:
+        entry = record.chunks.get(index)
+        if entry is not None and entry.future is future:
           del record.chunks[index]  # a later request tries again
       raise
     self._schedule_next(record, index)
     return result
 
-  def _future(self, record: _ChainRecord, index: int):
+  def _future(self, record: _ChainRecord, index: int, device_count: int):
     with self._lock:
-      future = record.chunks.get(index)
-      if future is not None:
+      record.devices = max(record.devices, device_count)
+      entry = record.chunks.get(index)
+      if entry is not None:
+        entry.pending = (device_count if entry.pending is None
+                         else entry.pending) - 1
         record.chunks.move_to_end(index)
-        return future, False
-      future = concurrent.futures.Future()
-      record.chunks[index] = future
+        return entry.future, False
+      entry = _Entry(concurrent.futures.Future(), device_count - 1)
+      record.chunks[index] = entry
       self._evict(record)
-      return future, True
+      return entry.future, True
 
   def _evict(self, record: _ChainRecord) -> None:
-    """Keeps the newest ``keep + 1`` chunks (with ``_lock`` held)."""
+    """Drops served chunks beyond ``keep + 1`` (with ``_lock`` held).
+
+    Chunks that some device has yet to take stay, up to the hard cap.
+    """
+    cap = min(_MAX_STORED, self._keep + 1 + 2 * record.devices)
     while len(record.chunks) > self._keep + 1:
-      oldest = next(iter(record.chunks))
-      record.chunks.pop(oldest)
+      indices = list(record.chunks)[:-1]  # never the newest
+      served = [i for i in indices if record.chunks[i].pending is not None
+                and record.chunks[i].pending <= 0]
+      if served:
+        record.chunks.pop(served[0])
+      elif len(record.chunks) > cap:
+        record.chunks.pop(indices[0])
+      else:
+        break
 
   def _schedule_next(self, record: _ChainRecord, index: int) -> None:
     if self._executor is None or self._loader is None:
@@ -209,7 +242,7 @@ class ChunkServer:
       if following in record.chunks:
         return
       future = concurrent.futures.Future()
-      record.chunks[following] = future
+      record.chunks[following] = _Entry(future)
       self._evict(record)
     try:
       self._executor.submit(self._produce_into, record, following, future)
@@ -289,8 +322,8 @@ class ChunkServer:
                        f"expected {shape}")
     return checked, mask
 
-  def serve(self, chains: np.ndarray, chunks: np.ndarray, need: np.ndarray
-            ) -> Tuple[np.ndarray, ...]:
+  def serve(self, chains: np.ndarray, chunks: np.ndarray, need: np.ndarray,
+            device_count: int = 1) -> Tuple[np.ndarray, ...]:
     """The callback body: chunks for ``L`` lanes, stacked on a leading axis.
 
     Lanes whose ``need`` is False get zeros; compiled code keeps their cache.
@@ -301,7 +334,7 @@ class ChunkServer:
     self.requests += 1
     lanes = []
     for chain, index, wanted in zip(chains, chunks, need):
-      lanes.append(self.chunk(int(chain), int(index)) if wanted
+      lanes.append(self.chunk(int(chain), int(index), device_count) if wanted
                    else self._zero_chunk())
     if len(lanes) == 1:
       leaves, mask = lanes[0]

@@ -92,11 +92,11 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
                device_count: int = 1):
     state = pl.check_state(state, expected, "batch_fn")
     information = pl.check_flag("information", information)
-    pl.check_device_count(device_count)
+    device_count = pl.check_device_count(device_count)
     server.loader  # raises if released
     cached, batches, mask = bridge.refresh(
         state.chain, state.chunk, state.cached_chunk, state.batches,
-        state.mask)
+        state.mask, device_count)
     batch, batch_mask = pl.chunk_batch(batches, mask, state.position)
     position = state.position + 1
     wrap = position >= cache_size
