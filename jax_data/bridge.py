@@ -17,6 +17,7 @@ made device-varying inside ``shard_map`` by a select against a varying value.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import jax
@@ -77,41 +78,51 @@ class Bridge:
         (server.cache_size, server.mb_size), jnp.bool_)
     self._ops: Dict[int, _Ops] = {}
 
-  def ops(self, device_count: int) -> "_Ops":
-    """The callback wrappers for requests that ``device_count`` devices
-    make alike."""
-    if device_count not in self._ops:
-      self._ops[device_count] = _Ops(self, device_count)
-    return self._ops[device_count]
+  def ops(self, device_count: int, participants: int) -> "_Ops":
+    """The callback wrappers for requests that ``participants`` devices
+    make together, ``device_count`` of them alike."""
+    key = (device_count, participants)
+    if key not in self._ops:
+      self._ops[key] = _Ops(self, device_count, participants)
+    return self._ops[key]
 
   def fetch(self, chain: jax.Array, chunk: jax.Array, device_count: int = 1
             ) -> Tuple[PyTree, jax.Array]:
     """Chunk ``chunk`` of chain ``chain``: (batches, mask)."""
-    return self.ops(device_count).fetch(chain, chunk)
+    return self.ops(device_count, _participants()).fetch(chain, chunk)
 
   def refresh(self, chain, chunk, cached_chunk, batches, mask,
               device_count: int = 1):
     """Makes sure the cache holds ``chunk``: (cached_chunk, batches, mask)."""
-    return self.ops(device_count).refresh(chain, chunk, cached_chunk, batches,
-                                          mask)
+    return self.ops(device_count, _participants()).refresh(
+        chain, chunk, cached_chunk, batches, mask)
+
+
+def _participants() -> int:
+  """How many devices run the current per-device code (pmap, shard_map):
+  each of them makes the same refresh request at the same point."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return math.prod(mesh.shape[a] for a in getattr(mesh, "manual_axes", ()))
 
 
 class _Ops:
   """The callback and its ``custom_vmap`` wrappers for one device count."""
 
-  def __init__(self, bridge: Bridge, device_count: int):
+  def __init__(self, bridge: Bridge, device_count: int, participants: int):
     self.server = bridge.server
     self.treedef = bridge.treedef
     self._leaf_formats = bridge.leaf_formats
     self._mask_format = bridge.mask_format
     self._device_count = device_count
+    self._participants = participants
     self._fetch_many = _fold_lanes(self._fetch_lanes_flat)
     self._refresh_many = _fold_lanes(self._refresh_lanes_flat)
     self.fetch = self._make_fetch()
     self.refresh = self._make_refresh()
 
   def _callback(self, chains, chunks, need):
-    return self.server.serve(chains, chunks, need, self._device_count)
+    return self.server.serve(chains, chunks, need, self._device_count,
+                             self._participants)
 
   def _fetch_lanes(self, chains, chunks, need) -> List[jax.Array]:
     lanes = chains.shape[0]

@@ -38,6 +38,17 @@ Leaves = List[np.ndarray]
 _RECENT_SNAPSHOTS = 16
 # Hard limit of stored chunks per chain, whatever device_count says.
 _MAX_STORED = 32
+# Seconds the devices of one refresh wait for each other (see serve).
+_ROUND_TIMEOUT = 10.0
+
+
+@dataclasses.dataclass
+class _Round:
+  """The requests of one refresh made by several devices."""
+  expected: int
+  arrived: int = 0
+  error: Optional[BaseException] = None
+  done: bool = False
 
 
 class HostLoaderError(RuntimeError):
@@ -122,6 +133,9 @@ class ChunkServer:
                       if prefetch else None)
     self._zeros: Optional[Leaves] = None
     self.requests = 0  # host calls served, for tests and diagnostics
+    self._rounds: Dict[Tuple[int, int], _Round] = {}
+    self._rounds_changed = threading.Condition(self._lock)
+    self._rounds_enabled = True
 
   # -- chains -------------------------------------------------------------
 
@@ -246,8 +260,8 @@ class ChunkServer:
       self._evict(record)
     try:
       self._executor.submit(self._produce_into, record, following, future)
-    except RuntimeError:  # executor shut down by a concurrent release
-      future.set_exception(PipelineReleasedError("pipeline was released"))
+    except RuntimeError:  # the executor is shut down (release, exit)
+      self._produce_into(record, following, future)
 
   def _produce_into(self, record: _ChainRecord, index: int,
                     future: concurrent.futures.Future) -> None:
@@ -323,25 +337,66 @@ class ChunkServer:
     return checked, mask
 
   def serve(self, chains: np.ndarray, chunks: np.ndarray, need: np.ndarray,
-            device_count: int = 1) -> Tuple[np.ndarray, ...]:
+            device_count: int = 1, participants: int = 1
+            ) -> Tuple[np.ndarray, ...]:
     """The callback body: chunks for ``L`` lanes, stacked on a leading axis.
 
     Lanes whose ``need`` is False get zeros; compiled code keeps their cache.
+
+    With ``participants > 1`` the request is one of several that devices
+    make for the same refresh. A failure must then reach every one of them:
+    a device that raised while the others go on to a collective would leave
+    them waiting, and XLA aborts the process. So the participants meet here
+    and, if one failed, all raise the failure.
     """
     chains = np.asarray(chains).reshape(-1)
     chunks = np.asarray(chunks).reshape(-1)
     need = np.asarray(need).reshape(-1)
     self.requests += 1
-    lanes = []
-    for chain, index, wanted in zip(chains, chunks, need):
-      lanes.append(self.chunk(int(chain), int(index), device_count) if wanted
-                   else self._zero_chunk())
+    lanes, error = [], None
+    try:
+      for chain, index, wanted in zip(chains, chunks, need):
+        lanes.append(self.chunk(int(chain), int(index), device_count)
+                     if wanted else self._zero_chunk())
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    if participants > 1 and need.any():
+      error = self._meet(int(chunks[need].min()), participants, error)
+    if error is not None:
+      raise error
     if len(lanes) == 1:
       leaves, mask = lanes[0]
       return tuple(leaf[None] for leaf in leaves) + (mask[None],)
     stacked = [np.stack([lane[0][i] for lane in lanes])
                for i in range(len(self._leaf_formats))]
     return tuple(stacked) + (np.stack([lane[1] for lane in lanes]),)
+
+  def _meet(self, index: int, participants: int,
+            error: Optional[BaseException]) -> Optional[BaseException]:
+    """Waits for the other devices' requests of this refresh; returns the
+    failure of any of them."""
+    with self._lock:
+      if not self._rounds_enabled:
+        return error
+      key = (index, participants)
+      current = self._rounds.setdefault(key, _Round(participants))
+      current.arrived += 1
+      current.error = current.error or error
+      if current.arrived >= current.expected:
+        current.done = True
+        del self._rounds[key]
+        self._rounds_changed.notify_all()
+      elif not self._rounds_changed.wait_for(lambda: current.done,
+                                              _ROUND_TIMEOUT):
+        self._rounds_enabled = False
+        self._rounds.pop(key, None)
+        warnings.warn(
+            f"{self._name}: {participants} devices were expected to request "
+            f"chunk {index} together, but {current.arrived} did within "
+            f"{_ROUND_TIMEOUT:.0f} s; check device_count. Devices no longer "
+            "wait for each other, so a loader failure on one device may "
+            "leave the others waiting in a collective.")
+      return current.error
 
   def _zero_chunk(self) -> Tuple[Leaves, np.ndarray]:
     if self._zeros is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy as copy_module
 import dataclasses
+import os
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import jax
@@ -230,7 +231,21 @@ class NumpyDataLoader(HostDataLoader):
     indices, mask = chain.stream.draw(chain.cache_size)
     return self._gather(indices), (chain.all_valid if mask is None else mask)
 
+  def _check_files(self) -> None:
+    """Raises if a memmap's file shrank: reading past its end would kill
+    the process with SIGBUS instead of raising."""
+    for key, array in self._arrays.items():
+      if not isinstance(array, np.memmap) or array.filename is None:
+        continue
+      needed = array.offset + array.nbytes
+      size = os.stat(array.filename).st_size
+      if size < needed:
+        raise OSError(
+            f"the file of array {key!r} ({array.filename}) was truncated to "
+            f"{size} bytes; the memmap needs {needed}")
+
   def _gather(self, indices: np.ndarray) -> Dict[str, np.ndarray]:
+    self._check_files()
     flat = indices.reshape(-1)
     batches = {}
     for key, array in self._arrays.items():

@@ -228,3 +228,18 @@ def test_chunk_kept_until_every_device_took_it():
   record = server.record(chain)
   assert 0 in record.chunks  # still awaited by the second device
   assert 1 not in record.chunks  # taken by both: retired
+
+
+def test_devices_that_do_not_meet_stop_waiting_with_a_warning(monkeypatch):
+  monkeypatch.setattr(host, "_ROUND_TIMEOUT", 0.2)
+  pipeline = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(N)), CACHE, MB)
+  init_fn, _, _ = pipeline
+  server = pipeline.bridge.server
+  chain = init_fn().chain
+  args = (np.array([chain]), np.array([0]), np.array([True]))
+  with pytest.warns(UserWarning, match="2 devices were expected to request "
+                    "chunk 0 together, but 1 did"):
+    server.serve(*args, participants=2)
+  out = server.serve(*args, participants=2)  # no more waiting
+  assert out[0].shape == (1, CACHE, MB)

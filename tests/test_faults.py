@@ -1,0 +1,165 @@
+"""Loader failures reach the user with context; nothing hangs or aborts."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from jax import lax
+
+import jax_data
+from jax_data import NumpyDataLoader
+
+
+class FlakyLoader(NumpyDataLoader):
+  """Fails on the ``fail_at``-th chunk of chain ``fail_chain``."""
+
+  def __init__(self, fail_chain, fail_at, **arrays):
+    super().__init__(**arrays)
+    self.fail_chain, self.fail_at = fail_chain, fail_at
+    self.served = {}
+
+  def get_batches(self, chain_id):
+    count = self.served.get(chain_id, 0)
+    self.served[chain_id] = count + 1
+    if chain_id == self.fail_chain and count == self.fail_at:
+      raise RuntimeError("disk read failed")
+    return super().get_batches(chain_id)
+
+
+def _scan(batch_fn, steps):
+  return jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
+                                    length=steps))
+
+
+def test_failure_names_loader_chain_and_error_and_other_chains_work():
+  loader = FlakyLoader(fail_chain=1, fail_at=2, x=np.arange(20))
+  init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 2, 3)
+  healthy, failing = init_fn(seed=0), init_fn(seed=1)
+  run = _scan(batch_fn, 10)
+  with pytest.raises(Exception) as info:
+    jax.block_until_ready(run(failing))
+  message = str(info.value)
+  assert "FlakyLoader(x; 20 observations), chain 1, chunk 2" in message
+  assert "RuntimeError: disk read failed" in message
+  # Other chains keep working, and so does the failed chain once its loader
+  # recovers (a later request tries again).
+  _, batches = run(healthy)
+  assert batches["x"].shape == (10, 3)
+  _, again = run(failing)
+  assert again["x"].shape == (10, 3)
+
+
+class BrokenHostLoader(jax_data.HostDataLoader):
+  """A user-defined host loader whose get_batches always raises."""
+
+  def __init__(self):
+    self._chains = 0
+
+  def __repr__(self):
+    return "BrokenHostLoader()"
+
+  @property
+  def static_information(self):
+    return {"observation_count": 8}
+
+  @property
+  def observation_format(self):
+    return {"x": jax.ShapeDtypeStruct((), np.float32)}
+
+  def register_random_pipeline(self, cache_size=1, mb_size=None, **kwargs):
+    self._chains += 1
+    return self._chains - 1
+
+  register_ordered_pipeline = register_random_pipeline
+
+  def get_batches(self, chain_id):
+    raise ValueError("cannot decode record 3")
+
+  def save_state(self, chain_id):
+    return {}
+
+  def load_state(self, chain_id, data):
+    pass
+
+
+def test_user_defined_loader_failure():
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      BrokenHostLoader(), 2, 2)
+  with pytest.raises(Exception, match=r"BrokenHostLoader\(\), chain 0, "
+                     r"chunk 0: ValueError: cannot decode record 3"):
+    jax.block_until_ready(_scan(batch_fn, 3)(init_fn()))
+  mapper_fn, _ = jax_data.full_data_mapper(BrokenHostLoader(), 2, 2)
+  with pytest.raises(Exception, match="ValueError: cannot decode record 3"):
+    jax.block_until_ready(mapper_fn(lambda b, c: (b["x"], c), None))
+
+
+def test_truncated_memmap_raises_instead_of_crashing(tmp_path):
+  path = tmp_path / "x.npy"
+  data = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32,
+                                   shape=(1000, 4))
+  data[:] = 1.0
+  data.flush()
+  del data
+  loader = NumpyDataLoader(copy=False, x=np.load(path, mmap_mode="r"))
+  mapper_fn, _ = jax_data.full_data_mapper(loader, 2, 100)
+  total, _ = mapper_fn(lambda b, m, c: ((b["x"].sum(1) * m).sum(), c), None,
+                       masking=True)
+  assert float(total.sum()) == 4000.0
+  with open(path, "r+b") as f:
+    f.truncate(1000)
+  with pytest.raises(Exception, match="OSError: the file of array 'x'.*was "
+                     "truncated to 1000 bytes"):
+    jax.block_until_ready(mapper_fn(lambda b, c: (b["x"], c), None))
+
+
+_FOUR_DEVICES = textwrap.dedent("""
+    import os, time
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax import lax
+    import jax_data
+    from tests.test_faults import FlakyLoader
+
+    loader = FlakyLoader(fail_chain=2, fail_at=1, x=np.arange(50.0))
+    init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 2, 3)
+    states = jax.tree_util.tree_map(lambda *x: jnp.stack(x),
+                                    *[init_fn(seed=i) for i in range(4)])
+
+    def per_device(state):
+      def body(state, _):
+        state, batch = batch_fn(state)
+        return state, lax.psum(batch["x"].sum(), "d")
+      return lax.scan(body, state, None, length=6)
+
+    start = time.time()
+    try:
+      jax.block_until_ready(jax.pmap(per_device, axis_name="d")(states))
+      print("NO ERROR")
+    except Exception as e:
+      print("RAISED in %.1f s" % (time.time() - start))
+      print(str(e).splitlines()[-1][:300])
+    # The process still works, and so do the other chains.
+    healthy = jax.tree_util.tree_map(lambda *x: jnp.stack(x),
+                                     *[init_fn(seed=i) for i in range(4)])
+    loader.fail_chain = None
+    out = jax.block_until_ready(jax.pmap(per_device, axis_name="d")(healthy))
+    print("AFTER", out[1].shape)
+    """)
+
+
+def test_failure_on_one_of_four_devices_before_a_collective():
+  """Every device raises together, so none waits forever in the psum."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
+  done = subprocess.run([sys.executable, "-c", _FOUR_DEVICES], cwd=root,
+                        env=env, capture_output=True, text=True, timeout=180)
+  output = done.stdout + done.stderr[-3000:]
+  assert done.returncode == 0, output
+  assert "RAISED in" in done.stdout, output
+  assert "chain 2, chunk 1: RuntimeError: disk read failed" in done.stdout, (
+      output)
+  assert "AFTER (4, 6)" in done.stdout, output
