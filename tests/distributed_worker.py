@@ -1,0 +1,112 @@
+"""One of several JAX processes for tests/test_distributed.py.
+
+Not a test module: tests/test_distributed.py starts it as a script,
+
+  python distributed_worker.py PORT PROCESS_ID PROCESS_COUNT DATA.npy OUT.npz
+
+It joins ``jax.distributed`` on 127.0.0.1:PORT, maps a Gaussian
+log-likelihood over this process's shard of the observations in DATA.npy
+(``full_data_mapper(..., **jax_data.process_shard())``), combines the shards'
+values with a cross-process collective and writes what it saw to OUT.npz.
+Importing it (pytest's doctest collection does) has no side effects.
+"""
+
+import math
+import os
+import sys
+import traceback
+
+# Locations of the Gaussian model: log N(x | mu, SIGMA ** 2), float32.
+MUS = (-0.5, 0.0, 0.25, 1.5)
+SIGMA = 1.3
+CACHE = 4  # batches per host call
+MB = 16  # observations per batch; 1001 // 2 is not a multiple: padding
+
+
+def gaussian_loglik(x, mu, sigma=SIGMA):
+  """log N(x | mu, sigma ** 2), element-wise; works on NumPy and JAX."""
+  z = (x - mu) / sigma
+  return -0.5 * z * z - math.log(sigma) - 0.5 * math.log(2 * math.pi)
+
+
+def main(argv):
+  port, process_id, process_count = (int(a) for a in argv[1:4])
+  data_path, out_path = argv[4:6]
+
+  import jax
+  # Cross-process collectives on CPU go over Gloo (jax 0.10.2 offers gloo,
+  # mpi or megascale; gloo is the default and needs nothing installed).
+  # Named anyway, before initialize, so process_allgather below works.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                             num_processes=process_count,
+                             process_id=process_id,
+                             initialization_timeout=30)
+
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  import jax_data
+
+  shard = jax_data.process_shard()
+  assert shard == {"shard_index": process_id,
+                   "shard_count": process_count}, shard
+
+  x = np.load(data_path)
+  count = x.shape[0]
+  loader = jax_data.NumpyDataLoader(x=x, index=np.arange(count))
+  mapper_fn, release_fn = jax_data.full_data_mapper(loader, CACHE, MB,
+                                                    **shard)
+
+  def loglik(mu):
+    sums, _ = mapper_fn(
+        lambda b, m, c: (jnp.sum(jnp.where(m, gaussian_loglik(b["x"], mu),
+                                           0.0)), c), None, masking=True)
+    return jnp.sum(sums)
+
+  mus = jnp.asarray(MUS, jnp.float32)
+  partial = np.asarray(jax.jit(jax.vmap(loglik))(mus))  # this shard's sums
+  seen, _ = jax.jit(lambda: mapper_fn(lambda b, c: (b["index"], c), None))()
+  seen = np.asarray(seen)
+  release_fn()
+
+  # A random chain restricted to this process's shard, by the same keywords.
+  init_fn, batch_fn, release_random = jax_data.random_reference_data(
+      jax_data.NumpyDataLoader(index=np.arange(count)), 3, 8)
+  state = init_fn(seed=7, shuffle=True, **shard)
+  drawn = []
+  for _ in range(5):
+    state, batch = batch_fn(state)
+    drawn.append(np.asarray(batch["index"]))
+  release_random()
+
+  # Combine across processes with a real collective (gloo on CPU). Shards
+  # differ in size by one, so the index lists are padded with -1 first.
+  longest = -(-count // process_count)
+  padded = np.full(longest, -1, np.int32)
+  padded[:seen.size] = seen
+  partials = np.asarray(multihost_utils.process_allgather(partial))
+  indices = np.asarray(multihost_utils.process_allgather(padded))
+  multihost_utils.sync_global_devices("jax_data distributed test done")
+
+  np.savez(out_path, partial=partial, partials=partials,
+           total=partials.sum(axis=0), seen=seen, indices=indices,
+           drawn=np.stack(drawn), device_count=jax.device_count(),
+           local_device_count=jax.local_device_count())
+  jax.distributed.shutdown()
+  return 0
+
+
+if __name__ == "__main__":
+  try:
+    status = main(sys.argv)
+  except BaseException:  # noqa: BLE001 - report anything, then leave
+    # A failed process must not linger: at exit jax.distributed would wait
+    # (up to its shutdown timeout) for the other processes, which in turn
+    # wait for this one. Print the error and leave at once.
+    traceback.print_exc()
+    status = 1
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status)

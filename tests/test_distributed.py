@@ -1,0 +1,240 @@
+"""Several processes: each maps over its shard of the observations.
+
+Two real JAX processes join ``jax.distributed`` on 127.0.0.1 (CPU, one device
+each) and run tests/distributed_worker.py; their shards' log-likelihoods,
+combined, must equal the single-process full-data value. Random chains
+restricted to a shard are tested in this process.
+
+How the shards are combined: with a real cross-process collective,
+``jax.experimental.multihost_utils.process_allgather``. On CPU it runs over
+Gloo (``jax_cpu_collectives_implementation="gloo"``, the default of jax
+0.10.2, which the worker also sets before ``jax.distributed.initialize``).
+Each worker also writes its own partial value to a file, so the test checks
+the collective against a plain sum of the files as well.
+"""
+
+import contextlib
+import importlib.util
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jax_data
+from jax_data import NumpyDataLoader
+from jax_data.sampling import ObservationRange
+
+WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
+PROCESSES = 2
+N = 1001  # odd: the two shards differ in size (500 and 501)
+TIMEOUT_S = 60  # the workers take a few seconds; this only stops hangs
+
+
+def _load_worker():
+  spec = importlib.util.spec_from_file_location("_jax_data_dist_worker",
+                                                WORKER)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+worker = _load_worker()
+
+
+def _free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _worker_env():
+  env = dict(os.environ)
+  env["JAX_PLATFORMS"] = "cpu"
+  # One CPU device per process: drop conftest's forced device count.
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  if flags:
+    env["XLA_FLAGS"] = " ".join(flags)
+  else:
+    env.pop("XLA_FLAGS", None)
+  # The workers import the same jax_data as this test.
+  root = str(pathlib.Path(jax_data.__file__).resolve().parent.parent)
+  env["PYTHONPATH"] = os.pathsep.join(
+      [root] + [p for p in [env.get("PYTHONPATH")] if p])
+  return env
+
+
+def _run_workers(tmp_path, data_path):
+  """Starts the workers, waits for all, kills them on a failure or timeout.
+
+  Returns ``([(returncode, output_text, out_path), ...], report)``.
+  """
+  port = _free_port()
+  env = _worker_env()
+  procs = []
+  timed_out = False
+  with contextlib.ExitStack() as stack:
+    try:
+      for i in range(PROCESSES):
+        log = stack.enter_context(open(tmp_path / f"worker{i}.log", "wb"))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(WORKER), str(port), str(i), str(PROCESSES),
+             str(data_path), str(tmp_path / f"worker{i}.npz")],
+            cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True))
+      # Wait for all; stop at once when one fails (the others would wait
+      # for it in jax.distributed) or when the time is up.
+      deadline = time.monotonic() + TIMEOUT_S
+      while any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs):
+          break
+        if time.monotonic() > deadline:
+          timed_out = True
+          break
+        time.sleep(0.05)
+    finally:
+      for p in procs:  # only our own workers, by their process group
+        if p.poll() is None:
+          with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+          p.wait()
+  results = [(p.returncode,
+              (tmp_path / f"worker{i}.log").read_text(errors="replace"),
+              tmp_path / f"worker{i}.npz") for i, p in enumerate(procs)]
+  report = "\n".join(
+      f"--- worker {i} (exit {rc}) on port {port} ---\n{text[-4000:]}"
+      for i, (rc, text, _) in enumerate(results))
+  assert not timed_out, f"workers ran past {TIMEOUT_S} s:\n{report}"
+  return results, report
+
+
+def _numpy_loglik(x, mu):
+  return float(np.sum(worker.gaussian_loglik(x.astype(np.float64), mu)))
+
+
+def test_two_processes_map_their_shards_and_combine_to_the_full_value(
+    tmp_path):
+  x = np.random.default_rng(0).normal(0.3, 1.3, N).astype(np.float32)
+  data_path = tmp_path / "x.npy"
+  np.save(data_path, x)
+
+  results, report = _run_workers(tmp_path, data_path)
+  assert all(rc == 0 for rc, _, _ in results), report
+  outs = [dict(np.load(out)) for _, _, out in results]
+
+  # The single-process full-data value: the same map without shards, and
+  # NumPy in float64.
+  mapper_fn, release_fn = jax_data.full_data_mapper(
+      NumpyDataLoader(x=x), worker.CACHE, worker.MB)
+
+  def loglik(mu):
+    sums, _ = mapper_fn(
+        lambda b, m, c: (jnp.sum(jnp.where(
+            m, worker.gaussian_loglik(b["x"], mu), 0.0)), c), None,
+        masking=True)
+    return jnp.sum(sums)
+
+  mus = jnp.asarray(worker.MUS, jnp.float32)
+  full = np.asarray(jax.jit(jax.vmap(loglik))(mus))
+  release_fn()
+  full_numpy = [_numpy_loglik(x, mu) for mu in worker.MUS]
+  np.testing.assert_allclose(full, full_numpy, rtol=1e-5)
+
+  shards = [ObservationRange.shard(N, i, PROCESSES) for i in range(PROCESSES)]
+  for i, (out, shard) in enumerate(zip(outs, shards)):
+    assert int(out["device_count"]) == PROCESSES, report
+    assert int(out["local_device_count"]) == 1, report
+    # Combined with the collective: every process holds the full value.
+    np.testing.assert_allclose(out["total"], full, rtol=1e-5, err_msg=report)
+    np.testing.assert_allclose(out["total"], full_numpy, rtol=1e-5)
+    # Gathered in process order; each process's part is its shard's value.
+    np.testing.assert_array_equal(
+        out["partials"], np.stack([o["partial"] for o in outs]))
+    np.testing.assert_allclose(
+        out["partial"],
+        [_numpy_loglik(x[shard.start:shard.start + shard.count], mu)
+         for mu in worker.MUS], rtol=1e-5)
+    # Each process saw exactly its contiguous shard, in order.
+    np.testing.assert_array_equal(
+        out["seen"], np.arange(shard.start, shard.start + shard.count))
+    gathered = out["indices"]
+    for j in range(PROCESSES):
+      np.testing.assert_array_equal(gathered[j][gathered[j] >= 0],
+                                    outs[j]["seen"])
+    # Its random chain, restricted by process_shard(), stayed in the shard.
+    drawn = out["drawn"]
+    assert drawn.min() >= shard.start, (i, drawn)
+    assert drawn.max() < shard.start + shard.count, (i, drawn)
+
+  # The file route agrees with the collective.
+  np.testing.assert_allclose(sum(o["partial"] for o in outs), full,
+                             rtol=1e-5)
+  # Disjoint shards that cover every observation once.
+  seen = [set(o["seen"].tolist()) for o in outs]
+  assert len(seen[0]) + len(seen[1]) == N
+  assert not seen[0] & seen[1]
+  assert seen[0] | seen[1] == set(range(N))
+
+
+def _draw(loader, shard, batches, **kwargs):
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 3, 8)
+  state = init_fn(**shard, **kwargs)
+
+  @jax.jit
+  def run(state):
+    return lax.scan(lambda s, _: batch_fn(s, information=True), state, None,
+                    length=batches)
+
+  _, (batch, info) = run(state)
+  release_fn()
+  return np.asarray(batch["index"]), np.asarray(info.mask)
+
+
+@pytest.mark.parametrize("mode", [
+    {"seed": 3},
+    {"seed": 3, "shuffle": True},
+    {"seed": 3, "shuffle": True, "in_epochs": True}])
+def test_random_chains_stay_in_their_shard(mode):
+  loader = NumpyDataLoader(index=np.arange(N))
+  covered = set()
+  for i in range(PROCESSES):
+    shard = ObservationRange.shard(N, i, PROCESSES)
+    per_epoch = -(-shard.count // 8)
+    indices, mask = _draw(loader, {"shard_index": i,
+                                   "shard_count": PROCESSES},
+                          per_epoch, **mode)
+    valid = indices[mask]
+    assert valid.min() >= shard.start and valid.max() < (
+        shard.start + shard.count), (i, valid)
+    if mode.get("shuffle"):
+      # A shuffled chain's first shard.count draws (in epochs: its first
+      # epoch, padding masked) are its whole shard, once.
+      assert sorted(valid[:shard.count].tolist()) == list(
+          range(shard.start, shard.start + shard.count))
+    covered |= set(valid.tolist())
+  if mode.get("shuffle"):
+    assert covered == set(range(N))
+
+
+def test_process_shard_defaults_to_this_single_process():
+  assert jax_data.process_shard() == {"shard_index": jax.process_index(),
+                                      "shard_count": jax.process_count()}
+  assert jax_data.process_shard() == {"shard_index": 0, "shard_count": 1}
+  loader = NumpyDataLoader(index=np.arange(N))
+  # One process holds everything: the same draws as without a shard.
+  with_shard = _draw(loader, jax_data.process_shard(), 4, seed=5)
+  without = _draw(loader, {}, 4, seed=5)
+  np.testing.assert_array_equal(with_shard[0], without[0])
+  mapper_fn, _ = jax_data.full_data_mapper(loader, 4, 16,
+                                           **jax_data.process_shard())
+  seen, _ = mapper_fn(lambda b, c: (b["index"], c), None)
+  np.testing.assert_array_equal(seen, np.arange(N))
