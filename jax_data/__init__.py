@@ -4,6 +4,10 @@ Mini-batches and full-data maps inside ``jit``, ``lax.scan``, ``vmap`` and
 ``pmap``, served from host memory, memmaps or ``tf.data`` pipelines.
 """
 
+from jax_data.checkpoint import restore_checkpoint
+from jax_data.checkpoint import save_checkpoint
+from jax_data.checkpoint import state_from_pytree
+from jax_data.checkpoint import state_to_pytree
 from jax_data.distributed import process_shard
 from jax_data.full_access import full_data_mapper
 from jax_data.full_access import full_reference_data
@@ -34,4 +38,8 @@ __all__ = [
     "full_reference_data",
     "process_shard",
     "random_reference_data",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "state_from_pytree",
+    "state_to_pytree",
 ]

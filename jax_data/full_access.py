@@ -161,7 +161,10 @@ def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
         masking, information)
     return data_state, (results, carry)
 
-  return pl.Pipeline((init_fn, map_fn, release_fn), bridge, "full")
+  fingerprint = pl.fingerprint(loader, plan.cache_size, mb_size,
+                               observations.count)
+  return pl.Pipeline((init_fn, map_fn, release_fn), bridge, "full", expected,
+                     fingerprint)
 
 
 def _host_chunks(loader, plan: _PassPlan, shard):
@@ -254,7 +257,8 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
                                  device_count=device_count)
     return results, carry
 
-  return pl.Pipeline((mapper_fn, release_fn), pipeline.bridge, "mapper")
+  return pl.Pipeline((mapper_fn, release_fn), pipeline.bridge, "mapper",
+                     pipeline.template, pipeline.fingerprint)
 
 
 def _batched(fun: Callable) -> Callable:

@@ -71,7 +71,7 @@ class _ChainRecord:
   """The bridge's bookkeeping for one chain."""
   chain_id: int
   kind: str  # "random" or "ordered"
-  registration: Dict[str, Any]  # keyword arguments the chain was made with
+  registration: Dict[str, Any]  # keywords that re-create the chain
   cycle: Optional[int]  # chunks per pass when requests wrap around
   snapshots: Dict[int, Any]  # chunk index -> loader state before it
   next_index: Optional[int]  # chunk the loader chain produces next
@@ -161,7 +161,11 @@ class ChunkServer:
     else:
       chain_id = loader.register_ordered_pipeline(
           cache_size=self.cache_size, mb_size=self.mb_size, **kwargs)
-    record = _ChainRecord(chain_id, kind, dict(kwargs), cycle,
+    registration = dict(kwargs)
+    fingerprint = loader.chain_fingerprint(chain_id)
+    if "seed" in fingerprint:  # a default seed is resolved once, for good
+      registration["seed"] = fingerprint["seed"]
+    record = _ChainRecord(chain_id, kind, registration, cycle,
                           {0: loader.save_state(chain_id)}, 0,
                           collections.OrderedDict())
     with self._lock:

@@ -3,9 +3,11 @@ server and bridge, and the returned tuple type."""
 
 from __future__ import annotations
 
+import functools
 import math
+import types
 import warnings
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import jax
 import jax.numpy as jnp
@@ -22,18 +24,49 @@ class Pipeline(tuple):
   """The tuple a pipeline constructor returns, e.g. ``(init_fn, batch_fn,
   release_fn)``; it unpacks like a plain tuple.
 
-  The attribute ``bridge`` (None for device-resident loaders) gives
-  checkpoints and diagnostics access to the host side.
+  Checkpoints take the pipeline or any of its functions (each carries the
+  attribute ``jax_data_pipeline``).
+
+  Attributes:
+    bridge: The host bridge; None for device-resident loaders.
+    kind: "random", "full" or "mapper".
+    template: A state of the pipeline's shapes, positioned at the start.
+    fingerprint: What a checkpoint of this pipeline must match.
   """
 
-  def __new__(cls, functions, bridge: Optional[Bridge], kind: str):
-    self = super().__new__(cls, functions)
+  def __new__(cls, functions, bridge: Optional[Bridge], kind: str,
+              template: CacheState, fingerprint: Dict[str, Any]):
+    self = super().__new__(cls, tuple(_as_function(f) for f in functions))
     self.bridge = bridge
     self.kind = kind
+    self.template = template
+    self.fingerprint = fingerprint
+    for function in self:
+      function.jax_data_pipeline = self
     return self
 
   def __getnewargs__(self):
-    return (tuple(self), self.bridge, self.kind)
+    return (tuple(self), self.bridge, self.kind, self.template,
+            self.fingerprint)
+
+
+def _as_function(function):
+  """A plain function (bound methods cannot carry attributes)."""
+  if isinstance(function, types.FunctionType):
+    return function
+
+  @functools.wraps(function)
+  def wrapper(*args, **kwargs):
+    return function(*args, **kwargs)
+
+  return wrapper
+
+
+def fingerprint(loader: DataLoader, cache_size: int, mb_size: int,
+                observation_count: int) -> Dict[str, Any]:
+  """What identifies a pipeline's batches, for checking checkpoints."""
+  return {"loader": type(loader).__name__, "cache_size": cache_size,
+          "mb_size": mb_size, "observation_count": observation_count}
 
 
 def check_loader(data_loader: Any) -> DataLoader:

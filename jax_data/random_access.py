@@ -75,9 +75,11 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
   count = loader.static_information["observation_count"]
   cache_size, mb_size = pl.check_sizes(loader, cached_batches_count, mb_size)
   if isinstance(loader, DeviceDataLoader):
-    return _device_pipeline(LoaderRef(loader), mb_size, count)
+    return _device_pipeline(LoaderRef(loader), mb_size, count,
+                            pl.fingerprint(loader, 0, mb_size, count))
   pl.warn_large_cache(cache_size, mb_size, count)
 
+  fingerprint = pl.fingerprint(loader, cache_size, mb_size, count)
   bridge = pl.make_bridge(loader, cache_size, mb_size, verify_calls)
   server = bridge.server
   batch_format, _ = loader.batch_format(cache_size, mb_size)
@@ -112,11 +114,12 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
   def release_fn() -> None:
     server.release()
 
-  return pl.Pipeline((init_fn, batch_fn, release_fn), bridge, "random")
+  return pl.Pipeline((init_fn, batch_fn, release_fn), bridge, "random",
+                     expected, fingerprint)
 
 
-def _device_pipeline(ref: LoaderRef, mb_size: int, count: int
-                     ) -> pl.Pipeline:
+def _device_pipeline(ref: LoaderRef, mb_size: int, count: int,
+                     fingerprint) -> pl.Pipeline:
   """Random batches of a device-resident loader: no host calls."""
   expected = pl.make_state(-1, 0, mb_size)
 
@@ -135,4 +138,5 @@ def _device_pipeline(ref: LoaderRef, mb_size: int, count: int
       return new_state, (batch, info)
     return new_state, batch
 
-  return pl.Pipeline((init_fn, batch_fn, ref.release), None, "random")
+  return pl.Pipeline((init_fn, batch_fn, ref.release), None, "random",
+                     expected, fingerprint)

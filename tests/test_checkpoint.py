@@ -1,0 +1,146 @@
+"""Checkpoints restore the data position exactly, also in a new process."""
+
+import copy
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jax_data
+from jax_data import NumpyDataLoader
+
+MODES = [dict(), dict(shuffle=True), dict(shuffle=True, in_epochs=True)]
+N, CACHE, MB = 37, 4, 5
+
+
+def _pipeline():
+  return jax_data.random_reference_data(NumpyDataLoader(x=np.arange(N)),
+                                        CACHE, MB)
+
+
+def _run(batch_fn, steps):
+  def body(state, _):
+    state, (batch, info) = batch_fn(state, information=True)
+    return state, (batch["x"], info.mask)
+  return jax.jit(lambda s: lax.scan(body, s, None, length=steps))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("steps", [0, 3, 4, 9])
+def test_restore_continues_with_the_same_batches(tmp_path, mode, steps):
+  pipeline = _pipeline()
+  init_fn, batch_fn, _ = pipeline
+  state, _ = _run(batch_fn, max(steps, 1))(init_fn(**mode)) if steps else (
+      init_fn(**mode), None)
+  path = tmp_path / "data.npz"
+  jax_data.save_checkpoint(path, pipeline, state)
+  _, expected = _run(batch_fn, 11)(state)
+  # A new loader and pipeline, as after a restart.
+  fresh = _pipeline()
+  restored = jax_data.restore_checkpoint(path, fresh)
+  _, got = _run(fresh[1], 11)(restored)
+  assert got[0].tolist() == expected[0].tolist()
+  assert got[1].tolist() == expected[1].tolist()
+
+
+def test_stacked_states_and_init_fn_as_handle(tmp_path):
+  pipeline = _pipeline()
+  init_fn, batch_fn, _ = pipeline
+  states = jax.tree_util.tree_map(
+      lambda *xs: jnp.stack(xs), *[init_fn(seed=s, **m)
+                                   for s, m in enumerate(MODES)])
+  run = jax.jit(jax.vmap(lambda s: lax.scan(
+      lambda s, _: batch_fn(s), s, None, length=6)))
+  states, _ = run(states)
+  tree = jax_data.state_to_pytree(init_fn, states)
+  frozen = copy.deepcopy(tree)
+  _, expected = run(states)
+  fresh = _pipeline()
+  restored = jax_data.state_from_pytree(fresh[0], pickle.loads(
+      pickle.dumps(tree)))
+  _, got = jax.jit(jax.vmap(lambda s: lax.scan(
+      lambda s, _: fresh[1](s), s, None, length=6)))(restored)
+  assert got["x"].tolist() == expected["x"].tolist()
+  assert all(np.array_equal(tree[k], frozen[k]) for k in tree)
+
+
+def test_full_reference_state_and_device_loader(tmp_path):
+  loader = NumpyDataLoader(x=np.arange(10))
+  pipeline = jax_data.full_reference_data(loader, 2, 3)
+  state = pipeline[0]()
+  tree = jax_data.state_to_pytree(pipeline, state)
+  fresh = jax_data.full_reference_data(NumpyDataLoader(x=np.arange(10)), 2, 3)
+  restored = jax_data.state_from_pytree(fresh, tree)
+  _, (values, _) = fresh[1](lambda b, c: (b["x"], c), restored, None)
+  assert values.tolist() == list(range(10))
+
+  device = jax_data.random_reference_data(
+      jax_data.DeviceNumpyDataLoader(x=np.arange(10)), 1, 3)
+  state = device[0](key=jax.random.PRNGKey(5))
+  state, _ = device[1](state)
+  again = jax_data.state_from_pytree(device,
+                                     jax_data.state_to_pytree(device, state))
+  assert device[1](again)[1]["x"].tolist() == device[1](state)[1]["x"].tolist()
+
+
+def test_mismatches_are_named_with_both_sides(tmp_path):
+  pipeline = _pipeline()
+  state = pipeline[0](seed=1)
+  tree = jax_data.state_to_pytree(pipeline, state)
+  other = jax_data.random_reference_data(NumpyDataLoader(x=np.arange(N)),
+                                         CACHE, MB + 1)
+  with pytest.raises(ValueError, match=r"its pipeline is .*'mb_size': 5.* "
+                     r"but here it is .*'mb_size': 6"):
+    jax_data.state_from_pytree(other, tree)
+  smaller = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(N - 1)), CACHE, MB)
+  with pytest.raises(ValueError, match="'observation_count': 37"):
+    jax_data.state_from_pytree(smaller, tree)
+  host = json.loads(tree["host"].tobytes())
+  host["version"] = 99
+  bad = dict(tree, host=np.frombuffer(json.dumps(host).encode(), np.uint8))
+  with pytest.raises(ValueError, match="format version is 99, but here it "
+                     "is 1"):
+    jax_data.state_from_pytree(pipeline, bad)
+  with pytest.raises(TypeError, match="pipeline must be"):
+    jax_data.state_to_pytree(object(), state)
+
+
+_RESTORE = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    from jax import lax
+    import jax_data
+    path, steps = sys.argv[1], int(sys.argv[2])
+    pipeline = jax_data.random_reference_data(
+        jax_data.NumpyDataLoader(x=np.arange(%d)), %d, %d)
+    state = jax_data.restore_checkpoint(path, pipeline)
+    _, x = jax.jit(lambda s: lax.scan(
+        lambda s, _: pipeline[1](s), s, None, length=steps))(state)
+    print(json.dumps(x["x"].tolist()))
+    """ % (N, CACHE, MB))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_restore_in_a_fresh_process(tmp_path, mode):
+  pipeline = _pipeline()
+  init_fn, batch_fn, _ = pipeline
+  state, _ = _run(batch_fn, 7)(init_fn(seed=12, **mode))
+  path = tmp_path / "data.npz"
+  jax_data.save_checkpoint(path, pipeline, state)
+  _, (expected, _) = _run(batch_fn, 13)(state)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run(
+      [sys.executable, "-c", _RESTORE, str(path), "13"], cwd=root,
+      env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True,
+      timeout=120)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert json.loads(done.stdout.strip().splitlines()[-1]) == expected.tolist()
