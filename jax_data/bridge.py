@@ -18,6 +18,7 @@ made device-varying inside ``shard_map`` by a select against a varying value.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import jax
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_batching import custom_vmap
 
-from jax_data.host import ChunkServer
+from jax_data.host import ChunkServer, PipelineReleasedError
 from jax_data.types import PyTree
 
 
@@ -120,15 +121,12 @@ class _Ops:
     self.fetch = self._make_fetch()
     self.refresh = self._make_refresh()
 
-  def _callback(self, chains, chunks, need):
-    return self.server.serve(chains, chunks, need, self._device_count,
-                             self._participants)
-
   def _fetch_lanes(self, chains, chunks, need) -> List[jax.Array]:
     lanes = chains.shape[0]
     outs = [jax.ShapeDtypeStruct((lanes,) + s.shape, s.dtype)
             for s in self._leaf_formats + [self._mask_format]]
-    return list(jax.pure_callback(self._callback, outs, chains, chunks, need,
+    callback = _Callback(self.server, self._device_count, self._participants)
+    return list(jax.pure_callback(callback, outs, chains, chunks, need,
                                   vmap_method="sequential"))
 
   def _fetch_lanes_flat(self, chains, chunks):
@@ -214,6 +212,29 @@ class _Ops:
       return cached_chunk, self.treedef.unflatten(leaves), mask
 
     return refresh_cache
+
+
+class _Callback:
+  """The host function compiled code calls.
+
+  It holds its server weakly: compiled executables keep their callbacks,
+  and JAX's caches keep executables while their functions live, so a strong
+  reference would keep every pipeline alive for good.
+  """
+
+  def __init__(self, server: ChunkServer, device_count: int,
+               participants: int):
+    self._server = weakref.ref(server)
+    self._device_count = device_count
+    self._participants = participants
+
+  def __call__(self, chains, chunks, need):
+    server = self._server()
+    if server is None:
+      raise PipelineReleasedError(
+          "compiled code called a jax_data pipeline that no longer exists")
+    return server.serve(chains, chunks, need, self._device_count,
+                        self._participants)
 
 
 def _varying_like(outs, predicate, axes) -> List[jax.Array]:

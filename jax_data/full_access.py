@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Optional, Tuple
 
@@ -137,15 +138,25 @@ def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
                                        observations.count)
   plan = _PassPlan(observations.count, cache_size, mb_size)
   if isinstance(loader, DeviceDataLoader):
+    ref = LoaderRef(loader)
     init_fn, fetch_chunk, release_fn, bridge = _device_chunks(
-        LoaderRef(loader), plan, observations)
+        ref, plan, observations)
+    release_check = lambda: ref.loader
   else:
     pl.warn_large_cache(cache_size, mb_size, observations.count, stacklevel)
     shard = ({} if shard_index is None else
              {"shard_index": shard_index, "shard_count": shard_count})
     init_fn, fetch_chunk, release_fn, bridge = _host_chunks(
         loader, plan, shard)
+    release_check = lambda: bridge.server.loader
   expected = pl.make_state(-1 if bridge is None else 0, 0, mb_size)
+
+  @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
+  def one_pass(fun, data_state, carry, masking, information, device_count):
+    results, carry = _map_pass(
+        lambda k: fetch_chunk(data_state, k, device_count), plan, fun, carry,
+        masking, information)
+    return data_state, (results, carry)
 
   def map_fn(fun: Callable, data_state: CacheState, carry: PyTree,
              masking: bool = False, information: bool = False,
@@ -156,10 +167,9 @@ def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
     masking = pl.check_flag("masking", masking)
     information = pl.check_flag("information", information)
     device_count = pl.check_device_count(device_count)
-    results, carry = _map_pass(
-        lambda k: fetch_chunk(data_state, k, device_count), plan, fun, carry,
-        masking, information)
-    return data_state, (results, carry)
+    release_check()
+    return one_pass(fun, data_state, carry, masking, information,
+                    device_count)
 
   fingerprint = pl.fingerprint(loader, plan.cache_size, mb_size,
                                observations.count)

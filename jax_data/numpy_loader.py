@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy as copy_module
 import dataclasses
 import os
+import threading
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import jax
@@ -117,6 +118,8 @@ class NumpyDataLoader(HostDataLoader):
                                          reference_data)
     self._format = _observation_format(self._arrays)
     self._chains: List[Optional[_Chain]] = []
+    # Chain ids (and default seeds) count registrations: one at a time.
+    self._registering = threading.RLock()
 
   def __repr__(self) -> str:
     keys = ", ".join(self._arrays)
@@ -172,6 +175,10 @@ class NumpyDataLoader(HostDataLoader):
     Returns:
       The chain id.
     """
+    with self._registering:
+      return self._register_random(cache_size, mb_size, kwargs)
+
+  def _register_random(self, cache_size, mb_size, kwargs) -> int:
     check_keywords("a random chain of NumpyDataLoader", kwargs,
                    self._RANDOM_KEYWORDS)
     chain_id = len(self._chains)
@@ -206,6 +213,10 @@ class NumpyDataLoader(HostDataLoader):
     Returns:
       The chain id.
     """
+    with self._registering:
+      return self._register_ordered(cache_size, mb_size, kwargs)
+
+  def _register_ordered(self, cache_size, mb_size, kwargs) -> int:
     check_keywords("an ordered chain of NumpyDataLoader", kwargs,
                    self._ORDERED_KEYWORDS)
     observations = self._observations(kwargs.get("shard_index"),

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 
 from jax_data import pipeline as pl
@@ -90,12 +92,8 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
     chain = server.register("random", **kwargs)
     return pl.make_state(chain, cache_size, mb_size, batch_format)
 
-  def batch_fn(state: CacheState, information: bool = False,
-               device_count: int = 1):
-    state = pl.check_state(state, expected, "batch_fn")
-    information = pl.check_flag("information", information)
-    device_count = pl.check_device_count(device_count)
-    server.loader  # raises if released
+  @functools.partial(jax.jit, static_argnums=(1, 2))
+  def step(state: CacheState, information: bool, device_count: int):
     cached, batches, mask = bridge.refresh(
         state.chain, state.chunk, state.cached_chunk, state.batches,
         state.mask, device_count)
@@ -110,6 +108,14 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
       return new_state, (batch, MiniBatchInformation(
           observation_count=count, mask=batch_mask, batch_size=mb_size))
     return new_state, batch
+
+  def batch_fn(state: CacheState, information: bool = False,
+               device_count: int = 1):
+    state = pl.check_state(state, expected, "batch_fn")
+    information = pl.check_flag("information", information)
+    device_count = pl.check_device_count(device_count)
+    server.loader  # raises if released
+    return step(state, information, device_count)
 
   def release_fn() -> None:
     server.release()
