@@ -92,8 +92,8 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
     chain = server.register("random", **kwargs)
     return pl.make_state(chain, cache_size, mb_size, batch_format)
 
-  @functools.partial(jax.jit, static_argnums=(1, 2))
-  def step(state: CacheState, information: bool, device_count: int):
+  @functools.partial(jax.jit, static_argnums=1)
+  def step(state: CacheState, device_count: int):
     cached, batches, mask = bridge.refresh(
         state.chain, state.chunk, state.cached_chunk, state.batches,
         state.mask, device_count)
@@ -104,10 +104,7 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
         chunk=jnp.where(wrap, state.chunk + 1, state.chunk),
         position=jnp.where(wrap, 0, position),
         cached_chunk=cached, batches=batches, mask=mask)
-    if information:
-      return new_state, (batch, MiniBatchInformation(
-          observation_count=count, mask=batch_mask, batch_size=mb_size))
-    return new_state, batch
+    return new_state, batch, batch_mask
 
   def batch_fn(state: CacheState, information: bool = False,
                device_count: int = 1):
@@ -115,7 +112,12 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
     information = pl.check_flag("information", information)
     device_count = pl.check_device_count(device_count)
     server.loader  # raises if released
-    return step(state, information, device_count)
+    new_state, batch, batch_mask = step(state, device_count)
+    if information:
+      # Built outside the jitted step: its counts stay Python ints.
+      return new_state, (batch, MiniBatchInformation(
+          observation_count=count, mask=batch_mask, batch_size=mb_size))
+    return new_state, batch
 
   def release_fn() -> None:
     server.release()
