@@ -1,0 +1,114 @@
+"""Property-based tests over observation counts, batch and cache sizes,
+seeds."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jax_data
+from jax_data import NumpyDataLoader
+
+# Derandomized: the same examples in every CI run, no flaky failures.
+PROPERTY = settings(deadline=None, derandomize=True, max_examples=40)
+SLOW = settings(deadline=None, derandomize=True, max_examples=8)
+
+
+@st.composite
+def sizes(draw, max_n=60):
+  n = draw(st.integers(1, max_n))
+  mb = draw(st.integers(1, n))
+  cache = draw(st.integers(1, 6))
+  seed = draw(st.integers(0, 2**32 - 1))
+  return n, mb, cache, seed
+
+
+def _chunks(loader, chain, count):
+  rows, masks = [], []
+  for _ in range(count):
+    batches, mask = loader.get_batches(chain)
+    rows.extend(batches["x"])
+    masks.extend(mask)
+  return np.array(rows), np.array(masks)
+
+
+@PROPERTY
+@given(sizes())
+def test_epochs_cover_every_observation_once(params):
+  n, mb, cache, seed = params
+  loader = NumpyDataLoader(x=np.arange(n))
+  chain = loader.register_random_pipeline(cache, mb, seed=seed, shuffle=True,
+                                          in_epochs=True)
+  per_epoch = math.ceil(n / mb)
+  rows, masks = _chunks(loader, chain, math.ceil(3 * per_epoch / cache))
+  for e in range(3):
+    part = slice(e * per_epoch, (e + 1) * per_epoch)
+    assert sorted(rows[part][masks[part]].tolist()) == list(range(n))
+    assert (rows[part][~masks[part]] == 0).all()
+
+
+@PROPERTY
+@given(sizes())
+def test_shuffle_repeats_only_across_permutation_boundaries(params):
+  n, mb, cache, seed = params
+  loader = NumpyDataLoader(x=np.arange(n))
+  chain = loader.register_random_pipeline(cache, mb, seed=seed, shuffle=True)
+  rows, masks = _chunks(loader, chain, math.ceil(3 * n / (mb * cache)) + 1)
+  assert masks.all()
+  flat = rows.reshape(-1)
+  for start in range(0, flat.size - n + 1, n):
+    assert sorted(flat[start:start + n].tolist()) == list(range(n))
+  for j, batch in enumerate(rows):
+    if len(set(batch.tolist())) < mb:
+      assert (j * mb) // n != (j * mb + mb - 1) // n
+
+
+@PROPERTY
+@given(sizes())
+def test_ordered_passes_in_order(params):
+  n, mb, cache, _ = params
+  loader = NumpyDataLoader(x=np.arange(n))
+  chain = loader.register_ordered_pipeline(cache, mb)
+  per_pass = math.ceil(n / mb)
+  rows, masks = _chunks(loader, chain, math.ceil(3 * per_pass / cache))
+  for p in range(3):
+    part = slice(p * per_pass, (p + 1) * per_pass)
+    assert rows[part][masks[part]].tolist() == list(range(n))
+    assert masks[part].sum() == n
+
+
+@PROPERTY
+@given(sizes(), st.sampled_from([dict(), dict(shuffle=True),
+                                 dict(shuffle=True, in_epochs=True)]))
+def test_cache_size_never_changes_the_stream(params, mode):
+  n, mb, cache, seed = params
+  loader = NumpyDataLoader(x=np.arange(n))
+  a = loader.register_random_pipeline(cache, mb, seed=seed, **mode)
+  b = loader.register_random_pipeline(cache + 1, mb, seed=seed, **mode)
+  # Both draw 4 * cache * (cache + 1) batches.
+  rows_a, masks_a = _chunks(loader, a, 4 * (cache + 1))
+  rows_b, masks_b = _chunks(loader, b, 4 * cache)
+  assert rows_a.tolist() == rows_b.tolist()
+  assert masks_a.tolist() == masks_b.tolist()
+
+
+@SLOW
+@pytest.mark.filterwarnings("ignore:the cache holds")
+@given(sizes(max_n=30), st.sampled_from([dict(), dict(shuffle=True),
+                                         dict(shuffle=True, in_epochs=True)]))
+def test_checkpoint_at_every_step_then_restore(params, mode):
+  n, mb, cache, seed = params
+  original = jax_data.random_reference_data(NumpyDataLoader(x=np.arange(n)),
+                                            cache, mb)
+  fresh = jax_data.random_reference_data(NumpyDataLoader(x=np.arange(n)),
+                                         cache, mb)
+  state = original[0](seed=seed, **mode)
+  for _ in range(2 * cache + 2):
+    restored = jax_data.state_from_pytree(
+        fresh, jax_data.state_to_pytree(original, state))
+    state, (batch, info) = original[1](state, information=True)
+    _, (again, again_info) = fresh[1](restored, information=True)
+    assert again["x"].tolist() == batch["x"].tolist()
+    assert again_info.mask.tolist() == info.mask.tolist()
