@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy as copy_module
 import dataclasses
+import mmap
 import os
 import threading
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -67,6 +68,21 @@ def _prepare(loader: str, copy: Any, arrays: Dict[str, Any]
         f"{loader} got empty arrays (observation count 0): "
         + ", ".join(f"{k}.shape={v.shape}" for k, v in prepared.items()))
   return prepared, count
+
+
+def _drop_pages(array: np.memmap) -> None:
+  """Unmaps the pages a memmap read touched from this process.
+
+  They stay in the kernel's page cache, but no longer count in the
+  process's resident memory, so out-of-core data does not fill it up.
+  """
+  mapped = getattr(array, "_mmap", None)
+  advice = getattr(mmap, "MADV_DONTNEED", None)
+  if mapped is not None and advice is not None:
+    try:
+      mapped.madvise(advice)
+    except (OSError, ValueError):  # not supported here: pages stay mapped
+      pass
 
 
 def _observation_format(arrays: Dict[str, np.ndarray]) -> Dict[str, Any]:
@@ -258,15 +274,25 @@ class NumpyDataLoader(HostDataLoader):
   def _gather(self, indices: np.ndarray) -> Dict[str, np.ndarray]:
     self._check_files()
     flat = indices.reshape(-1)
+    # Ordered chains read runs of consecutive rows: a slice, not a gather.
+    first = int(flat[0])
+    contiguous = (int(flat[-1]) - first == flat.size - 1
+                  and bool((np.diff(flat) == 1).all()))
     batches = {}
     for key, array in self._arrays.items():
-      if isinstance(array, np.memmap):
+      if contiguous:
+        rows = array[first:first + flat.size]
+        if isinstance(array, np.memmap):
+          rows = np.array(rows)  # read now, before the pages are dropped
+      elif isinstance(array, np.memmap):
         # Read rows in file order; a memmap's pages are then read once each.
         order = np.argsort(flat, kind="stable")
         rows = np.empty((flat.size,) + array.shape[1:], array.dtype)
         rows[order] = array[flat[order]]
       else:
         rows = np.take(array, flat, axis=0)
+      if isinstance(array, np.memmap):
+        _drop_pages(array)
       rows = rows.reshape(indices.shape + array.shape[1:])
       target = self._format[key].dtype
       batches[key] = rows if rows.dtype == target else rows.astype(target)
