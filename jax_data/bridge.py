@@ -19,14 +19,20 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Sequence
+from typing import Tuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.custom_batching import custom_vmap
 
-from jax_data.host import ChunkServer, PipelineReleasedError
+from jax_data.host import ChunkServer
+from jax_data.host import PipelineReleasedError
 from jax_data.types import PyTree
 
 

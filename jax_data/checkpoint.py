@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Union
+from typing import Any
+from typing import Dict
+from typing import Union
 
 import jax
 import jax.numpy as jnp

@@ -5,18 +5,28 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Optional, Tuple
+import sys
+import threading
+from typing import Any
+from typing import Callable
+from typing import Optional
+from typing import Tuple
+from typing import Union
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jax_data import pipeline as pl
-from jax_data.loader import DataLoader, DeviceDataLoader
+from jax_data.loader import DataLoader
+from jax_data.loader import DeviceDataLoader
 from jax_data.random_access import LoaderRef
 from jax_data.sampling import ObservationRange
-from jax_data.types import CacheState, MiniBatchInformation, PyTree
-from jax_data.validation import check_int, check_keywords
+from jax_data.types import CacheState
+from jax_data.types import MiniBatchInformation
+from jax_data.types import PyTree
+from jax_data.validation import check_int
+from jax_data.validation import check_keywords
 
 
 def _observations(count: int, shard_index, shard_count) -> ObservationRange:
@@ -31,6 +41,42 @@ def _observations(count: int, shard_index, shard_count) -> ObservationRange:
   shard_index = check_int("shard_index", shard_index, minimum=0,
                           maximum=shard_count - 1, what="shard_count - 1 =")
   return ObservationRange.shard(count, shard_index, shard_count)
+
+
+Progress = Union[None, bool, Callable[[int, int], None]]
+
+
+def _progress_reporter(progress: Progress, plan: "_PassPlan"
+                       ) -> Optional[Callable[[int], None]]:
+  """Turns the ``progress`` argument into a host-side ``chunk -> None``."""
+  if progress is None or progress is False:
+    return None
+  if progress is True:
+    progress = _print_progress
+  elif not callable(progress):
+    raise TypeError(
+        "progress must be None, True or a callable progress(done, total), "
+        f"got progress={progress!r}")
+  total = plan.batches
+  lock = threading.Lock()
+  asked = [0]  # chunks asked for in the current pass
+
+  def report(chunk: int) -> None:
+    # Counted, not read off the chunk index: XLA may ask for the last
+    # chunk of a pass before the others.
+    del chunk
+    with lock:
+      asked[0] = asked[0] % plan.chunks + 1
+      done = asked[0]
+    progress(min(done * plan.cache_size, total), total)
+
+  return report
+
+
+def _print_progress(done: int, total: int) -> None:
+  end = "\n" if done >= total else ""
+  print(f"\rfull-data pass: {done}/{total} batches", end=end,
+        file=sys.stderr, flush=True)
 
 
 class _PassPlan:
@@ -74,7 +120,10 @@ def _map_pass(fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]],
       lambda r: r.reshape((plan.full_chunks * plan.cache_size,) + r.shape[2:]),
       results)
   if plan.tail:
-    batches, mask = fetch_chunk(jnp.int32(plan.full_chunks))
+    # XLA may run this request before the loop's (it does not depend on
+    # them); the host copes with any order.
+    chunk = jnp.int32(plan.full_chunks)
+    batches, mask = fetch_chunk(chunk)
     head = lambda x: x[:plan.tail]
     carry, tail = over_chunk(carry, jax.tree_util.tree_map(head, batches),
                              head(mask))
@@ -92,7 +141,8 @@ def full_reference_data(data_loader: DataLoader,
                         cached_batches_count: int = 100,
                         mb_size: Optional[int] = None, *,
                         shard_index: Optional[int] = None,
-                        shard_count: Optional[int] = None) -> pl.Pipeline:
+                        shard_count: Optional[int] = None,
+                        progress: Progress = None) -> pl.Pipeline:
   """Maps functions over every observation, in order, inside compiled code.
 
   Each call of ``map_fn`` makes one pass over observations ``0 .. N - 1``
@@ -116,6 +166,10 @@ def full_reference_data(data_loader: DataLoader,
     shard_index: With ``shard_count``, pass over only this contiguous shard
       of the observations (e.g. ``jax.process_index()``).
     shard_count: Number of shards (e.g. ``jax.process_count()``).
+    progress: Opt-in progress of long passes: a callable ``progress(done,
+      total)`` called on the host with counts of batches as the device asks
+      for each chunk, or True for a line on stderr. The device code is the
+      same either way; None (default) costs nothing.
 
   Returns:
     ``(init_fn, map_fn, release_fn)``. ``map_fn(fun, data_state, carry,
@@ -126,11 +180,11 @@ def full_reference_data(data_loader: DataLoader,
     fillers are dropped, so results have leading axis ``N``.
   """
   return _full_pipeline(data_loader, cached_batches_count, mb_size,
-                        shard_index, shard_count, stacklevel=4)
+                        shard_index, shard_count, progress, stacklevel=4)
 
 
 def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
-                   shard_count, stacklevel):
+                   shard_count, progress, stacklevel):
   loader = pl.check_loader(data_loader)
   total = loader.static_information["observation_count"]
   observations = _observations(total, shard_index, shard_count)
@@ -139,16 +193,20 @@ def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
   plan = _PassPlan(observations.count, cache_size, mb_size)
   if isinstance(loader, DeviceDataLoader):
     ref = LoaderRef(loader)
+    if progress is not None:
+      raise ValueError(
+          "progress needs a host loader: a DeviceDataLoader makes no host "
+          f"calls to report from, got progress={progress!r}")
     init_fn, fetch_chunk, release_fn, bridge = _device_chunks(
         ref, plan, observations)
-    release_check = lambda: ref.loader
+    release_check = ref.check_open
   else:
     pl.warn_large_cache(cache_size, mb_size, observations.count, stacklevel)
     shard = ({} if shard_index is None else
              {"shard_index": shard_index, "shard_count": shard_count})
     init_fn, fetch_chunk, release_fn, bridge = _host_chunks(
-        loader, plan, shard)
-    release_check = lambda: bridge.server.loader
+        loader, plan, shard, _progress_reporter(progress, plan))
+    release_check = bridge.server.check_open
   expected = pl.make_state(-1 if bridge is None else 0, 0, mb_size)
 
   @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
@@ -177,17 +235,18 @@ def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
                      fingerprint)
 
 
-def _host_chunks(loader, plan: _PassPlan, shard):
+def _host_chunks(loader, plan: _PassPlan, shard, progress):
   bridge = pl.make_bridge(loader, plan.cache_size, plan.mb_size)
   server = bridge.server
 
   def init_fn(**kwargs: Any) -> CacheState:
     check_keywords("init_fn of a full-data pipeline", kwargs, ())
-    chain = server.register("ordered", cycle=plan.chunks, **shard)
+    chain = server.register("ordered", cycle=plan.chunks, progress=progress,
+                            **shard)
     return pl.make_state(chain, 0, plan.mb_size)
 
   def fetch_chunk(state: CacheState, chunk: jax.Array, device_count: int):
-    server.loader  # raises if released
+    server.check_open()
     return bridge.fetch(state.chain, chunk, device_count)
 
   return init_fn, fetch_chunk, server.release, bridge
@@ -197,7 +256,7 @@ def _device_chunks(ref: LoaderRef, plan: _PassPlan,
                    observations: ObservationRange):
   def init_fn(**kwargs: Any) -> CacheState:
     check_keywords("init_fn of a full-data pipeline", kwargs, ())
-    ref.loader  # raises if released
+    ref.check_open()
     return pl.make_state(-1, 0, plan.mb_size)
 
   def fetch_chunk(state: CacheState, chunk: jax.Array, device_count: int):
@@ -216,7 +275,8 @@ def _device_chunks(ref: LoaderRef, plan: _PassPlan,
 
 def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
                      mb_size: int = 1, *, shard_index: Optional[int] = None,
-                     shard_count: Optional[int] = None):
+                     shard_count: Optional[int] = None,
+                     progress: Progress = None) -> pl.Pipeline:
   """Like :func:`full_reference_data`, but no data state is threaded through.
 
   >>> import jax.numpy as jnp
@@ -234,6 +294,7 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
     mb_size: Observations per batch.
     shard_index: See :func:`full_reference_data`.
     shard_count: See :func:`full_reference_data`.
+    progress: See :func:`full_reference_data`.
 
   Returns:
     ``(mapper_fn, release_fn)``. ``mapper_fn(fun, carry, masking=False,
@@ -243,7 +304,7 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
     observation is kept.
   """
   pipeline = _full_pipeline(data_loader, cached_batches_count, mb_size,
-                            shard_index, shard_count, stacklevel=4)
+                            shard_index, shard_count, progress, stacklevel=4)
   init_fn, map_fn, release_fn = pipeline
   state = init_fn()
 

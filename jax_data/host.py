@@ -25,7 +25,13 @@ import concurrent.futures
 import dataclasses
 import threading
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 import numpy as np
 
@@ -80,6 +86,7 @@ class _ChainRecord:
       default_factory=threading.Lock)
   pruned_size: int = 0
   devices: int = 1  # largest device_count a request for this chain named
+  progress: Optional[Callable[[int], None]] = None  # told each chunk asked
 
 
 def keep_snapshot(index: int, newest: int) -> bool:
@@ -151,9 +158,18 @@ class ChunkServer:
   def released(self) -> bool:
     return self._loader is None
 
+  def check_open(self) -> None:
+    """Raises :class:`PipelineReleasedError` if the pipeline was released."""
+    _ = self.loader
+
   def register(self, kind: str, cycle: Optional[int] = None,
+               progress: Optional[Callable[[int], None]] = None,
                **kwargs: Any) -> int:
-    """Registers a chain on the loader and returns its id."""
+    """Registers a chain on the loader and returns its id.
+
+    ``progress(chunk)``, if given, is called on the host whenever compiled
+    code asks for a chunk of this chain.
+    """
     loader = self.loader
     if kind == "random":
       chain_id = loader.register_random_pipeline(
@@ -167,7 +183,7 @@ class ChunkServer:
       registration["seed"] = fingerprint["seed"]
     record = _ChainRecord(chain_id, kind, registration, cycle,
                           {0: loader.save_state(chain_id)}, 0,
-                          collections.OrderedDict())
+                          collections.OrderedDict(), progress=progress)
     with self._lock:
       self._records[chain_id] = record
     return chain_id
@@ -176,7 +192,7 @@ class ChunkServer:
     with self._lock:
       record = self._records.get(int(chain_id))
     if record is None:
-      self.loader  # raises if released
+      self.check_open()
       raise ValueError(
           f"chain {int(chain_id)} was not created by this pipeline's init_fn "
           f"(chains of this pipeline: {sorted(self._records)})")
@@ -205,6 +221,8 @@ class ChunkServer:
     a replicated state); it is kept until they all came, within the cap.
     """
     record = self.record(chain_id)
+    if record.progress is not None:
+      record.progress(index)
     future, produce = self._future(record, index, device_count)
     if produce:
       self._produce_into(record, index, future)
@@ -399,7 +417,7 @@ class ChunkServer:
             f"chunk {index} together, but {current.arrived} did within "
             f"{_ROUND_TIMEOUT:.0f} s; check device_count. Devices no longer "
             "wait for each other, so a loader failure on one device may "
-            "leave the others waiting in a collective.")
+            "leave the others waiting in a collective.", stacklevel=2)
       return current.error
 
   def _zero_chunk(self) -> Tuple[Leaves, np.ndarray]:

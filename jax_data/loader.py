@@ -11,13 +11,17 @@ A :class:`DeviceDataLoader` keeps the whole dataset on the device.
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
+from typing import Dict
+from typing import Optional
+from typing import Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_data.types import MiniBatchInformation, PyTree
+from jax_data.types import MiniBatchInformation
+from jax_data.types import PyTree
 from jax_data.validation import check_int
 
 

@@ -8,16 +8,25 @@ import dataclasses
 import mmap
 import os
 import threading
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Tuple
+from typing import Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_data import sampling
-from jax_data.loader import DataLoader, DeviceDataLoader, HostDataLoader
-from jax_data.types import MiniBatchInformation, PyTree
-from jax_data.validation import check_bool, check_int, check_keywords
+from jax_data.loader import DeviceDataLoader
+from jax_data.loader import HostDataLoader
+from jax_data.types import MiniBatchInformation
+from jax_data.types import PyTree
+from jax_data.validation import check_bool
+from jax_data.validation import check_int
+from jax_data.validation import check_keywords
 
 _STATE_VERSION = 1
 
@@ -112,7 +121,8 @@ class NumpyDataLoader(HostDataLoader):
   >>> import numpy as np
   >>> from jax_data import NumpyDataLoader
   >>> loader = NumpyDataLoader(x=np.arange(10), y=np.zeros((10, 4, 3)))
-  >>> {k: (v.shape, str(v.dtype)) for k, v in loader.initializer_batch(4).items()}
+  >>> zero = loader.initializer_batch(4)
+  >>> {k: (v.shape, str(v.dtype)) for k, v in zero.items()}
   {'x': ((4,), 'int32'), 'y': ((4, 4, 3), 'float32')}
 
   Args:
@@ -149,7 +159,8 @@ class NumpyDataLoader(HostDataLoader):
   def observation_format(self) -> PyTree:
     return self._format
 
-  def _observations(self, shard_index, shard_count) -> sampling.ObservationRange:
+  def _observations(self, shard_index, shard_count
+                    ) -> sampling.ObservationRange:
     if shard_index is None and shard_count is None:
       return sampling.ObservationRange(0, self._count)
     if shard_index is None or shard_count is None:

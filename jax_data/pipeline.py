@@ -7,7 +7,9 @@ import functools
 import math
 import types
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any
+from typing import Dict
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +17,12 @@ import numpy as np
 
 from jax_data.bridge import Bridge
 from jax_data.host import ChunkServer
-from jax_data.loader import DataLoader, DeviceDataLoader, HostDataLoader
+from jax_data.loader import DataLoader
+from jax_data.loader import DeviceDataLoader
+from jax_data.loader import HostDataLoader
 from jax_data.types import CacheState
-from jax_data.validation import check_bool, check_int
+from jax_data.validation import check_bool
+from jax_data.validation import check_int
 
 
 class Pipeline(tuple):

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from jax_data import pipeline as pl
 from jax_data.host import PipelineReleasedError
-from jax_data.loader import DataLoader, DeviceDataLoader
-from jax_data.types import CacheState, MiniBatchInformation
+from jax_data.loader import DataLoader
+from jax_data.loader import DeviceDataLoader
+from jax_data.types import CacheState
+from jax_data.types import MiniBatchInformation
 
 
 class LoaderRef:
@@ -27,6 +30,10 @@ class LoaderRef:
           "this pipeline was released by its release_fn; create a new "
           "pipeline to draw more data")
     return self._loader
+
+  def check_open(self) -> None:
+    """Raises :class:`PipelineReleasedError` if the pipeline was released."""
+    _ = self.loader
 
   def release(self) -> None:
     self._loader = None
@@ -111,7 +118,7 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
     state = pl.check_state(state, expected, "batch_fn")
     information = pl.check_flag("information", information)
     device_count = pl.check_device_count(device_count)
-    server.loader  # raises if released
+    server.check_open()
     new_state, batch, batch_mask = step(state, device_count)
     if information:
       # Built outside the jitted step: its counts stay Python ints.

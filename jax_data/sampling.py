@@ -16,7 +16,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
+from typing import Dict
+from typing import Optional
+from typing import Tuple
 
 import numpy as np
 

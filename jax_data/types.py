@@ -1,8 +1,12 @@
-"""Types shared by the loaders, the host bridge and the in-jit access functions."""
+"""Types shared by the loaders, the host bridge and in-jit access."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Protocol, Tuple
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
+from typing import Protocol
+from typing import Tuple
 
 import jax
 

@@ -7,7 +7,10 @@ argument, its value and what was expected.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any
+from typing import Iterable
+from typing import Mapping
+from typing import Optional
 
 
 def check_int(name: str, value: Any, minimum: Optional[int] = None,

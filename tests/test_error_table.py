@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 import jax_data
-from jax_data import (NumpyDataLoader, full_data_mapper, full_reference_data,
-                      random_reference_data)
+from jax_data import NumpyDataLoader
+from jax_data import full_data_mapper
+from jax_data import full_reference_data
+from jax_data import random_reference_data
 
 _DOC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs",
                     "reliability.rst")

@@ -9,7 +9,8 @@ import pytest
 from jax import lax
 
 import jax_data
-from jax_data import DeviceNumpyDataLoader, NumpyDataLoader
+from jax_data import DeviceNumpyDataLoader
+from jax_data import NumpyDataLoader
 
 
 @pytest.mark.parametrize("n,mb,cache", [(10, 4, 1), (10, 4, 2), (10, 4, 5),
@@ -134,3 +135,28 @@ def test_bad_arguments():
     map_fn(None, init_fn(), None)
   with pytest.raises(TypeError, match="masking must be True or False"):
     map_fn(lambda b, c: (b, c), init_fn(), None, masking="yes")
+
+
+def test_progress_is_reported_per_chunk_on_request():
+  seen = []
+  mapper_fn, _ = jax_data.full_data_mapper(
+      NumpyDataLoader(x=np.arange(25.0)), 2, 3,
+      progress=lambda done, total: seen.append((done, total)))
+  run = jax.jit(lambda: mapper_fn(lambda b, c: (b["x"], c), None)[0])
+  assert run().tolist() == list(range(25))
+  # Counted per request, whatever order XLA asks for the chunks in.
+  assert seen == [(2, 9), (4, 9), (6, 9), (8, 9), (9, 9)]
+
+  seen.clear()
+  run()
+  assert seen[-1] == (9, 9) and len(seen) == 5
+  with pytest.raises(TypeError, match="progress='yes'"):
+    jax_data.full_data_mapper(NumpyDataLoader(x=np.arange(5)), 1, 1,
+                              progress="yes")
+
+
+def test_progress_true_prints_to_stderr(capsys):
+  mapper_fn, _ = jax_data.full_data_mapper(
+      NumpyDataLoader(x=np.arange(10.0)), 5, 2, progress=True)
+  mapper_fn(lambda b, c: (b["x"], c), None)
+  assert "full-data pass: 5/5 batches" in capsys.readouterr().err

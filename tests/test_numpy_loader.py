@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_data import DeviceNumpyDataLoader, NumpyDataLoader
+from jax_data import DeviceNumpyDataLoader
+from jax_data import NumpyDataLoader
 
 MODES = [dict(), dict(shuffle=True), dict(shuffle=True, in_epochs=True)]
 

@@ -5,11 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec
 
 import jax_data
-from jax_data import host
 from jax_data import NumpyDataLoader
+from jax_data import host
 
 CHAINS = [dict(seed=0), dict(seed=1, shuffle=True),
           dict(seed=2, shuffle=True, in_epochs=True), dict(seed=3)]

@@ -32,7 +32,7 @@ def _rss() -> int:
 def test_hundred_pipelines_over_100mb_leave_memory_where_it_was():
   loader = NumpyDataLoader(x=np.ones((100_000, 250), np.float32))  # 100 MB
 
-  def use_once(seed):
+  def use_once(loader, seed):
     pipeline = jax_data.random_reference_data(loader, 8, 32)
     init_fn, batch_fn, release_fn = pipeline
     state = init_fn(seed=seed)
@@ -47,10 +47,10 @@ def test_hundred_pipelines_over_100mb_leave_memory_where_it_was():
     release_mapper()
 
   for seed in range(5):  # warm up JAX's own caches
-    use_once(seed)
+    use_once(loader, seed)
   start = _rss()
   for seed in range(100):
-    use_once(seed)
+    use_once(loader, seed)
   grown = _rss() - start
   assert grown < 50 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB"
   ref = weakref.ref(loader)
@@ -105,7 +105,7 @@ def test_eight_threads_each_get_their_solo_stream():
   for i in range(8):
     solo_init, solo_batch, _ = jax_data.random_reference_data(
         NumpyDataLoader(x=np.arange(n)), cache, mb)
-    _, solo = jax.lax.scan(lambda s, _: solo_batch(s),
+    _, solo = jax.lax.scan(lambda s, _, step=solo_batch: step(s),
                            solo_init(seed=100 + i, **modes[i % 3]), None,
                            length=steps)
     assert results[i][0] == results[i][1] == solo["x"].tolist(), i
