@@ -1,0 +1,34 @@
+"""The examples run (quick mode), print their summary and write a figure."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script, *args, timeout=300):
+  env = dict(os.environ, PYTHONPATH=ROOT, MPLBACKEND="Agg")
+  env.pop("XLA_FLAGS", None)  # the examples run on one device as users do
+  return subprocess.run([sys.executable, os.path.join(ROOT, script), *args],
+                        cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=timeout)
+
+
+def test_main_example_quick(tmp_path):
+  figure = tmp_path / "sgld.png"
+  done = _run("examples/sgld_digits.py", "--quick", "--out", str(figure))
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "accuracy" in done.stdout.lower()
+  assert str(figure) in done.stdout
+  with open(figure, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tfds_example_quick(tmp_path):
+  pytest.importorskip("tensorflow_datasets")
+  done = _run("examples/tfds_example.py", "--quick")
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "accuracy" in done.stdout.lower()
