@@ -111,7 +111,27 @@ class _Chain:
   all_valid: np.ndarray  # shape=(cache_size, mb_size), bool, read-only
 
 
-class NumpyDataLoader(HostDataLoader):
+class _ArrayData:
+  """What both NumPy loaders know of their arrays."""
+
+  _arrays: Dict[str, Any]
+  _count: int
+  _format: Dict[str, jax.ShapeDtypeStruct]
+
+  def __repr__(self) -> str:
+    keys = ", ".join(self._arrays)
+    return f"{type(self).__name__}({keys}; {self._count} observations)"
+
+  @property
+  def static_information(self) -> Dict[str, int]:
+    return {"observation_count": self._count}
+
+  @property
+  def observation_format(self) -> PyTree:
+    return self._format
+
+
+class NumpyDataLoader(_ArrayData, HostDataLoader):
   """Host loader over arrays with equal first axes.
 
   Each keyword becomes a key of the batch dict. Arrays may be lists, NumPy
@@ -146,18 +166,6 @@ class NumpyDataLoader(HostDataLoader):
     self._chains: List[Optional[_Chain]] = []
     # Chain ids (and default seeds) count registrations: one at a time.
     self._registering = threading.RLock()
-
-  def __repr__(self) -> str:
-    keys = ", ".join(self._arrays)
-    return f"{type(self).__name__}({keys}; {self._count} observations)"
-
-  @property
-  def static_information(self) -> Dict[str, int]:
-    return {"observation_count": self._count}
-
-  @property
-  def observation_format(self) -> PyTree:
-    return self._format
 
   def _observations(self, shard_index, shard_count
                     ) -> sampling.ObservationRange:
@@ -344,7 +352,7 @@ class NumpyDataLoader(HostDataLoader):
             **chain.settings}
 
 
-class DeviceNumpyDataLoader(DeviceDataLoader):
+class DeviceNumpyDataLoader(_ArrayData, DeviceDataLoader):
   """The same arrays as :class:`NumpyDataLoader`, kept on the device.
 
   Random batches are independent draws with ``jax.random`` (keyword ``key``
@@ -360,18 +368,6 @@ class DeviceNumpyDataLoader(DeviceDataLoader):
     self._format = _observation_format(arrays)
     self._arrays = {k: jnp.asarray(v, dtype=self._format[k].dtype)
                     for k, v in arrays.items()}
-
-  def __repr__(self) -> str:
-    keys = ", ".join(self._arrays)
-    return f"{type(self).__name__}({keys}; {self._count} observations)"
-
-  @property
-  def static_information(self) -> Dict[str, int]:
-    return {"observation_count": self._count}
-
-  @property
-  def observation_format(self) -> PyTree:
-    return self._format
 
   def init_random_data(self, **kwargs: Any) -> jax.Array:
     """A chain's PRNG key: keyword ``key`` (default ``PRNGKey(0)``)."""
