@@ -1,5 +1,6 @@
 """Test set-up for tests and doctests: four CPU devices, quiet TensorFlow."""
 
+import importlib.util
 import os
 
 # Set before JAX is imported anywhere: several devices for pmap/shard_map.
@@ -8,3 +9,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # Not test modules: Sphinx configuration, scripts with their own entry points.
 collect_ignore = ["docs/conf.py", "examples", "benchmarks", "setup.py"]
+
+# Without TensorFlow (it is optional) its module and page are not collected;
+# tests/test_tensorflow_loader.py skips itself.
+if importlib.util.find_spec("tensorflow") is None:
+  collect_ignore += ["jax_data/tensorflow_loader.py", "docs/tensorflow.rst"]

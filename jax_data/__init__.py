@@ -34,6 +34,7 @@ __all__ = [
     "MiniBatchInformation",
     "NumpyDataLoader",
     "PipelineReleasedError",
+    "TensorflowDataLoader",
     "full_data_mapper",
     "full_reference_data",
     "process_shard",
@@ -43,3 +44,16 @@ __all__ = [
     "state_from_pytree",
     "state_to_pytree",
 ]
+
+
+def __getattr__(name: str):
+  """Loads ``TensorflowDataLoader``, and with it TensorFlow, on first use."""
+  if name == "TensorflowDataLoader":
+    try:
+      from jax_data.tensorflow_loader import TensorflowDataLoader
+    except ImportError as e:
+      raise ImportError(
+          "jax_data.TensorflowDataLoader needs TensorFlow: "
+          'pip install "jax_data[tensorflow]"') from e
+    return TensorflowDataLoader
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,23 +25,7 @@ from jax_data.sampling import ObservationRange
 from jax_data.types import CacheState
 from jax_data.types import MiniBatchInformation
 from jax_data.types import PyTree
-from jax_data.validation import check_int
 from jax_data.validation import check_keywords
-
-
-def _observations(count: int, shard_index, shard_count) -> ObservationRange:
-  if shard_index is None and shard_count is None:
-    return ObservationRange(0, count)
-  if shard_index is None or shard_count is None:
-    raise ValueError(
-        "shard_index and shard_count go together, got "
-        f"shard_index={shard_index!r}, shard_count={shard_count!r}")
-  shard_count = check_int("shard_count", shard_count, minimum=1,
-                          maximum=count, what="the observation count")
-  shard_index = check_int("shard_index", shard_index, minimum=0,
-                          maximum=shard_count - 1, what="shard_count - 1 =")
-  return ObservationRange.shard(count, shard_index, shard_count)
-
 
 Progress = Union[None, bool, Callable[[int, int], None]]
 
@@ -187,7 +171,8 @@ def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
                    shard_count, progress, stacklevel):
   loader = pl.check_loader(data_loader)
   total = loader.static_information["observation_count"]
-  observations = _observations(total, shard_index, shard_count)
+  observations = ObservationRange.from_arguments(total, shard_index,
+                                                 shard_count)
   cache_size, mb_size = pl.check_sizes(loader, cached_batches_count, mb_size,
                                        observations.count)
   plan = _PassPlan(observations.count, cache_size, mb_size)

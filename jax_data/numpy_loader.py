@@ -169,18 +169,8 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
 
   def _observations(self, shard_index, shard_count
                     ) -> sampling.ObservationRange:
-    if shard_index is None and shard_count is None:
-      return sampling.ObservationRange(0, self._count)
-    if shard_index is None or shard_count is None:
-      raise ValueError(
-          "shard_index and shard_count go together, got "
-          f"shard_index={shard_index!r}, shard_count={shard_count!r}")
-    shard_count = check_int("shard_count", shard_count, minimum=1,
-                            maximum=self._count, what="the observation count")
-    shard_index = check_int("shard_index", shard_index, minimum=0,
-                            maximum=shard_count - 1, what="shard_count - 1 =")
-    return sampling.ObservationRange.shard(self._count, shard_index,
-                                           shard_count)
+    return sampling.ObservationRange.from_arguments(self._count, shard_index,
+                                                    shard_count)
 
   def _check_sizes(self, cache_size, mb_size, observations):
     cache_size = check_int("cache_size", cache_size, minimum=1)

@@ -23,6 +23,8 @@ from typing import Tuple
 
 import numpy as np
 
+from jax_data.validation import check_int
+
 Indices = np.ndarray  # shape=(count, mb_size), int64
 Mask = np.ndarray  # shape=(count, mb_size), bool
 
@@ -43,6 +45,28 @@ class ObservationRange:
   """The observations a chain draws from: ``start .. start + count - 1``."""
   start: int
   count: int
+
+  @classmethod
+  def from_arguments(cls, observation_count: int, shard_index: Any,
+                     shard_count: Any) -> "ObservationRange":
+    """All observations, or the shard named by user arguments (checked).
+
+    Raises:
+      ValueError, TypeError: only one of the two given, or out of range.
+    """
+    if shard_index is None and shard_count is None:
+      return cls(0, observation_count)
+    if shard_index is None or shard_count is None:
+      raise ValueError(
+          "shard_index and shard_count go together, got "
+          f"shard_index={shard_index!r}, shard_count={shard_count!r}")
+    shard_count = check_int("shard_count", shard_count, minimum=1,
+                            maximum=observation_count,
+                            what="the observation count")
+    shard_index = check_int("shard_index", shard_index, minimum=0,
+                            maximum=shard_count - 1,
+                            what="shard_count - 1 =")
+    return cls.shard(observation_count, shard_index, shard_count)
 
   @classmethod
   def shard(cls, observation_count: int, shard_index: int,

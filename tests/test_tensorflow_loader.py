@@ -1,0 +1,518 @@
+"""TensorflowDataLoader: streams, checkpoints, dtypes, errors, and use inside
+``jit``."""
+
+import contextlib
+import copy
+import io
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_data
+
+tf = pytest.importorskip("tensorflow")
+tensorflow_loader = pytest.importorskip("jax_data.tensorflow_loader")
+TensorflowDataLoader = tensorflow_loader.TensorflowDataLoader
+
+
+def _pipeline(n, **extra):
+  return tf.data.Dataset.from_tensor_slices(
+      {"x": np.arange(n), "y": np.arange(n, dtype=np.float64) / 2, **extra})
+
+
+def _chunks(loader, chain, count):
+  """``count`` chunks of a chain: x values and masks, as lists."""
+  out = [loader.get_batches(chain) for _ in range(count)]
+  return [b["x"].tolist() for b, _ in out], [m.tolist() for _, m in out]
+
+
+def _stream(loader, chain, count):
+  """The x values of ``count`` chunks, flattened into one stream."""
+  return np.concatenate([np.ravel(x) for x in _chunks(loader, chain,
+                                                      count)[0]])
+
+
+# -- the data-loading guide's example, with small numbers ------------------
+
+
+def test_mock_cifar10_batches_inside_jit():
+  tfds = pytest.importorskip("tensorflow_datasets")
+  with contextlib.redirect_stdout(io.StringIO()), tfds.testing.mock_data(
+      num_examples=60):
+    pipeline, info = tfds.load("cifar10", split="train", with_info=True)
+  assert sorted(info.features.keys()) == ["id", "image", "label"]
+  loader = TensorflowDataLoader(pipeline, shuffle_cache=10,
+                                exclude_keys=["id"])
+  zero = loader.initializer_batch(mb_size=20)
+  assert {k: (v.shape, str(v.dtype)) for k, v in zero.items()} == {
+      "image": ((20, 32, 32, 3), "uint8"), "label": ((20,), "int32")}
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 2,
+                                                                 20)
+
+  @jax.jit
+  def draw(state):
+    return jax.lax.scan(lambda s, _: batch_fn(s), state, None, length=5)
+
+  _, batches = draw(init_fn(seed=3))
+  release_fn()
+  assert batches["image"].shape == (5, 20, 32, 32, 3)
+  assert batches["image"].dtype == jnp.uint8
+  assert batches["label"].shape == (5, 20)
+  assert batches["label"].dtype == jnp.int32
+  labels = np.asarray(batches["label"])
+  assert labels.min() >= 0 and labels.max() < 10
+  # Three batches of 20 make one pass over the 60 mock images: each image
+  # once (images are random, so distinct with overwhelming probability).
+  first_pass = np.asarray(batches["image"][:3]).reshape(60, -1)
+  assert len({row.tobytes() for row in first_pass}) == 60
+
+
+# -- random chains ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,mb,cache,buffer", [(23, 4, 3, 5), (20, 5, 2, 50),
+                                               (7, 7, 1, 3)])
+def test_random_chain_visits_every_observation_once_per_pass(n, mb, cache,
+                                                             buffer):
+  loader = TensorflowDataLoader(_pipeline(n), shuffle_cache=buffer)
+  chain = loader.register_random_pipeline(cache, mb, seed=4)
+  stream = _stream(loader, chain, -(-3 * n // (mb * cache)))
+  passes = stream[:len(stream) // n * n].reshape(-1, n)
+  assert len(passes) >= 3
+  for one_pass in passes:
+    assert sorted(one_pass.tolist()) == list(range(n))
+    # A shuffle buffer of `buffer` observations emits at position t only
+    # observations it has read: 0 .. t + buffer - 1.
+    assert np.all(one_pass <= np.arange(n) + buffer - 1)
+  if n > buffer > 1:
+    assert passes[0].tolist() != passes[1].tolist()  # reshuffled per pass
+
+
+def test_shuffle_cache_one_keeps_pipeline_order():
+  loader = TensorflowDataLoader(_pipeline(10), shuffle_cache=1)
+  chain = loader.register_random_pipeline(2, 3)
+  assert _stream(loader, chain, 3).tolist() == (
+      list(range(10)) + list(range(8)))
+
+
+def test_seeds_give_reproducible_streams_and_default_to_chain_id():
+  pipeline = _pipeline(50)
+  loader = TensorflowDataLoader(pipeline, shuffle_cache=20)
+  assert loader.register_ordered_pipeline(1, 5) == 0
+  default = loader.register_random_pipeline(2, 5)  # chain 1: seed 1
+  explicit = loader.register_random_pipeline(2, 5, seed=1)
+  other_seed = loader.register_random_pipeline(2, 5, seed=2)
+  expected = _stream(loader, default, 4)
+  assert _stream(loader, explicit, 4).tolist() == expected.tolist()
+  assert _stream(loader, other_seed, 4).tolist() != expected.tolist()
+  # A new loader over the same pipeline, and another cache size.
+  fresh = TensorflowDataLoader(pipeline, shuffle_cache=20)
+  five = fresh.register_random_pipeline(5, 5, seed=1)
+  assert _stream(fresh, five, 1).tolist() == expected[:25].tolist()
+  assert "seed" in fresh.chain_fingerprint(five)
+
+
+# -- ordered chains -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,mb,cache", [(10, 4, 2), (10, 5, 3), (7, 3, 5),
+                                        (9, 9, 2), (11, 2, 1)])
+def test_ordered_chain_equals_numpy_ordered_stream(n, mb, cache):
+  loader = TensorflowDataLoader(_pipeline(n), shuffle_cache=3)
+  reference = jax_data.NumpyDataLoader(x=np.arange(n))
+  chain = loader.register_ordered_pipeline(cache, mb)
+  ref_chain = reference.register_ordered_pipeline(cache, mb)
+  chunks = 2 * -(-n // (mb * cache)) + 1  # a few passes
+  assert _chunks(loader, chain, chunks) == _chunks(reference, ref_chain,
+                                                   chunks)
+
+
+def test_ordered_chain_serves_batches_in_pipeline_order_with_padding():
+  loader = TensorflowDataLoader(_pipeline(10))
+  chain = loader.register_ordered_pipeline(cache_size=2, mb_size=4)
+  values, masks = _chunks(loader, chain, 3)
+  assert values == [[[0, 1, 2, 3], [4, 5, 6, 7]],
+                    [[8, 9, 0, 1], [0, 1, 2, 3]],
+                    [[4, 5, 6, 7], [8, 9, 0, 1]]]
+  assert masks[1] == [[True, True, False, False], [True] * 4]
+  assert masks[2] == [[True] * 4, [True, True, False, False]]
+
+
+def test_shards_split_the_observations():
+  loader = TensorflowDataLoader(_pipeline(10))
+  seen = []
+  for index, batches in enumerate([1, 1, 2]):  # shards of 3, 3, 4: one pass
+    chain = loader.register_ordered_pipeline(batches, 3, shard_index=index,
+                                             shard_count=3)
+    (values,), (mask,) = _chunks(loader, chain, 1)
+    seen += [v for v, m in zip(np.ravel(values), np.ravel(mask)) if m]
+  assert seen == list(range(10))
+  chain = loader.register_random_pipeline(1, 3, shard_index=2, shard_count=3)
+  assert set(_stream(loader, chain, 4).tolist()) == {6, 7, 8, 9}
+
+
+# -- checkpoints ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["random", "ordered"])
+def test_save_and_load_state_continue_exactly(kind):
+  pipeline = _pipeline(23)
+  loader = TensorflowDataLoader(pipeline, shuffle_cache=6)
+  register = (loader.register_random_pipeline if kind == "random"
+              else loader.register_ordered_pipeline)
+  chain = register(3, 4, **({"seed": 11} if kind == "random" else {}))
+  _chunks(loader, chain, 4)  # past the first pass
+  saved = loader.save_state(chain)
+  frozen = copy.deepcopy(saved)
+  expected = _chunks(loader, chain, 5)
+  # Into the same chain, and into a new chain of a new loader.
+  loader.load_state(chain, saved)
+  assert _chunks(loader, chain, 5) == expected
+  other = TensorflowDataLoader(pipeline, shuffle_cache=6)
+  other.register_ordered_pipeline(1, 2)  # another chain id, another seed
+  other_chain = (other.register_random_pipeline(3, 4, seed=99)
+                 if kind == "random" else other.register_ordered_pipeline(3, 4))
+  other.load_state(other_chain, saved)
+  assert _chunks(other, other_chain, 5) == expected
+  assert saved == frozen  # loading never mutates the checkpoint
+
+
+def test_load_state_at_the_current_position_keeps_the_stream():
+  loader = TensorflowDataLoader(_pipeline(23), shuffle_cache=6)
+  chain = loader.register_random_pipeline(3, 4, seed=1)
+  _chunks(loader, chain, 2)
+  iterator = loader._chains[chain].iterator
+  loader.load_state(chain, loader.save_state(chain))
+  assert loader._chains[chain].iterator is iterator  # no rebuild, no skip
+
+
+def test_load_state_names_what_differs():
+  loader = TensorflowDataLoader(_pipeline(10), shuffle_cache=4)
+  a = loader.register_random_pipeline(2, 3)
+  b = loader.register_random_pipeline(4, 3)
+  with pytest.raises(ValueError, match="cache_size is 2 in the state but 4"):
+    loader.load_state(b, loader.save_state(a))
+  ordered = loader.register_ordered_pipeline(2, 3)
+  with pytest.raises(ValueError, match="kind is 'random' in the state but "
+                     "'ordered' here"):
+    loader.load_state(ordered, loader.save_state(a))
+  other = TensorflowDataLoader(_pipeline(10), shuffle_cache=5)
+  with pytest.raises(ValueError, match="shuffle_cache is 4 in the state"):
+    other.load_state(other.register_random_pipeline(2, 3),
+                     loader.save_state(a))
+  with pytest.raises(TypeError, match="dict from save_state"):
+    loader.load_state(a, [1, 2])
+
+
+def test_state_is_small_and_plain():
+  loader = TensorflowDataLoader(_pipeline(10))
+  chain = loader.register_random_pipeline(2, 3, seed=5)
+  loader.get_batches(chain)
+  state = loader.save_state(chain)
+  assert state["position"] == 2 and state["seed"] == 5
+  assert all(isinstance(v, (int, str, list)) for v in state.values())
+
+
+# -- formats and dtypes -----------------------------------------------------
+
+
+def test_dtypes_follow_jax_defaults():
+  pipeline = tf.data.Dataset.from_tensor_slices({
+      "i64": np.arange(6, dtype=np.int64),
+      "f64": np.zeros((6, 2), np.float64),
+      "u8": np.zeros((6, 4, 4, 3), np.uint8),
+      "b": np.ones(6, bool),
+      "f16": np.zeros(6, np.float16),
+      "i16": np.zeros(6, np.int16)})
+  loader = TensorflowDataLoader(pipeline)
+  expected = {"i64": "int32", "f64": "float32", "u8": "uint8", "b": "bool",
+              "f16": "float16", "i16": "int16"}
+  assert {k: str(v.dtype) for k, v in
+          loader.initializer_batch().items()} == expected
+  batches, mask = loader.get_batches(loader.register_random_pipeline(2, 3))
+  assert {k: str(v.dtype) for k, v in batches.items()} == expected
+  assert all(isinstance(v, np.ndarray) for v in batches.values())
+  assert batches["u8"].shape == (2, 3, 4, 4, 3)
+  assert batches["f64"].shape == (2, 3, 2)
+  assert mask.dtype == bool and mask.shape == (2, 3) and mask.all()
+  with jax.enable_x64(True):
+    wide = TensorflowDataLoader(pipeline)
+    assert str(wide.initializer_batch()["i64"].dtype) == "int64"
+    assert str(wide.observation_format["f64"].dtype) == "float64"
+
+
+def test_nested_features_and_repr():
+  pipeline = tf.data.Dataset.from_tensor_slices(
+      {"x": np.arange(4), "meta": {"w": np.ones((4, 2), np.float32)}})
+  loader = TensorflowDataLoader(pipeline, shuffle_cache=7)
+  assert repr(loader) == ("TensorflowDataLoader(x, meta; 4 observations, "
+                          "shuffle_cache=7)")
+  assert loader.static_information == {"observation_count": 4}
+  batches, _ = loader.get_batches(loader.register_ordered_pipeline(1, 2))
+  assert batches["meta"]["w"].shape == (1, 2, 2)
+  assert batches["x"].tolist() == [[0, 1]]
+
+
+# -- errors -----------------------------------------------------------------
+
+
+def test_string_feature_names_the_key_and_exclude_keys():
+  pipeline = _pipeline(4, name=np.array([b"a", b"b", b"c", b"d"]))
+  with pytest.raises(TypeError, match=r"'name' has dtype string.*"
+                     r"exclude_keys=\['name'\]"):
+    TensorflowDataLoader(pipeline)
+  loader = TensorflowDataLoader(pipeline, exclude_keys=["name"])
+  assert sorted(loader.observation_format) == ["x", "y"]
+  batches, _ = loader.get_batches(loader.register_ordered_pipeline(1, 4))
+  assert sorted(batches) == ["x", "y"]
+
+
+def test_unknown_dimensions_and_ragged_features_are_named():
+  unknown = _pipeline(4).map(
+      lambda d: {**d, "v": tf.zeros(tf.cast(d["x"], tf.int32))})
+  with pytest.raises(ValueError, match=r"'v' has shape \(None,\).*"
+                     r"exclude_keys=\['v'\]"):
+    TensorflowDataLoader(unknown)
+  assert TensorflowDataLoader(unknown, exclude_keys=["v"]).static_information
+  ragged = tf.data.Dataset.from_tensor_slices(
+      {"x": np.arange(2), "r": tf.ragged.constant([[1], [2, 3]])})
+  with pytest.raises(TypeError, match=r"'r' is a RaggedTensorSpec.*"
+                     r"exclude_keys=\['r'\]"):
+    TensorflowDataLoader(ragged)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(pipeline=np.arange(3)), TypeError, "must be a tf.data.Dataset"),
+    (dict(shuffle_cache=0), ValueError, "shuffle_cache=0"),
+    (dict(exclude_keys="x"), TypeError, "exclude_keys='x'"),
+    (dict(exclude_keys=["z"]), ValueError, "'z', which the pipeline does not"),
+    (dict(exclude_keys=["x", "y"]), ValueError, "drops every feature"),
+    (dict(observation_count=5), ValueError,
+     "differs from the pipeline's cardinality 10"),
+])
+def test_bad_loader_arguments_are_named(kwargs, error, match):
+  kwargs = {"pipeline": _pipeline(10), **kwargs}
+  with pytest.raises(error, match=match):
+    TensorflowDataLoader(**kwargs)
+
+
+def test_tuple_elements_are_an_error():
+  pipeline = tf.data.Dataset.from_tensor_slices((np.arange(3), np.arange(3)))
+  with pytest.raises(TypeError, match="must yield dicts"):
+    TensorflowDataLoader(pipeline)
+
+
+def test_unknown_and_infinite_cardinality_need_observation_count():
+  filtered = _pipeline(10).filter(lambda d: d["x"] % 2 == 0)
+  with pytest.raises(ValueError, match="unknown.*observation_count=N"):
+    TensorflowDataLoader(filtered)
+  with pytest.raises(ValueError, match="infinite.*observation_count=N"):
+    TensorflowDataLoader(_pipeline(10).repeat())
+  loader = TensorflowDataLoader(filtered, observation_count=5)
+  chain = loader.register_ordered_pipeline(1, 5)
+  assert _chunks(loader, chain, 2)[0] == [[[0, 2, 4, 6, 8]]] * 2
+  endless = TensorflowDataLoader(_pipeline(10).repeat(), observation_count=4)
+  chain = endless.register_ordered_pipeline(1, 3)
+  assert _chunks(endless, chain, 2)[0] == [[[0, 1, 2]], [[3, 0, 1]]]
+  too_many = TensorflowDataLoader(filtered, observation_count=6)
+  chain = too_many.register_ordered_pipeline(1, 4)
+  too_many.get_batches(chain)
+  with pytest.raises(ValueError, match="observation_count=6 does not fit"):
+    too_many.get_batches(chain)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(cache_size=0, mb_size=2), ValueError, "cache_size=0"),
+    (dict(cache_size=1, mb_size=11), ValueError, "mb_size=11"),
+    (dict(cache_size=1, mb_size=None), ValueError, "mb_size=None"),
+    (dict(mb_size=2, sed=1), TypeError, "sed=1"),
+    (dict(mb_size=2, seed=-1), ValueError, "seed=-1"),
+    (dict(mb_size=2, seed=2**31), ValueError, "seed=2147483648"),
+    (dict(mb_size=2, shard_index=0), ValueError, "go together"),
+])
+def test_bad_chain_arguments_are_named(kwargs, error, match):
+  loader = TensorflowDataLoader(_pipeline(10))
+  with pytest.raises(error, match=match):
+    loader.register_random_pipeline(**kwargs)
+
+
+def test_ordered_chains_take_no_seed_and_released_chains_are_errors():
+  loader = TensorflowDataLoader(_pipeline(10))
+  with pytest.raises(TypeError, match="seed=1"):
+    loader.register_ordered_pipeline(1, 2, seed=1)
+  chain = loader.register_random_pipeline(1, 2)
+  loader.release_chain(chain)
+  loader.release_chain(chain)  # idempotent
+  with pytest.raises(ValueError, match="was released"):
+    loader.get_batches(chain)
+  with pytest.raises(ValueError, match="does not exist"):
+    loader.get_batches(5)
+
+
+# -- TensorFlow set-up --------------------------------------------------------
+
+
+def test_importing_jax_data_does_not_import_tensorflow_and_env_defaults():
+  fake = textwrap.dedent("""
+      import importlib.util, os, sys, types
+      import jax_data
+      assert "tensorflow" not in sys.modules, "jax_data imported tensorflow"
+      os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)
+      os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1"  # a user's choice wins
+      seen = {}
+      class Config:
+        def set_visible_devices(self, devices, kind):
+          seen["hidden"] = (devices, kind)
+      fake = types.ModuleType("tensorflow")
+      fake.config = Config()
+      class Finder:  # records the environment when tensorflow is imported
+        def find_spec(self, name, path=None, target=None):
+          if name != "tensorflow":
+            return None
+          seen["level"] = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
+          seen["onednn"] = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
+          return importlib.util.spec_from_loader(name, self)
+        def create_module(self, spec):
+          return fake
+        def exec_module(self, module):
+          pass
+      sys.meta_path.insert(0, Finder())
+      import jax_data.tensorflow_loader
+      print(seen)
+      """)
+  result = subprocess.run([sys.executable, "-c", fake], capture_output=True,
+                          text=True, timeout=120, check=False,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip() == (
+      "{'level': '2', 'onednn': '1', 'hidden': ([], 'GPU')}")
+
+
+def test_gpus_stay_hidden_or_a_warning_says_why(monkeypatch):
+  assert tf.config.get_visible_devices("GPU") == []
+
+  def too_late(devices, kind):
+    raise RuntimeError("Visible devices cannot be modified after being "
+                       "initialized")
+
+  monkeypatch.setattr(tf.config, "set_visible_devices", too_late)
+  monkeypatch.setattr(tf.config, "get_visible_devices",
+                      lambda kind: ["GPU:0"])
+  with pytest.warns(UserWarning, match="can still see the GPUs"):
+    tensorflow_loader._hide_gpus()
+
+
+def test_changed_global_seed_is_an_error_not_another_stream():
+  loader = TensorflowDataLoader(_pipeline(10))
+  chain = loader.register_random_pipeline(1, 2)
+  state = loader.save_state(chain)
+  try:
+    tf.random.set_seed(1234)
+    with pytest.raises(RuntimeError, match="global seed changed"):
+      loader.get_batches(chain)
+    fresh = TensorflowDataLoader(_pipeline(10))
+    with pytest.raises(ValueError, match="tf_global_seed is"):
+      fresh.load_state(fresh.register_random_pipeline(1, 2), state)
+  finally:
+    tf.compat.v1.random.set_random_seed(None)
+  assert loader.get_batches(chain)[0]["x"].shape == (1, 2)
+
+
+# -- inside jit -------------------------------------------------------------
+
+
+def test_random_reference_data_inside_jit_serves_the_chain_stream():
+  pipeline = _pipeline(30)
+  loader = TensorflowDataLoader(pipeline, shuffle_cache=8)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 3,
+                                                                 4)
+
+  @jax.jit
+  def draw(state):
+    return jax.lax.scan(lambda s, _: batch_fn(s), state, None, length=10)
+
+  state = init_fn(seed=6)
+  end, batches = draw(state)
+  reference = TensorflowDataLoader(pipeline, shuffle_cache=8)
+  expected = _stream(reference, reference.register_random_pipeline(
+      3, 4, seed=6), 4)[:40]
+  assert np.asarray(batches["x"]).ravel().tolist() == expected.tolist()
+  np.testing.assert_allclose(batches["y"], np.asarray(batches["x"]) / 2)
+  # The same state again (a replay across chunks) gives the same batches,
+  # and the chain goes on where it was.
+  _, again = draw(state)
+  assert np.array_equal(again["x"], batches["x"])
+  _, later = draw(end)
+  assert np.asarray(later["x"]).ravel().tolist() == _stream(
+      reference, reference.register_random_pipeline(3, 4, seed=6),
+      7)[40:80].tolist()
+  release_fn()
+
+
+def test_full_data_maps_inside_jit_equal_numpy_results():
+  n = 23
+  loader = TensorflowDataLoader(_pipeline(n))
+  mapper_fn, release_mapper = jax_data.full_data_mapper(loader, 2, 4)
+
+  @jax.jit
+  def total(carry):
+    return mapper_fn(lambda b, m, c: (jnp.sum(b["y"] * m), c + jnp.sum(m)),
+                     carry, masking=True)
+
+  for _ in range(2):  # pass after pass
+    sums, count = total(jnp.int32(0))
+    assert float(sums.sum()) == pytest.approx(np.arange(n).sum() / 2)
+    assert int(count) == n
+  release_mapper()
+
+  init_fn, map_fn, release_fn = jax_data.full_reference_data(loader, 3, 5)
+  state = init_fn()
+
+  @jax.jit
+  def squares(state):
+    return map_fn(lambda b, c: (b["x"] ** 2, c), state, None)
+
+  for _ in range(3):
+    state, (results, _) = squares(state)
+    assert results.tolist() == [i * i for i in range(n)]
+  release_fn()
+
+
+@pytest.mark.parametrize("kind", ["random", "full"])
+def test_checkpoint_restores_into_a_new_loader(kind):
+  pipeline = _pipeline(19)
+
+  def build():
+    loader = TensorflowDataLoader(pipeline, shuffle_cache=5)
+    if kind == "random":
+      pipe = jax_data.random_reference_data(loader, 3, 4)
+      init_fn, batch_fn, _ = pipe
+      step = jax.jit(lambda s: jax.lax.scan(lambda s, _: batch_fn(s), s,
+                                            None, length=7))
+      return pipe, lambda: init_fn(seed=2), step
+    pipe = jax_data.full_reference_data(loader, 2, 4)
+    init_fn, map_fn, _ = pipe
+    step = jax.jit(lambda s: map_fn(lambda b, c: (b["x"], c), s, None))
+    return pipe, init_fn, step
+
+  pipe, init, step = build()
+  state, _ = step(step(init())[0])  # a few chunks in
+  tree = jax_data.state_to_pytree(pipe, state)
+  expected = [step(state)[1]]
+  expected.append(step(step(state)[0])[1])
+  pipe[-1]()
+  new_pipe, new_init, new_step = build()
+  new_init()  # another chain first: the restored one gets another id
+  restored = jax_data.state_from_pytree(new_pipe, tree)
+  got = [new_step(restored)[1]]
+  got.append(new_step(new_step(restored)[0])[1])
+  for want, have in zip(expected, got):
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(
+        lambda a, b: np.array_equal(a, b), want, have))
+  new_pipe[-1]()
