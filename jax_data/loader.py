@@ -11,10 +11,16 @@ A :class:`DeviceDataLoader` keeps the whole dataset on the device.
 from __future__ import annotations
 
 import abc
+import threading
+import weakref
 from typing import Any
+from typing import Callable
 from typing import Dict
+from typing import Generic
+from typing import List
 from typing import Optional
 from typing import Tuple
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +29,47 @@ import numpy as np
 from jax_data.types import MiniBatchInformation
 from jax_data.types import PyTree
 from jax_data.validation import check_int
+
+Chain = TypeVar("Chain")
+
+
+class ChainList(Generic[Chain]):
+  """The chains a host loader registered, by id.
+
+  Ids count registrations from 0 and are never reused; registration is one
+  at a time, so concurrent callers get distinct ids.
+
+  Args:
+    owner: The loader, named in errors (held weakly).
+  """
+
+  def __init__(self, owner: Any):
+    self._owner = weakref.ref(owner)
+    self._chains: List[Optional[Chain]] = []
+    self._lock = threading.RLock()
+
+  def add(self, make_chain: Callable[[int], Chain]) -> int:
+    """Registers ``make_chain(chain_id)`` and returns the id; nothing is
+    registered if it raises."""
+    with self._lock:
+      chain_id = len(self._chains)
+      self._chains.append(make_chain(chain_id))
+    return chain_id
+
+  def get(self, chain_id: int) -> Chain:
+    """The chain ``chain_id``; a clear error if released or unknown."""
+    chain_id = check_int("chain_id", chain_id, minimum=0)
+    chain = self._chains[chain_id] if chain_id < len(self._chains) else None
+    if chain is None:
+      state = "was released" if chain_id < len(self._chains) else (
+          f"does not exist ({len(self._chains)} chains registered)")
+      raise ValueError(f"chain_id={chain_id} of {self._owner()!r} {state}")
+    return chain
+
+  def release(self, chain_id: int) -> None:
+    """Frees a chain; its id stays taken."""
+    if 0 <= chain_id < len(self._chains):
+      self._chains[chain_id] = None
 
 
 class DataLoader(metaclass=abc.ABCMeta):

@@ -7,10 +7,8 @@ import copy as copy_module
 import dataclasses
 import mmap
 import os
-import threading
 from typing import Any
 from typing import Dict
-from typing import List
 from typing import Optional
 from typing import Tuple
 from typing import Union
@@ -20,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_data import sampling
+from jax_data.loader import ChainList
 from jax_data.loader import DeviceDataLoader
 from jax_data.loader import HostDataLoader
 from jax_data.types import MiniBatchInformation
@@ -94,6 +93,13 @@ def _drop_pages(array: np.memmap) -> None:
       pass
 
 
+def _all_valid(cache_size: int, mb_size: int) -> np.ndarray:
+  """A read-only all-True mask of one chunk."""
+  mask = np.ones((cache_size, mb_size), bool)
+  mask.setflags(write=False)
+  return mask
+
+
 def _observation_format(arrays: Dict[str, np.ndarray]) -> Dict[str, Any]:
   return {k: jax.ShapeDtypeStruct(v.shape[1:],
                                   jax.dtypes.canonicalize_dtype(v.dtype))
@@ -163,9 +169,7 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
     self._arrays, self._count = _prepare(type(self).__name__, copy,
                                          reference_data)
     self._format = _observation_format(self._arrays)
-    self._chains: List[Optional[_Chain]] = []
-    # Chain ids (and default seeds) count registrations: one at a time.
-    self._registering = threading.RLock()
+    self._chains: ChainList[_Chain] = ChainList(self)
 
   def _observations(self, shard_index, shard_count
                     ) -> sampling.ObservationRange:
@@ -181,11 +185,6 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
                         what="the observation count")
     return cache_size, mb_size
 
-  def _add(self, chain: _Chain) -> int:
-    chain.all_valid.setflags(write=False)
-    self._chains.append(chain)
-    return len(self._chains) - 1
-
   def register_random_pipeline(self, cache_size: int = 1,
                                mb_size: Optional[int] = None,
                                **kwargs: Any) -> int:
@@ -200,13 +199,13 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
     Returns:
       The chain id.
     """
-    with self._registering:
-      return self._register_random(cache_size, mb_size, kwargs)
-
-  def _register_random(self, cache_size, mb_size, kwargs) -> int:
     check_keywords("a random chain of NumpyDataLoader", kwargs,
                    self._RANDOM_KEYWORDS)
-    chain_id = len(self._chains)
+    return self._chains.add(
+        lambda chain_id: self._random_chain(chain_id, cache_size, mb_size,
+                                            kwargs))
+
+  def _random_chain(self, chain_id, cache_size, mb_size, kwargs) -> _Chain:
     seed = kwargs.get("seed")
     seed = chain_id if seed is None else check_int("seed", seed, minimum=0)
     shuffle = check_bool("shuffle", kwargs.get("shuffle", False))
@@ -221,8 +220,8 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
                                    in_epochs)
     settings = {"seed": seed, "shuffle": shuffle, "in_epochs": in_epochs,
                 "shard": [observations.start, observations.count]}
-    return self._add(_Chain("random", cache_size, mb_size, stream, settings,
-                            np.ones((cache_size, mb_size), bool)))
+    return _Chain("random", cache_size, mb_size, stream, settings,
+                  _all_valid(cache_size, mb_size))
 
   def register_ordered_pipeline(self, cache_size: int = 1,
                                 mb_size: Optional[int] = None,
@@ -238,10 +237,6 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
     Returns:
       The chain id.
     """
-    with self._registering:
-      return self._register_ordered(cache_size, mb_size, kwargs)
-
-  def _register_ordered(self, cache_size, mb_size, kwargs) -> int:
     check_keywords("an ordered chain of NumpyDataLoader", kwargs,
                    self._ORDERED_KEYWORDS)
     observations = self._observations(kwargs.get("shard_index"),
@@ -249,17 +244,12 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
     cache_size, mb_size = self._check_sizes(cache_size, mb_size, observations)
     stream = sampling.OrderedStream(observations, mb_size)
     settings = {"shard": [observations.start, observations.count]}
-    return self._add(_Chain("ordered", cache_size, mb_size, stream, settings,
-                            np.ones((cache_size, mb_size), bool)))
+    return self._chains.add(lambda _: _Chain(
+        "ordered", cache_size, mb_size, stream, settings,
+        _all_valid(cache_size, mb_size)))
 
   def _chain(self, chain_id: int) -> _Chain:
-    chain_id = check_int("chain_id", chain_id, minimum=0)
-    chain = self._chains[chain_id] if chain_id < len(self._chains) else None
-    if chain is None:
-      state = "was released" if chain_id < len(self._chains) else (
-          f"does not exist ({len(self._chains)} chains registered)")
-      raise ValueError(f"chain_id={chain_id} of {self!r} {state}")
-    return chain
+    return self._chains.get(chain_id)
 
   def get_batches(self, chain_id: int) -> Tuple[Dict[str, np.ndarray],
                                                 np.ndarray]:
@@ -331,8 +321,7 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
     chain.stream.set_state(copy_module.deepcopy(data["stream"]))
 
   def release_chain(self, chain_id: int) -> None:
-    if 0 <= chain_id < len(self._chains):
-      self._chains[chain_id] = None
+    self._chains.release(chain_id)
 
   def chain_fingerprint(self, chain_id: int) -> Dict[str, Any]:
     chain = self._chain(chain_id)

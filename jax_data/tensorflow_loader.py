@@ -21,13 +21,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import threading
 import warnings
 from typing import Any
 from typing import Dict
 from typing import Iterable
 from typing import Iterator
-from typing import List
 from typing import Optional
 from typing import Tuple
 
@@ -39,6 +37,7 @@ import jax
 import numpy as np
 import tensorflow as tf
 
+from jax_data.loader import ChainList
 from jax_data.loader import HostDataLoader
 from jax_data.sampling import ObservationRange
 from jax_data.types import PyTree
@@ -335,8 +334,7 @@ class TensorflowDataLoader(HostDataLoader):
     if excluded:
       pipeline = pipeline.map(lambda element: {k: element[k] for k in kept})
     self._pipeline = pipeline
-    self._chains: List[Optional[_Chain]] = []
-    self._lock = threading.Lock()
+    self._chains: ChainList[_Chain] = ChainList(self)
 
   @staticmethod
   def _check_exclude_keys(exclude_keys, spec) -> frozenset:
@@ -387,12 +385,6 @@ class TensorflowDataLoader(HostDataLoader):
                         what="the observation count")
     return cache_size, mb_size
 
-  def _add(self, make_chain) -> int:
-    with self._lock:
-      chain_id = len(self._chains)
-      self._chains.append(make_chain(chain_id))
-    return chain_id
-
   def register_random_pipeline(self, cache_size: int = 1,
                                mb_size: Optional[int] = None,
                                **kwargs: Any) -> int:
@@ -422,7 +414,7 @@ class TensorflowDataLoader(HostDataLoader):
                              chain_id if seed is None else seed)
       return _Chain(cache_size, mb_size, shard, stream, 0)
 
-    return self._add(make_chain)
+    return self._chains.add(make_chain)
 
   def register_ordered_pipeline(self, cache_size: int = 1,
                                 mb_size: Optional[int] = None,
@@ -444,20 +436,14 @@ class TensorflowDataLoader(HostDataLoader):
     shard, data = self._shard(kwargs)
     cache_size, mb_size = self._check_sizes(cache_size, mb_size, shard)
     stream = _OrderedPasses(data, shard.count, mb_size, cache_size)
-    return self._add(lambda _: _Chain(cache_size, mb_size, shard, stream, 0))
+    return self._chains.add(
+        lambda _: _Chain(cache_size, mb_size, shard, stream, 0))
 
   def _chain(self, chain_id: int) -> _Chain:
-    chain_id = check_int("chain_id", chain_id, minimum=0)
-    chain = self._chains[chain_id] if chain_id < len(self._chains) else None
-    if chain is None:
-      state = "was released" if chain_id < len(self._chains) else (
-          f"does not exist ({len(self._chains)} chains registered)")
-      raise ValueError(f"chain_id={chain_id} of {self!r} {state}")
-    return chain
+    return self._chains.get(chain_id)
 
   def release_chain(self, chain_id: int) -> None:
-    if 0 <= chain_id < len(self._chains):
-      self._chains[chain_id] = None
+    self._chains.release(chain_id)
 
   # -- serving ------------------------------------------------------------
 

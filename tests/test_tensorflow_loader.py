@@ -187,9 +187,9 @@ def test_load_state_at_the_current_position_keeps_the_stream():
   loader = TensorflowDataLoader(_pipeline(23), shuffle_cache=6)
   chain = loader.register_random_pipeline(3, 4, seed=1)
   _chunks(loader, chain, 2)
-  iterator = loader._chains[chain].iterator
+  iterator = loader._chain(chain).iterator
   loader.load_state(chain, loader.save_state(chain))
-  assert loader._chains[chain].iterator is iterator  # no rebuild, no skip
+  assert loader._chain(chain).iterator is iterator  # no rebuild, no skip
 
 
 def test_load_state_names_what_differs():
