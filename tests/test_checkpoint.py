@@ -144,3 +144,39 @@ def test_restore_in_a_fresh_process(tmp_path, mode):
       timeout=120)
   assert done.returncode == 0, done.stderr[-3000:]
   assert json.loads(done.stdout.strip().splitlines()[-1]) == expected.tolist()
+
+
+_RESTORE_TF = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    import tensorflow as tf
+    from jax import lax
+    import jax_data
+    path, steps = sys.argv[1], int(sys.argv[2])
+    data = tf.data.Dataset.from_tensor_slices({"x": np.arange(%d)})
+    pipeline = jax_data.random_reference_data(
+        jax_data.TensorflowDataLoader(data, shuffle_cache=8), %d, %d)
+    state = jax_data.restore_checkpoint(path, pipeline)
+    _, x = jax.jit(lambda s: lax.scan(
+        lambda s, _: pipeline[1](s), s, None, length=steps))(state)
+    print(json.dumps(x["x"].tolist()))
+    """ % (N, CACHE, MB))
+
+
+def test_tensorflow_restore_in_a_fresh_process(tmp_path):
+  tf = pytest.importorskip("tensorflow")
+  data = tf.data.Dataset.from_tensor_slices({"x": np.arange(N)})
+  pipeline = jax_data.random_reference_data(
+      jax_data.TensorflowDataLoader(data, shuffle_cache=8), CACHE, MB)
+  init_fn, batch_fn, _ = pipeline
+  state, _ = _run(batch_fn, 9)(init_fn(seed=4))
+  path = tmp_path / "tf.npz"
+  jax_data.save_checkpoint(path, pipeline, state)
+  _, (expected, _) = _run(batch_fn, 13)(state)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run(
+      [sys.executable, "-c", _RESTORE_TF, str(path), "13"], cwd=root,
+      env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True,
+      timeout=180)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert json.loads(done.stdout.strip().splitlines()[-1]) == expected.tolist()

@@ -163,3 +163,29 @@ def test_failure_on_one_of_four_devices_before_a_collective():
   assert "chain 2, chunk 1: RuntimeError: disk read failed" in done.stdout, (
       output)
   assert "AFTER (4, 6)" in done.stdout, output
+
+
+def test_tf_data_map_that_raises():
+  tf = pytest.importorskip("tensorflow")
+  from jax_data.tensorflow_loader import TensorflowDataLoader
+
+  def check(element):
+    tf.debugging.assert_none_equal(element["x"], tf.constant(13, tf.int64),
+                                   message="corrupt record")
+    return element
+
+  pipeline = tf.data.Dataset.from_tensor_slices(
+      {"x": np.arange(20, dtype=np.int64)}).map(check)
+  mapper_fn, _ = jax_data.full_data_mapper(TensorflowDataLoader(pipeline),
+                                           2, 4)
+  with pytest.raises(Exception) as info:
+    jax.block_until_ready(mapper_fn(lambda b, c: (b["x"], c), None))
+  message = str(info.value)
+  assert "TensorflowDataLoader" in message and "chain 0" in message
+  assert "InvalidArgumentError" in message and "corrupt record" in message
+  # The process and other loaders keep working.
+  healthy, _ = jax_data.full_data_mapper(
+      TensorflowDataLoader(tf.data.Dataset.from_tensor_slices(
+          {"x": np.arange(20, dtype=np.int64)})), 2, 4)
+  values, _ = healthy(lambda b, c: (b["x"], c), None)
+  assert values.tolist() == list(range(20))
