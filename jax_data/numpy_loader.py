@@ -78,6 +78,24 @@ def _prepare(loader: str, copy: Any, arrays: Dict[str, Any]
   return prepared, count
 
 
+# Random rows of a memmap are read this many at a time, and their pages
+# dropped after each group: a page fault can map a whole large folio of the
+# page cache (up to MiBs) around each row, so a chunk of thousands of random
+# rows read at once would map most of a large file for a moment.
+_ROWS_PER_READ = 128
+
+
+def _read_rows(array: np.memmap, flat: np.ndarray) -> np.ndarray:
+  """Rows ``flat`` of a memmap, read in file order in small groups."""
+  order = np.argsort(flat, kind="stable")
+  rows = np.empty((flat.size,) + array.shape[1:], array.dtype)
+  for start in range(0, flat.size, _ROWS_PER_READ):
+    part = order[start:start + _ROWS_PER_READ]
+    rows[part] = array[flat[part]]
+    _drop_pages(array)
+  return rows
+
+
 def _drop_pages(array: np.memmap) -> None:
   """Unmaps the pages a memmap read touched from this process.
 
@@ -284,10 +302,7 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
         if isinstance(array, np.memmap):
           rows = np.array(rows)  # read now, before the pages are dropped
       elif isinstance(array, np.memmap):
-        # Read rows in file order; a memmap's pages are then read once each.
-        order = np.argsort(flat, kind="stable")
-        rows = np.empty((flat.size,) + array.shape[1:], array.dtype)
-        rows[order] = array[flat[order]]
+        rows = _read_rows(array, flat)
       else:
         rows = np.take(array, flat, axis=0)
       if isinstance(array, np.memmap):
