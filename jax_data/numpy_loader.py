@@ -102,6 +102,8 @@ def _drop_pages(array: np.memmap) -> None:
   They stay in the kernel's page cache, but no longer count in the
   process's resident memory, so out-of-core data does not fill it up.
   """
+  if getattr(array, "mode", None) == "c":
+    return  # copy-on-write: dropping pages would discard the user's edits
   mapped = getattr(array, "_mmap", None)
   advice = getattr(mmap, "MADV_DONTNEED", None)
   if mapped is not None and advice is not None:

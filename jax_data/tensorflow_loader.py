@@ -454,11 +454,11 @@ class TensorflowDataLoader(HostDataLoader):
     # No prefetch: the host bridge already asks for the next chunk from a
     # background thread while the device works, and a tf.data prefetch
     # thread on top of it only adds a hand-off per chunk (measured slower).
-    # A parallel, deterministic batch copies elements on tf.data's threads
-    # in the same order (about a third more images/s on two cores).
+    # A sequential batch: a parallel one is faster alone, but inside a
+    # pipeline its threads compete with the device for the cores (measured
+    # 2x slower).
     chunks = chain.stream.elements(chain.position).batch(
-        size, drop_remainder=True, num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=True)
+        size, drop_remainder=True)
     return iter(chunks.with_options(options))
 
   def get_batches(self, chain_id: int) -> Tuple[Dict[str, np.ndarray],

@@ -152,6 +152,17 @@ def test_memmap_without_copy_stays_on_disk(tmp_path):
   np.testing.assert_array_equal(batches["x"], expected["x"])
 
 
+def test_copy_on_write_memmap_keeps_the_users_edits(tmp_path):
+  path = tmp_path / "x.npy"
+  np.save(path, np.arange(20.0).reshape(10, 2))
+  mm = np.load(path, mmap_mode="c")
+  mm[0] = -1.0  # an edit in memory only
+  loader = NumpyDataLoader(copy=False, x=mm)
+  chain = loader.register_random_pipeline(1, 4, seed=0)
+  loader.get_batches(chain)
+  assert mm[0].tolist() == [-1.0, -1.0]
+
+
 def test_device_loader_draws_with_key():
   loader = DeviceNumpyDataLoader(x=np.arange(10), y=np.zeros((10, 2)))
   key = loader.init_random_data(key=jax.random.PRNGKey(3))

@@ -23,6 +23,18 @@ def _batches(stream, count, cache=1):
   return np.array(rows[:count]), np.array(masks[:count])
 
 
+@pytest.mark.parametrize("n", [3, 10**4, 2**33 + 7])
+@pytest.mark.parametrize("mb", [1, 3, 64, 65])
+def test_one_draw_per_chunk_equals_one_per_batch(n, mb):
+  """Draws are vectorised per chunk; the stream must not change."""
+  rng = sampling.default_rng(5)
+  expected = [rng.choice(n, size=mb, replace=True) for _ in range(7)]
+  stream = _random(n, mb, seed=5)
+  got, _ = stream.draw(7)
+  np.testing.assert_array_equal(got, expected)
+  assert stream._rng.bit_generator.state == rng.bit_generator.state
+
+
 def test_independent_draws_equal_rng_choice():
   rng = sampling.default_rng(7)
   expected = [rng.choice(1000, size=5, replace=True) for _ in range(20)]
