@@ -7,8 +7,11 @@ import copy as copy_module
 import dataclasses
 import mmap
 import os
+import sys
+import threading
 from typing import Any
 from typing import Dict
+from typing import List
 from typing import Optional
 from typing import Tuple
 from typing import Union
@@ -94,6 +97,41 @@ def _read_rows(array: np.memmap, flat: np.ndarray) -> np.ndarray:
     rows[part] = array[flat[part]]
     _drop_pages(array)
   return rows
+
+
+class _BufferPool:
+  """Chunk buffers used again once nothing else references them.
+
+  Gathering a large chunk into fresh memory costs a page fault per page;
+  a recycled buffer does not. A buffer is free when only the pool holds it
+  (the chunk store dropped the chunk and XLA copied it), which
+  ``sys.getrefcount`` tells exactly.
+  """
+
+  _PER_FORMAT = 4
+
+  def __init__(self):
+    self._free: Dict[Tuple[Tuple[int, ...], np.dtype], List[np.ndarray]] = {}
+    self._lock = threading.Lock()
+
+  def take(self, array: np.ndarray, flat: np.ndarray) -> np.ndarray:
+    """``np.take(array, flat, axis=0)`` into a recycled buffer."""
+    shape = (flat.size,) + array.shape[1:]
+    out = self._buffer(shape, array.dtype)
+    # Indices come from the streams, always in range: no bounds checks.
+    return np.take(array, flat, axis=0, out=out, mode="clip")
+
+  def _buffer(self, shape, dtype) -> np.ndarray:
+    with self._lock:
+      pool = self._free.setdefault((shape, np.dtype(dtype)), [])
+      for buffer in pool:
+        # References: the pool's list, this loop variable, the argument.
+        if sys.getrefcount(buffer) <= 3:
+          return buffer
+      buffer = np.empty(shape, dtype)
+      if len(pool) < self._PER_FORMAT:
+        pool.append(buffer)
+      return buffer
 
 
 def _drop_pages(array: np.memmap) -> None:
@@ -190,6 +228,7 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
                                          reference_data)
     self._format = _observation_format(self._arrays)
     self._chains: ChainList[_Chain] = ChainList(self)
+    self._buffers = _BufferPool()
 
   def _observations(self, shard_index, shard_count
                     ) -> sampling.ObservationRange:
@@ -306,7 +345,7 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
       elif isinstance(array, np.memmap):
         rows = _read_rows(array, flat)
       else:
-        rows = np.take(array, flat, axis=0)
+        rows = self._buffers.take(array, flat)
       if isinstance(array, np.memmap):
         _drop_pages(array)
       rows = rows.reshape(indices.shape + array.shape[1:])

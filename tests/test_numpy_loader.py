@@ -176,3 +176,19 @@ def test_device_loader_draws_with_key():
   with pytest.raises(TypeError, match="seed=1"):
     loader.init_random_data(seed=1)
   assert loader.get_full_data()["x"].tolist() == list(range(10))
+
+
+def test_recycled_buffers_never_overwrite_a_chunk_in_use():
+  loader = NumpyDataLoader(x=np.arange(1000))
+  chain = loader.register_random_pipeline(4, 8, seed=2)
+  reference = NumpyDataLoader(x=np.arange(1000))
+  ref_chain = reference.register_random_pipeline(4, 8, seed=2)
+  held = [loader.get_batches(chain)[0]["x"] for _ in range(3)]
+  expected = [reference.get_batches(ref_chain)[0]["x"].copy()
+              for _ in range(3)]
+  for _ in range(20):  # dropped chunks: their buffers are used again
+    got = loader.get_batches(chain)[0]["x"]
+    np.testing.assert_array_equal(got,
+                                  reference.get_batches(ref_chain)[0]["x"])
+  for chunk, want in zip(held, expected):
+    np.testing.assert_array_equal(chunk, want)
