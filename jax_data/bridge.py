@@ -188,10 +188,13 @@ class _Ops:
       def fetch(ops):
         chain, chunk, cached_chunk, mask, *leaves = ops
         need = cached_chunk != chunk
-        new = self._fetch_lanes(chain[None], chunk[None], need[None])
-        # Merging with the old cache (a select, once per refresh) gives the
-        # outputs the device-varying type of the state inside shard_map.
-        merged = [jnp.where(need, n[0], o)
+        new = [n[0] for n in self._fetch_lanes(chain[None], chunk[None],
+                                                need[None])]
+        if _participants() == 1:  # no manual axes: no varying types
+          return [chunk] + new
+        # Inside shard_map, merging with the old cache (a select over the
+        # cache) gives the outputs the device-varying type of the state.
+        merged = [jnp.where(need, n, o)
                   for n, o in zip(new, list(leaves) + [mask])]
         return [jnp.where(need, chunk, cached_chunk)] + merged
 
