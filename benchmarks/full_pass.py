@@ -1,0 +1,234 @@
+"""Case (c): the full-data log-likelihood of logistic regression, one pass
+over every observation per call, with ``full_data_mapper``.
+
+* device-resident: the (padded) dataset on the device, a jitted
+  ``lax.scan`` over batches cut with ``lax.dynamic_slice``;
+* jax_data: ``full_data_mapper(NumpyDataLoader(x=..., y=...), cache, mb)``
+  inside ``jit``;
+* jax-sgmc 0.1.5: its ``full_data_mapper`` inside ``jit``;
+* Python loop: one jitted call per batch of host slices.
+
+All four evaluate the same masked per-batch log-likelihood.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from common import DEVICE
+from common import JAX_DATA
+from common import JAX_SGMC
+from common import PYTHON_LOOP
+from common import Contender
+from common import Section
+from common import Target
+from common import calibrate
+from common import compare
+from common import format_count
+from common import format_ratio
+from common import format_timing
+from common import memory_row
+from common import observation_bytes
+from common import paired_ratio
+from common import timed
+from models import logistic_data
+from models import masked_log_likelihood
+
+import jax_data
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Sizes of case (c).
+
+  Attributes:
+    sizes: Observation counts N.
+    features: D.
+    mb: Observations per batch.
+    cache: Batches per host call (jax_data, jax-sgmc).
+    min_seconds: Each measurement makes as many passes as take about this
+      long (device-resident and jax_data make the same number).
+    max_passes: At most this many passes per measurement.
+  """
+  sizes: tuple[int, ...] = (100_000, 1_000_000)
+  features: int = 32
+  mb: int = 1_000
+  cache: int = 100
+  min_seconds: float = 1.0
+  max_passes: int = 200
+
+
+FULL = Config()
+SMOKE = Config(sizes=(10_000,), cache=10, min_seconds=0.05, max_passes=20)
+
+
+def _padded(data: dict[str, np.ndarray], mb: int
+            ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+  """Arrays padded with zeros to whole batches, and the validity mask."""
+  n = len(data["y"])
+  batches = -(-n // mb)
+  pad = batches * mb - n
+  padded = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
+            for k, v in data.items()}
+  mask = (np.arange(batches * mb) < n).reshape(batches, mb)
+  return padded, mask
+
+
+def _device_pass(data: dict[str, np.ndarray], mb: int) -> Callable:
+  padded, mask = _padded(data, mb)
+  arrays = {k: jnp.asarray(v) for k, v in padded.items()}
+  mask = jnp.asarray(mask)
+
+  @jax.jit
+  def log_likelihood(theta):
+    def body(total, i):
+      batch = {k: jax.lax.dynamic_slice_in_dim(a, i * mb, mb)
+               for k, a in arrays.items()}
+      return total + masked_log_likelihood(theta, batch, mask[i]), None
+
+    total, _ = jax.lax.scan(body, jnp.float32(0),
+                            jnp.arange(mask.shape[0]))
+    return total
+
+  return log_likelihood
+
+
+def _mapper_pass(mapper_fn: Callable) -> Callable:
+  """A jitted full-data log-likelihood through a ``full_data_mapper``."""
+
+  @jax.jit
+  def log_likelihood(theta):
+    def fun(batch, mask, carry):
+      return masked_log_likelihood(theta, batch, mask), carry
+
+    sums, _ = mapper_fn(fun, None, masking=True)
+    return jnp.sum(sums)
+
+  return log_likelihood
+
+
+def _python_pass(data: dict[str, np.ndarray], mb: int) -> Callable:
+  padded, mask = _padded(data, mb)
+
+  @jax.jit
+  def add_batch(total, theta, batch, batch_mask):
+    return total + masked_log_likelihood(theta, batch, batch_mask)
+
+  def log_likelihood(theta):
+    total = jnp.float32(0)
+    for i in range(mask.shape[0]):
+      batch = {k: v[i * mb:(i + 1) * mb] for k, v in padded.items()}
+      total = add_batch(total, theta, batch, mask[i])
+    return total
+
+  return log_likelihood
+
+
+def _contender(name: str, fn: Callable, theta, passes: int) -> Contender:
+  def once():
+    for _ in range(passes):
+      result = fn(theta)
+    jax.block_until_ready(result)
+
+  return Contender(name, once, passes)
+
+
+def _per_pass(fn: Callable, theta) -> float:
+  """Seconds of one pass, after a compiling call."""
+  jax.block_until_ready(fn(theta))
+  return timed(lambda: jax.block_until_ready(fn(theta)))
+
+
+def run(config: Config, repeats: int) -> Section:
+  """Times the four contenders at every N.
+
+  Args:
+    config: Sizes.
+    repeats: Measurements per contender.
+
+  Returns:
+    The section of the report.
+  """
+  from jax_sgmc import data as sgmc_data
+  from jax_sgmc.data.numpy_loader import NumpyDataLoader as SgmcLoader
+
+  rows: list[list[str]] = []
+  notes: list[str] = []
+  ratios: dict[int, float] = {}
+  obs_bytes = 0
+  for n in config.sizes:
+    data = logistic_data(n, config.features)
+    obs_bytes = observation_bytes(data)
+    theta = jnp.asarray(np.linspace(-1, 1, config.features,
+                                    dtype=np.float32))
+    mapper_fn, release_fn = jax_data.full_data_mapper(
+        jax_data.NumpyDataLoader(**data), config.cache, config.mb)
+    sgmc_mapper, sgmc_release = sgmc_data.full_data_mapper(
+        SgmcLoader(**data), config.cache, config.mb)
+    fns = {DEVICE: _device_pass(data, config.mb),
+           JAX_DATA: _mapper_pass(mapper_fn),
+           JAX_SGMC: _mapper_pass(sgmc_mapper),
+           PYTHON_LOOP: _python_pass(data, config.mb)}
+    pilot = {name: _per_pass(fn, theta) for name, fn in fns.items()}
+    results = {name: float(fn(theta)) for name, fn in fns.items()}
+    _check_agree(results, n)
+    calibrated = functools.partial(calibrate, min_seconds=config.min_seconds,
+                                   quantum=1, maximum=config.max_passes)
+    same = calibrated(min(pilot[DEVICE], pilot[JAX_DATA]))
+    passes = {DEVICE: same, JAX_DATA: same,
+              JAX_SGMC: calibrated(pilot[JAX_SGMC]),
+              PYTHON_LOOP: calibrated(pilot[PYTHON_LOOP])}
+    contenders = [_contender(name, fn, theta, passes[name])
+                  for name, fn in fns.items()]
+    timings = compare(contenders, repeats)
+    release_fn()
+    sgmc_release()
+    del fns, data
+
+    ratios[n] = paired_ratio(timings, JAX_DATA, DEVICE)
+    rows.append([format_count(n)]
+                + [format_timing(timings[c.name], "ms") for c in contenders]
+                + [format_ratio(ratios[n]),
+                   format_ratio(paired_ratio(timings, JAX_SGMC, JAX_DATA)),
+                   format_ratio(paired_ratio(timings, PYTHON_LOOP,
+                                             JAX_DATA))])
+    notes.append(f"N={format_count(n)}: " + ", ".join(
+        f"{c.name} {c.units} passes" for c in contenders))
+    print(f"  (c) N={format_count(n)} done", flush=True)
+
+  large = max(ratios)
+  return Section(
+      key="full",
+      title="(c) Full-data log-likelihood pass",
+      description=(
+          "Time of one pass over all observations computing the "
+          "logistic-regression log-likelihood (median over "
+          f"{repeats} repeats, ± half the range), D={config.features}, "
+          f"mb={config.mb}, cache={config.cache} batches per host call; "
+          "every pass is one call of a jitted function (the Python loop: "
+          "one jitted call per batch). All contenders agree on the value."),
+      headers=["N", DEVICE, JAX_DATA, JAX_SGMC, PYTHON_LOOP,
+               "jax_data / device", "jax-sgmc / jax_data",
+               "Python loop / jax_data"],
+      rows=rows, notes=notes,
+      targets=[Target(f"(c) full pass: jax_data / device-resident at "
+                      f"N={format_count(large)}", "<= 2x",
+                      format_ratio(ratios[large]),
+                      ratios[large] <= 2 if config == FULL else None)],
+      memory=[memory_row("(c) full_data_mapper", config.cache, config.mb,
+                         obs_bytes, max(config.sizes))])
+
+
+def _check_agree(results: dict[str, float], n: int) -> None:
+  """All contenders compute the same log-likelihood (float32 sums)."""
+  reference = results[DEVICE]
+  for name, value in results.items():
+    if not np.isclose(value, reference, rtol=1e-3, atol=1e-3 * n):
+      raise RuntimeError(
+          f"{name} computed log-likelihood {value}, device-resident "
+          f"{reference} (N={n})")

@@ -1,0 +1,276 @@
+"""Case (a): SGLD for Bayesian logistic regression, the whole sampler in one
+jitted ``lax.scan``, with mini-batches from four sources.
+
+* device-resident: the dataset on the device, indices drawn with
+  ``jax.random`` inside the scan (the limit);
+* jax_data: ``random_reference_data(NumpyDataLoader(x=..., y=...), cache,
+  mb)``;
+* jax-sgmc 0.1.5: the same with the predecessor's data module;
+* Python loop: indices drawn with NumPy on the host and one jitted SGLD
+  step per batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from common import DEVICE
+from common import JAX_DATA
+from common import JAX_SGMC
+from common import PYTHON_LOOP
+from common import Contender
+from common import Section
+from common import Target
+from common import Timing
+from common import calibrate
+from common import format_count
+from common import format_ratio
+from common import format_timing
+from common import measure
+from common import memory_row
+from common import paired_ratio
+from common import timed
+from models import device_batch_fn
+from models import logistic_data
+from models import sgld_sampler
+from models import sgld_update
+
+import jax_data
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Sizes of case (a).
+
+  Attributes:
+    sizes: Observation counts N.
+    features: D.
+    mb: Mini-batch size.
+    cache: Batches per host call (jax_data, jax-sgmc).
+    min_steps: Least SGLD steps per measurement of device-resident and
+      jax_data (both run the same number).
+    max_steps: Most steps per measurement of any contender.
+    min_seconds: Every contender runs as many steps as take about this
+      long (device-resident sets the count for itself and jax_data),
+      measured in a pilot run of ``pilot_steps``.
+    pilot_steps: Steps of the pilot runs.
+  """
+  sizes: tuple[int, ...] = (10_000, 100_000, 1_000_000)
+  features: int = 32
+  mb: int = 64
+  cache: int = 100
+  min_steps: int = 20_000
+  max_steps: int = 100_000
+  min_seconds: float = 1.0
+  pilot_steps: int = 1_000
+
+
+FULL = Config()
+SMOKE = Config(sizes=(10_000,), min_steps=2_000, max_steps=2_000,
+               min_seconds=0.05, pilot_steps=200)
+
+
+def _scan_contender(name: str, run: Callable, carry: tuple, units: int
+                    ) -> Contender:
+  """A contender that continues a jitted scan from its last carry."""
+  holder = [carry]
+
+  def once():
+    holder[0] = jax.block_until_ready(run(*holder[0]))
+
+  return Contender(name, once, units)
+
+
+def _main_steps(batch_fn: Callable, n: int, carry: tuple, config: Config,
+                step_size: float) -> int:
+  """Steps per measurement of device-resident and jax_data: as many as take
+  device-resident ``min_seconds`` in a pilot run, within the configured
+  bounds, in whole cache refreshes."""
+  pilot = sgld_sampler(batch_fn, n, config.pilot_steps, step_size)
+  carry = jax.block_until_ready(pilot(*carry))  # compile
+  per_step = timed(lambda: jax.block_until_ready(pilot(*carry))
+                   ) / config.pilot_steps
+  steps = calibrate(per_step, config.min_seconds, config.cache,
+                    config.max_steps)
+  return max(steps, config.min_steps)
+
+
+def _python_loop(data: dict[str, np.ndarray], theta, key, config: Config,
+                 step_size: float, max_steps: int) -> Contender:
+  """Host-drawn indices and one jitted SGLD step per batch."""
+  n = len(data["y"])
+  step = jax.jit(functools.partial(sgld_update, observation_count=n,
+                                   step_size=step_size))
+  rng = np.random.default_rng(0)
+  holder = [(theta, key)]
+
+  def steps(count: int):
+    theta, key = holder[0]
+    for _ in range(count):
+      indices = rng.integers(0, n, config.mb)
+      batch = {k: v[indices] for k, v in data.items()}
+      theta, key = step(theta, key, batch)
+    holder[0] = jax.block_until_ready((theta, key))
+
+  steps(10)  # compile
+  per_step = timed(lambda: steps(config.pilot_steps)) / config.pilot_steps
+  units = calibrate(per_step, config.min_seconds, 100, max_steps)
+  return Contender(PYTHON_LOOP, lambda: steps(units), units)
+
+
+def _jax_sgmc(data: dict[str, np.ndarray], theta, key, config: Config,
+              step_size: float, max_steps: int
+              ) -> tuple[Contender, Callable]:
+  """jax-sgmc's random_reference_data in the same jitted scan; fewer steps
+  when it is slow (calibrated in a pilot run)."""
+  from jax_sgmc import data as sgmc_data
+  from jax_sgmc.data.numpy_loader import NumpyDataLoader
+
+  n = len(data["y"])
+  loader = NumpyDataLoader(**data)
+  init_fn, batch_fn, release_fn = sgmc_data.random_reference_data(
+      loader, config.cache, config.mb)
+  state = init_fn(seed=0)
+  pilot = sgld_sampler(batch_fn, n, config.pilot_steps, step_size)
+  # A jax-sgmc state must not be used twice (its host side checks a token
+  # that every request renews), so the carry is always the latest one.
+  holder = [jax.block_until_ready(pilot(theta, state, key))]  # compile
+
+  def pilot_run():
+    holder[0] = jax.block_until_ready(pilot(*holder[0]))
+
+  per_step = timed(pilot_run) / config.pilot_steps
+  units = calibrate(per_step, config.min_seconds, config.cache, max_steps)
+  run = sgld_sampler(batch_fn, n, units, step_size)
+  return _scan_contender(JAX_SGMC, run, holder[0], units), release_fn
+
+
+def _contenders(n: int, config: Config) -> tuple[list[Contender], Callable]:
+  """The four contenders at N=n, warmed up, and a function releasing the
+  pipelines."""
+  data = logistic_data(n, config.features)
+  step_size = 0.01 / n
+  theta = jnp.zeros(config.features, jnp.float32)
+  key = jax.random.PRNGKey(0)
+
+  device = {k: jnp.asarray(v) for k, v in data.items()}
+  device_batch = device_batch_fn(device, config.mb)
+  device_carry = (theta, jax.random.PRNGKey(1), key)
+  steps = _main_steps(device_batch, n, device_carry, config, step_size)
+  device_run = sgld_sampler(device_batch, n, steps, step_size)
+  loader = jax_data.NumpyDataLoader(**data)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      loader, config.cache, config.mb)
+  jax_data_run = sgld_sampler(batch_fn, n, steps, step_size)
+  sgmc, sgmc_release = _jax_sgmc(data, theta, key, config, step_size, steps)
+  contenders = [
+      _scan_contender(DEVICE, device_run, device_carry, steps),
+      _scan_contender(JAX_DATA, jax_data_run, (theta, init_fn(seed=0), key),
+                      steps),
+      sgmc,
+      _python_loop(data, theta, key, config, step_size, steps),
+  ]
+
+  def release():
+    release_fn()
+    sgmc_release()
+
+  return contenders, release
+
+
+def run(config: Config, repeats: int) -> Section:
+  """Times the four contenders at every N.
+
+  The contenders of all N are timed round-robin together, so that the
+  ratios across N (the growth of jax_data's time with N) are paired too.
+
+  Args:
+    config: Sizes.
+    repeats: Measurements per contender.
+
+  Returns:
+    The section of the report.
+  """
+  by_size: dict[int, list[Contender]] = {}
+  releases = []
+  for n in config.sizes:
+    by_size[n], release = _contenders(n, config)
+    releases.append(release)
+    print(f"  (a) N={format_count(n)} compiled", flush=True)
+  everyone = [c for contenders in by_size.values() for c in contenders]
+  measured = measure(everyone, repeats)
+  for release in releases:
+    release()
+  timings: dict[int, dict[str, Timing]] = {}
+  position = 0
+  for n, contenders in by_size.items():
+    timings[n] = {c.name: t for c, t in zip(
+        contenders, measured[position:position + len(contenders)])}
+    position += len(contenders)
+
+  rows = []
+  for n, contenders in by_size.items():
+    rows.append([format_count(n)]
+                + [format_timing(timings[n][c.name], "us")
+                   for c in contenders]
+                + [format_ratio(paired_ratio(timings[n], a, b))
+                   for a, b in ((JAX_DATA, DEVICE), (JAX_SGMC, JAX_DATA),
+                                (PYTHON_LOOP, JAX_DATA))])
+  notes = [f"N={format_count(n)}: " + ", ".join(
+      f"{c.name} {c.units:,} steps" for c in contenders)
+           for n, contenders in by_size.items()]
+  return Section(
+      key="sgld",
+      title="(a) SGLD, logistic regression",
+      description=(
+          f"Time per SGLD step (median over {repeats} repeats, ± half the "
+          f"range), D={config.features}, mb={config.mb}, "
+          f"cache={config.cache} batches per host call, the whole sampler "
+          "in one jitted `lax.scan` (the Python loop: one jitted step per "
+          "batch). Device-resident and jax_data run the same sampler code "
+          "for the same number of steps, as many as take device-resident "
+          f"about {config.min_seconds} s (at least {config.min_steps:,}); "
+          "jax-sgmc and the Python loop run as many as take them about as "
+          "long (at most as many). Pilot runs decide the counts, listed "
+          "below the table; the time per step is compared. The contenders "
+          "of all N are timed round-robin together; ratios are medians of "
+          "per-repeat ratios."),
+      headers=["N", DEVICE, JAX_DATA, JAX_SGMC, PYTHON_LOOP,
+               "jax_data / device", "jax-sgmc / jax_data",
+               "Python loop / jax_data"],
+      rows=rows, notes=notes,
+      targets=_targets(config, timings),
+      memory=[memory_row("(a) SGLD random_reference_data", config.cache,
+                         config.mb, 4 * (config.features + 1),
+                         max(config.sizes))])
+
+
+def _targets(config: Config, timings: dict[int, dict[str, Timing]]
+             ) -> list[Target]:
+  sizes = sorted(timings)
+  ratios = {n: paired_ratio(timings[n], JAX_DATA, DEVICE) for n in sizes}
+  small, large = sizes[0], sizes[-1]
+  growth = statistics.median(
+      a / b for a, b in zip(timings[large][JAX_DATA].samples,
+                            timings[small][JAX_DATA].samples))
+  speedup = paired_ratio(timings[large], JAX_SGMC, JAX_DATA)
+  full = config == FULL  # targets are stated for the full sizes
+  return [
+      Target("(a) jax_data / device-resident, every N", "<= 1.5x",
+             ", ".join(f"{format_count(n)}: {format_ratio(r)}"
+                       for n, r in ratios.items()),
+             max(ratios.values()) <= 1.5 if full else None),
+      Target(f"(a) jax_data time at N={format_count(large)} / at "
+             f"N={format_count(small)}", "within 1.3x",
+             format_ratio(growth),
+             1 / 1.3 <= growth <= 1.3 if full else None),
+      Target(f"(a) jax-sgmc / jax_data at N={format_count(large)}",
+             ">= 5x", format_ratio(speedup),
+             speedup >= 5 if full else None),
+  ]
