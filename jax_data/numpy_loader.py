@@ -29,6 +29,7 @@ from jax_data.types import PyTree
 from jax_data.validation import check_bool
 from jax_data.validation import check_int
 from jax_data.validation import check_keywords
+from jax_data.validation import check_sizes
 
 _STATE_VERSION = 1
 
@@ -235,15 +236,6 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
     return sampling.ObservationRange.from_arguments(self._count, shard_index,
                                                     shard_count)
 
-  def _check_sizes(self, cache_size, mb_size, observations):
-    cache_size = check_int("cache_size", cache_size, minimum=1)
-    if mb_size is None:
-      raise ValueError("mb_size must be given, got mb_size=None")
-    mb_size = check_int("mb_size", mb_size, minimum=1,
-                        maximum=observations.count,
-                        what="the observation count")
-    return cache_size, mb_size
-
   def register_random_pipeline(self, cache_size: int = 1,
                                mb_size: Optional[int] = None,
                                **kwargs: Any) -> int:
@@ -274,7 +266,7 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
           "in_epochs=True needs shuffle=True, got shuffle=False")
     observations = self._observations(kwargs.get("shard_index"),
                                       kwargs.get("shard_count"))
-    cache_size, mb_size = self._check_sizes(cache_size, mb_size, observations)
+    cache_size, mb_size = check_sizes(cache_size, mb_size, observations.count)
     stream = sampling.RandomStream(observations, mb_size, seed, shuffle,
                                    in_epochs)
     settings = {"seed": seed, "shuffle": shuffle, "in_epochs": in_epochs,
@@ -300,7 +292,7 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
                    self._ORDERED_KEYWORDS)
     observations = self._observations(kwargs.get("shard_index"),
                                       kwargs.get("shard_count"))
-    cache_size, mb_size = self._check_sizes(cache_size, mb_size, observations)
+    cache_size, mb_size = check_sizes(cache_size, mb_size, observations.count)
     stream = sampling.OrderedStream(observations, mb_size)
     settings = {"shard": [observations.start, observations.count]}
     return self._chains.add(lambda _: _Chain(

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_data import validation
 from jax_data.bridge import Bridge
 from jax_data.host import ChunkServer
 from jax_data.loader import DataLoader
@@ -84,19 +85,12 @@ def check_loader(data_loader: Any) -> DataLoader:
 
 
 def check_sizes(data_loader: DataLoader, cache_size: Any, mb_size: Any,
-                observation_count: Optional[int] = None,
-                cache_name: str = "cached_batches_count"):
-  """Checks the cache and batch sizes against the data; warns on a cache
-  larger than the dataset."""
+                observation_count: Optional[int] = None):
+  """Checks the cache and batch sizes of a pipeline against the data."""
   if observation_count is None:
     observation_count = data_loader.static_information["observation_count"]
-  cache_size = check_int(cache_name, cache_size, minimum=1)
-  if mb_size is None:
-    raise ValueError("mb_size must be given, got mb_size=None")
-  mb_size = check_int("mb_size", mb_size, minimum=1,
-                      maximum=observation_count,
-                      what="the observation count")
-  return cache_size, mb_size
+  return validation.check_sizes(cache_size, mb_size, observation_count,
+                                cache_name="cached_batches_count")
 
 
 def warn_large_cache(cache_size: int, mb_size: int, observation_count: int,

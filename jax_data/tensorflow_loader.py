@@ -43,6 +43,7 @@ from jax_data.sampling import ObservationRange
 from jax_data.types import PyTree
 from jax_data.validation import check_int
 from jax_data.validation import check_keywords
+from jax_data.validation import check_sizes
 
 _STATE_VERSION = 1
 # A random chain's pass ``p`` is shuffled with the op seed
@@ -376,15 +377,6 @@ class TensorflowDataLoader(HostDataLoader):
       data = data.skip(shard.start).take(shard.count)
     return shard, data
 
-  @staticmethod
-  def _check_sizes(cache_size, mb_size, shard: ObservationRange):
-    cache_size = check_int("cache_size", cache_size, minimum=1)
-    if mb_size is None:
-      raise ValueError("mb_size must be given, got mb_size=None")
-    mb_size = check_int("mb_size", mb_size, minimum=1, maximum=shard.count,
-                        what="the observation count")
-    return cache_size, mb_size
-
   def register_random_pipeline(self, cache_size: int = 1,
                                mb_size: Optional[int] = None,
                                **kwargs: Any) -> int:
@@ -406,7 +398,7 @@ class TensorflowDataLoader(HostDataLoader):
     if seed is not None:
       seed = check_int("seed", seed, minimum=0, maximum=_MAX_SEED)
     shard, data = self._shard(kwargs)
-    cache_size, mb_size = self._check_sizes(cache_size, mb_size, shard)
+    cache_size, mb_size = check_sizes(cache_size, mb_size, shard.count)
 
     def make_chain(chain_id):
       stream = _RandomPasses(data, shard.count, mb_size, cache_size,
@@ -434,7 +426,7 @@ class TensorflowDataLoader(HostDataLoader):
     check_keywords(f"an ordered chain of {type(self).__name__}", kwargs,
                    self._ORDERED_KEYWORDS)
     shard, data = self._shard(kwargs)
-    cache_size, mb_size = self._check_sizes(cache_size, mb_size, shard)
+    cache_size, mb_size = check_sizes(cache_size, mb_size, shard.count)
     stream = _OrderedPasses(data, shard.count, mb_size, cache_size)
     return self._chains.add(
         lambda _: _Chain(cache_size, mb_size, shard, stream, 0))

@@ -11,6 +11,7 @@ from typing import Any
 from typing import Iterable
 from typing import Mapping
 from typing import Optional
+from typing import Tuple
 
 
 def check_int(name: str, value: Any, minimum: Optional[int] = None,
@@ -51,3 +52,15 @@ def check_keywords(where: str, kwargs: Mapping[str, Any],
         f"{where} got unknown keyword argument(s) "
         f"{', '.join(f'{k}={kwargs[k]!r}' for k in unknown)}; "
         f"expected any of: {', '.join(allowed) or 'none'}")
+
+
+def check_sizes(cache_size: Any, mb_size: Any, observation_count: int,
+                cache_name: str = "cache_size") -> Tuple[int, int]:
+  """Checks a cache size (at least 1) and a batch size (1 to the number of
+  observations); returns them as ints."""
+  cache_size = check_int(cache_name, cache_size, minimum=1)
+  if mb_size is None:
+    raise ValueError("mb_size must be given, got mb_size=None")
+  mb_size = check_int("mb_size", mb_size, minimum=1,
+                      maximum=observation_count, what="the observation count")
+  return cache_size, mb_size
