@@ -83,7 +83,7 @@ class Bridge:
                          for s in leaves]
     self.mask_format = jax.ShapeDtypeStruct(
         (server.cache_size, server.mb_size), jnp.bool_)
-    self._ops: Dict[int, _Ops] = {}
+    self._ops: Dict[Tuple[int, int], _Ops] = {}
 
   def ops(self, device_count: int, participants: int) -> "_Ops":
     """The callback wrappers for requests that ``participants`` devices
@@ -113,7 +113,8 @@ def _participants() -> int:
 
 
 class _Ops:
-  """The callback and its ``custom_vmap`` wrappers for one device count."""
+  """The callback and its ``custom_vmap`` wrappers for one device_count and
+  number of participating devices."""
 
   def __init__(self, bridge: Bridge, device_count: int, participants: int):
     self.server = bridge.server
