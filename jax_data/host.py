@@ -154,10 +154,6 @@ class ChunkServer:
           "create a new pipeline to draw more data")
     return self._loader
 
-  @property
-  def released(self) -> bool:
-    return self._loader is None
-
   def check_open(self) -> None:
     """Raises :class:`PipelineReleasedError` if the pipeline was released."""
     _ = self.loader

@@ -164,10 +164,6 @@ def check_flag(name: str, value: Any) -> bool:
   return check_bool(name, value)
 
 
-def batches_per_pass(observation_count: int, mb_size: int) -> int:
-  return math.ceil(observation_count / mb_size)
-
-
 def chunk_batch(batches, mask, position):
   """Batch ``position`` of a cache."""
   pick = lambda x: jax.lax.dynamic_index_in_dim(x, position, keepdims=False)
