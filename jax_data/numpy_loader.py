@@ -29,6 +29,7 @@ from jax_data.types import PyTree
 from jax_data.validation import check_bool
 from jax_data.validation import check_int
 from jax_data.validation import check_keywords
+from jax_data.validation import check_saved_state
 from jax_data.validation import check_sizes
 
 _STATE_VERSION = 1
@@ -357,15 +358,7 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
     expected = {"version": _STATE_VERSION, "kind": chain.kind,
                 "cache_size": chain.cache_size, "mb_size": chain.mb_size,
                 "observation_count": self._count}
-    if not isinstance(data, dict):
-      raise TypeError(f"data must be a dict from save_state, got {data!r}")
-    differ = {k: (data.get(k), v) for k, v in expected.items()
-              if data.get(k) != v}
-    if differ:
-      raise ValueError(
-          f"state does not fit chain {chain_id} of {self!r}: " + ", ".join(
-              f"{k} is {got!r} in the state but {want!r} here"
-              for k, (got, want) in differ.items()))
+    check_saved_state(data, expected, f"chain {chain_id} of {self!r}")
     chain.stream.set_state(copy_module.deepcopy(data["stream"]))
 
   def release_chain(self, chain_id: int) -> None:

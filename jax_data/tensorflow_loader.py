@@ -43,6 +43,7 @@ from jax_data.sampling import ObservationRange
 from jax_data.types import PyTree
 from jax_data.validation import check_int
 from jax_data.validation import check_keywords
+from jax_data.validation import check_saved_state
 from jax_data.validation import check_sizes
 
 _STATE_VERSION = 1
@@ -516,16 +517,8 @@ class TensorflowDataLoader(HostDataLoader):
         set or shuffle settings; the message names what differs.
     """
     chain = self._chain(chain_id)
-    if not isinstance(data, dict):
-      raise TypeError(f"data must be a dict from save_state, got {data!r}")
-    expected = self._fingerprint(chain)
-    differ = {k: (data.get(k), v) for k, v in expected.items()
-              if data.get(k) != v}
-    if differ:
-      raise ValueError(
-          f"state does not fit chain {chain_id} of {self!r}: " + ", ".join(
-              f"{k} is {got!r} in the state but {want!r} here"
-              for k, (got, want) in differ.items()))
+    check_saved_state(data, self._fingerprint(chain),
+                      f"chain {chain_id} of {self!r}")
     position = chain.stream.normalize(
         check_int("position", data.get("position"), minimum=0))
     if chain.stream.adopt(data) or position != chain.position:

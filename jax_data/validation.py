@@ -64,3 +64,22 @@ def check_sizes(cache_size: Any, mb_size: Any, observation_count: int,
   mb_size = check_int("mb_size", mb_size, minimum=1,
                       maximum=observation_count, what="the observation count")
   return cache_size, mb_size
+
+
+def check_saved_state(data: Any, expected: Mapping[str, Any],
+                      where: str) -> None:
+  """Checks a ``save_state`` dict against what a chain expects.
+
+  Raises:
+    TypeError: ``data`` is not a dict.
+    ValueError: some fields differ; the message shows both sides.
+  """
+  if not isinstance(data, dict):
+    raise TypeError(f"data must be a dict from save_state, got {data!r}")
+  differ = {k: (data.get(k), v) for k, v in expected.items()
+            if data.get(k) != v}
+  if differ:
+    raise ValueError(
+        f"state does not fit {where}: " + ", ".join(
+            f"{k} is {got!r} in the state but {want!r} here"
+            for k, (got, want) in differ.items()))
