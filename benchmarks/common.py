@@ -46,6 +46,17 @@ class Contender:
   units: int
 
 
+def scan_contender(name: str, run: Callable, carry: tuple, units: int
+                   ) -> Contender:
+  """A contender that continues a jitted scan from its last carry."""
+  holder = [carry]
+
+  def once():
+    holder[0] = jax.block_until_ready(run(*holder[0]))
+
+  return Contender(name, once, units)
+
+
 @dataclasses.dataclass(frozen=True)
 class Timing:
   """Seconds per work unit, one sample per repeat.

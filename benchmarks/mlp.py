@@ -9,7 +9,6 @@ jitted ``lax.scan``; the Python loop is the tutorial's: host batches,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +27,7 @@ from common import format_timing
 from common import memory_row
 from common import observation_bytes
 from common import paired_ratio
+from common import scan_contender
 from models import LAYER_SIZES
 from models import device_batch_fn
 from models import init_network_params
@@ -56,16 +56,6 @@ class Config:
 
 FULL = Config()
 SMOKE = Config(observations=6_000, cache=10, steps=40)
-
-
-def _scan_contender(name: str, run: Callable, carry: tuple, units: int
-                    ) -> Contender:
-  holder = [carry]
-
-  def once():
-    holder[0] = jax.block_until_ready(run(*holder[0]))
-
-  return Contender(name, once, units)
 
 
 def _python_loop(data, params, config: Config) -> Contender:
@@ -110,11 +100,11 @@ def run(config: Config, repeats: int) -> Section:
   sgmc_init, sgmc_batch, sgmc_release = sgmc_data.random_reference_data(
       SgmcLoader(**data), config.cache, config.mb)
   contenders = [
-      _scan_contender(DEVICE, device_run, (params, jax.random.PRNGKey(1)),
+      scan_contender(DEVICE, device_run, (params, jax.random.PRNGKey(1)),
                       config.steps),
-      _scan_contender(JAX_DATA, mlp_trainer(batch_fn, config.steps),
+      scan_contender(JAX_DATA, mlp_trainer(batch_fn, config.steps),
                       (params, init_fn(seed=0)), config.steps),
-      _scan_contender(JAX_SGMC, mlp_trainer(sgmc_batch, config.steps),
+      scan_contender(JAX_SGMC, mlp_trainer(sgmc_batch, config.steps),
                       (params, sgmc_init(seed=0)), config.steps),
       _python_loop(data, params, config),
   ]

@@ -35,6 +35,7 @@ from common import format_timing
 from common import measure
 from common import memory_row
 from common import paired_ratio
+from common import scan_contender
 from common import timed
 from models import device_batch_fn
 from models import logistic_data
@@ -74,17 +75,6 @@ class Config:
 FULL = Config()
 SMOKE = Config(sizes=(10_000,), min_steps=2_000, max_steps=2_000,
                min_seconds=0.05, pilot_steps=200)
-
-
-def _scan_contender(name: str, run: Callable, carry: tuple, units: int
-                    ) -> Contender:
-  """A contender that continues a jitted scan from its last carry."""
-  holder = [carry]
-
-  def once():
-    holder[0] = jax.block_until_ready(run(*holder[0]))
-
-  return Contender(name, once, units)
 
 
 def _main_steps(batch_fn: Callable, n: int, carry: tuple, config: Config,
@@ -148,7 +138,7 @@ def _jax_sgmc(data: dict[str, np.ndarray], theta, key, config: Config,
   per_step = timed(pilot_run) / config.pilot_steps
   units = calibrate(per_step, config.min_seconds, config.cache, max_steps)
   run = sgld_sampler(batch_fn, n, units, step_size)
-  return _scan_contender(JAX_SGMC, run, holder[0], units), release_fn
+  return scan_contender(JAX_SGMC, run, holder[0], units), release_fn
 
 
 def _contenders(n: int, config: Config) -> tuple[list[Contender], Callable]:
@@ -170,8 +160,8 @@ def _contenders(n: int, config: Config) -> tuple[list[Contender], Callable]:
   jax_data_run = sgld_sampler(batch_fn, n, steps, step_size)
   sgmc, sgmc_release = _jax_sgmc(data, theta, key, config, step_size, steps)
   contenders = [
-      _scan_contender(DEVICE, device_run, device_carry, steps),
-      _scan_contender(JAX_DATA, jax_data_run, (theta, init_fn(seed=0), key),
+      scan_contender(DEVICE, device_run, device_carry, steps),
+      scan_contender(JAX_DATA, jax_data_run, (theta, init_fn(seed=0), key),
                       steps),
       sgmc,
       _python_loop(data, theta, key, config, step_size, steps),

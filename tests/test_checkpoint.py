@@ -129,6 +129,17 @@ _RESTORE = textwrap.dedent("""
     """ % (N, CACHE, MB))
 
 
+def _restored_in_new_process(script, path, steps):
+  """The batches a fresh Python process draws after restoring ``path``."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run(
+      [sys.executable, "-c", script, str(path), str(steps)], cwd=root,
+      env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True,
+      timeout=180)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_restore_in_a_fresh_process(tmp_path, mode):
   pipeline = _pipeline()
@@ -137,13 +148,7 @@ def test_restore_in_a_fresh_process(tmp_path, mode):
   path = tmp_path / "data.npz"
   jax_data.save_checkpoint(path, pipeline, state)
   _, (expected, _) = _run(batch_fn, 13)(state)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  done = subprocess.run(
-      [sys.executable, "-c", _RESTORE, str(path), "13"], cwd=root,
-      env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True,
-      timeout=120)
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert json.loads(done.stdout.strip().splitlines()[-1]) == expected.tolist()
+  assert _restored_in_new_process(_RESTORE, path, 13) == expected.tolist()
 
 
 _RESTORE_TF = textwrap.dedent("""
@@ -173,10 +178,4 @@ def test_tensorflow_restore_in_a_fresh_process(tmp_path):
   path = tmp_path / "tf.npz"
   jax_data.save_checkpoint(path, pipeline, state)
   _, (expected, _) = _run(batch_fn, 13)(state)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  done = subprocess.run(
-      [sys.executable, "-c", _RESTORE_TF, str(path), "13"], cwd=root,
-      env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True,
-      timeout=180)
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert json.loads(done.stdout.strip().splitlines()[-1]) == expected.tolist()
+  assert _restored_in_new_process(_RESTORE_TF, path, 13) == expected.tolist()
