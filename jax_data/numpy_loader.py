@@ -3,6 +3,7 @@ the device (:class:`DeviceNumpyDataLoader`)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy as copy_module
 import dataclasses
 import mmap
@@ -101,29 +102,44 @@ def _read_rows(array: np.memmap, flat: np.ndarray) -> np.ndarray:
   return rows
 
 
-class _BufferPool:
+class BufferPool:
   """Chunk buffers used again once nothing else references them.
 
   Gathering a large chunk into fresh memory costs a page fault per page;
   a recycled buffer does not. A buffer is free when only the pool holds it
   (the chunk store dropped the chunk and XLA copied it), which
-  ``sys.getrefcount`` tells exactly.
+  ``sys.getrefcount`` tells exactly. Large gathers run in two threads
+  (NumPy's ``take`` releases the GIL).
   """
 
   _PER_FORMAT = 4
+  _SPLIT_BYTES = 4 << 20
 
   def __init__(self):
     self._free: Dict[Tuple[Tuple[int, ...], np.dtype], List[np.ndarray]] = {}
     self._lock = threading.Lock()
+    self._helper: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
   def take(self, array: np.ndarray, flat: np.ndarray) -> np.ndarray:
     """``np.take(array, flat, axis=0)`` into a recycled buffer."""
     shape = (flat.size,) + array.shape[1:]
-    out = self._buffer(shape, array.dtype)
+    out = self.empty(shape, array.dtype)
     # Indices come from the streams, always in range: no bounds checks.
-    return np.take(array, flat, axis=0, out=out, mode="clip")
+    if out.nbytes < self._SPLIT_BYTES:
+      return np.take(array, flat, axis=0, out=out, mode="clip")
+    with self._lock:
+      if self._helper is None:
+        self._helper = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="jax_data-gather")
+      helper = self._helper
+    half = flat.size // 2
+    other = helper.submit(np.take, array, flat[half:], 0, out[half:], "clip")
+    np.take(array, flat[:half], axis=0, out=out[:half], mode="clip")
+    other.result()
+    return out
 
-  def _buffer(self, shape, dtype) -> np.ndarray:
+  def empty(self, shape, dtype) -> np.ndarray:
+    """An array of that shape and dtype, recycled if one is free."""
     with self._lock:
       pool = self._free.setdefault((shape, np.dtype(dtype)), [])
       for buffer in pool:
@@ -230,7 +246,7 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
                                          reference_data)
     self._format = _observation_format(self._arrays)
     self._chains: ChainList[_Chain] = ChainList(self)
-    self._buffers = _BufferPool()
+    self._buffers = BufferPool()
 
   def _observations(self, shard_index, shard_count
                     ) -> sampling.ObservationRange:
