@@ -81,10 +81,13 @@ def main() -> None:
                                  args.mock_examples)
   text = [key for key, feature in info.features.items()
           if isinstance(feature, tfds.features.Text)]
-  # cache(): the first pass reads and decodes, later passes come from memory.
-  train_loader = TensorflowDataLoader(train.cache(), shuffle_cache=1_000,
-                                      exclude_keys=text)
-  test_loader = TensorflowDataLoader(test.cache(), exclude_keys=text)
+  # in_memory: MNIST-sized data fit in host memory and the pipeline has no
+  # random augmentation, so the loaders read and decode it once and serve
+  # chunks from NumPy arrays (the same streams, several times faster).
+  train_loader = TensorflowDataLoader(train, shuffle_cache=1_000,
+                                      exclude_keys=text, in_memory=True)
+  test_loader = TensorflowDataLoader(test, exclude_keys=text,
+                                     in_memory=True)
   image_shape = info.features["image"].shape
   features = math.prod(image_shape)
   classes = info.features["label"].num_classes

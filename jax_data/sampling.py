@@ -18,6 +18,7 @@ import dataclasses
 import math
 from typing import Any
 from typing import Dict
+from typing import List
 from typing import Optional
 from typing import Tuple
 
@@ -234,3 +235,128 @@ class OrderedStream:
     positions = batch[:, None] * mb + np.arange(mb)[None, :]
     self._batch = int((self._batch + count) % self.batches_per_pass)
     return positions % n + self.observations.start, positions < n
+
+
+
+class BufferShuffle:
+  """The order of a shuffle buffer over passes of ``count`` elements.
+
+  Each pass streams the elements ``0 .. count - 1`` (in the source's order)
+  through a buffer of ``buffer_size`` slots, as ``tf.data``'s ``shuffle``
+  does: the buffer starts with the first ``buffer_size`` elements; each step
+  emits the element of a uniformly drawn slot and puts the next element in
+  its place; once the pass has no more elements, the buffer is emptied in
+  a random order. Every pass emits every element exactly once, and step
+  ``t`` only elements ``0 .. t + buffer_size - 1``. The buffer starts empty
+  at each pass, so passes are independent.
+
+  The slot drawn at fill step ``t`` of pass ``p`` is entry ``t % 2**16`` of
+  ``default_rng([seed, p, 0, t // 2**16]).integers(0, buffer_size, 2**16)``
+  and the emptying order is ``default_rng([seed, p, 1]).permutation(
+  buffer_size)``, so a step's draw does not depend on how steps are
+  grouped into chunks. Steps are computed a segment at a time with NumPy.
+
+  Elements are numbered along the stream: element ``i`` of pass ``p`` is
+  ``p * count + i``, the ``p * count + i``-th element a source reading
+  pass after pass in order gives.
+  """
+
+  _BLOCK = 2**16
+
+  def __init__(self, count: int, buffer_size: int, seed: int):
+    self.count = count
+    self.buffer_size = min(buffer_size, count)
+    self.seed = seed
+    self._draws: Tuple[Tuple[int, int], np.ndarray] = ((-1, -1),
+                                                       np.empty(0, np.int64))
+    self.position: Optional[int] = None  # steps emitted; None: unknown
+    self._pass = 0
+    self._step = 0
+    self._buffer: Optional[np.ndarray] = None  # element number per slot
+
+  def seek(self, position: int) -> None:
+    """Moves to step ``position`` of the stream (replays its pass)."""
+    self.position = None
+    self._pass, step = divmod(position, self.count)
+    self._step, self._buffer = 0, None
+    self._advance(step)
+    self.position = position
+
+  def take(self, steps: int) -> np.ndarray:
+    """The element numbers emitted by the next ``steps`` steps.
+
+    Raises:
+      RuntimeError: the position is unknown; :meth:`seek` first.
+    """
+    if self.position is None:
+      raise RuntimeError("the stream's position is unknown; seek first")
+    position, self.position = self.position, None
+    parts = self._advance(steps)
+    self.position = position + steps
+    return np.concatenate(parts)
+
+  def buffered(self) -> np.ndarray:
+    """The element numbers read into the buffer and not yet emitted."""
+    if self._buffer is None:
+      return np.empty(0, np.int64)
+    drained = max(0, self._step - (self.count - self.buffer_size))
+    if drained:
+      order = self._drain_order()
+      return self._buffer[order[drained:]]
+    return self._buffer.copy()
+
+  def _advance(self, steps: int) -> List[np.ndarray]:
+    parts = []
+    size = self.buffer_size
+    fill_steps = self.count - size
+    while steps > 0:
+      if self._buffer is None:
+        self._buffer = self._pass * self.count + np.arange(size)
+      if self._step < fill_steps:
+        in_block = self._BLOCK - self._step % self._BLOCK
+        k = min(steps, fill_steps - self._step, in_block)
+        parts.append(self._fill(k))
+      else:
+        drained = self._step - fill_steps
+        k = min(steps, size - drained)
+        parts.append(self._buffer[self._drain_order()[drained:drained + k]])
+      self._step += k
+      steps -= k
+      if self._step == self.count:
+        self._pass, self._step, self._buffer = self._pass + 1, 0, None
+    return parts
+
+  def _drain_order(self) -> np.ndarray:
+    return np.random.default_rng([self.seed, self._pass, 1]).permutation(
+        self.buffer_size)
+
+  def _slots(self, k: int) -> np.ndarray:
+    """The slots drawn at the next ``k`` fill steps, all in one block."""
+    block, first = divmod(self._step, self._BLOCK)
+    key, draws = self._draws
+    if key != (self._pass, block):
+      draws = np.random.default_rng([self.seed, self._pass, 0, block]
+                                    ).integers(0, self.buffer_size,
+                                               self._BLOCK)
+      self._draws = ((self._pass, block), draws)
+    return draws[first:first + k]
+
+  def _fill(self, k: int) -> np.ndarray:
+    """``k`` fill steps: each emits a slot and refills it."""
+    slots = self._slots(k)
+    # The elements read by these steps, in order.
+    first_new = self._pass * self.count + self.buffer_size + self._step
+    incoming = first_new + np.arange(k)
+    # A slot drawn earlier in this segment holds the element read then.
+    order = np.argsort(slots, kind="stable")
+    ordered = slots[order]
+    again = ordered[1:] == ordered[:-1]
+    earlier = np.full(k, -1)
+    earlier[order[1:][again]] = order[:-1][again]
+    refilled = earlier >= 0
+    out = self._buffer[slots]
+    out[refilled] = incoming[earlier[refilled]]
+    # Each slot drawn keeps the element read at its last draw.
+    last = np.append(~again, True)
+    self._buffer[ordered[last]] = incoming[order[last]]
+    return out

@@ -7,25 +7,26 @@ TensorFlow's C++ start-up messages off the console (oneDNN speeds up
 TensorFlow's matrix kernels, which a data pipeline rarely runs). It also
 hides the GPUs from TensorFlow, whose memory belongs to JAX.
 
-Every chunk is built by ``tf.data`` itself: the chain's element stream is
-cut into ``cache_size * mb_size`` observations by one ``batch``, and each
-feature of a chunk becomes a NumPy array without a copy. The host bridge
-asks for the next chunk from a background thread while the device works.
-A chain's position is the number of batches it has served, so a state is a
-few integers; restoring one rebuilds the stream and skips less than one pass
-over the data.
+Random chains stream the pipeline through a shuffle buffer computed in
+NumPy (:class:`jax_data.sampling.BufferShuffle`); ordered chains read it in
+order. By default the rows come from ``tf.data`` pass after pass; with
+``in_memory=True`` the pipeline is read once into NumPy arrays and chunks are
+gathers from them. The host bridge asks for the next chunk from a background
+thread while the device works. A chain's position is the number of batches
+it has served, so a state is a few integers; restoring one replays less than
+one pass.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import warnings
 from typing import Any
 from typing import Dict
 from typing import Iterable
 from typing import Iterator
+from typing import List
 from typing import Optional
 from typing import Tuple
 
@@ -39,18 +40,22 @@ import tensorflow as tf
 
 from jax_data.loader import ChainList
 from jax_data.loader import HostDataLoader
+from jax_data.numpy_loader import BufferPool
+from jax_data.sampling import BufferShuffle
 from jax_data.sampling import ObservationRange
+from jax_data.sampling import OrderedStream
 from jax_data.types import PyTree
+from jax_data.validation import check_bool
 from jax_data.validation import check_int
 from jax_data.validation import check_keywords
 from jax_data.validation import check_saved_state
 from jax_data.validation import check_sizes
 
-_STATE_VERSION = 1
-# A random chain's pass ``p`` is shuffled with the op seed
-# ``seed * _PASS_SEEDS + p``: distinct for seeds below 2**31.
-_PASS_SEEDS = 2**32
+# 2: random chains shuffle with sampling.BufferShuffle, not tf.data's op.
+_STATE_VERSION = 2
 _MAX_SEED = 2**31 - 1
+
+Rows = List[np.ndarray]  # one array per feature, observations first
 
 
 def _hide_gpus() -> None:
@@ -67,11 +72,6 @@ def _hide_gpus() -> None:
 
 
 _hide_gpus()
-
-
-def _tf_global_seed() -> int:
-  """TensorFlow's global seed (or its default): half of every shuffle seed."""
-  return int(tf.compat.v1.random.get_seed(0)[0])
 
 
 def _leaf_format(path: str, top: str, spec: Any) -> jax.ShapeDtypeStruct:
@@ -135,99 +135,264 @@ def _count(pipeline: tf.data.Dataset, observation_count: Optional[int]
   return cardinality, False
 
 
-class _RandomPasses:
-  """The element stream of a random chain.
+def _next(iterator: Iterator, loader: "TensorflowDataLoader") -> Any:
+  """The next element of a tf.data iterator over the loader's pipeline."""
+  try:
+    return next(iterator)
+  except StopIteration:
+    raise RuntimeError(
+        f"the pipeline of {loader!r} ended early; does it yield fewer "
+        "elements on later passes?") from None
+  except tf.errors.FailedPreconditionError as e:
+    if not loader._count_stated:
+      raise
+    raise ValueError(
+        f"observation_count={loader._count} does not fit the pipeline: "
+        f"{e.message}") from e
 
-  Pass ``p`` (``p = 0, 1, ...``) is the chain's observations shuffled with a
-  buffer of ``shuffle_cache`` elements and the seed ``(seed, p)``; the
-  passes follow one another. Batch ``j`` holds stream elements
-  ``j * mb .. j * mb + mb - 1`` and may span two passes.
+
+def _leaves(formats: List[jax.ShapeDtypeStruct], element: Any) -> Rows:
+  """The features of a batch of elements as NumPy arrays, in the order of
+  the loader's format leaves, with the loader's dtypes."""
+  leaves = []
+  for fmt, tensor in zip(formats, jax.tree_util.tree_leaves(element)):
+    array = np.asarray(tensor)  # a read-only view: no copy, unlike .numpy()
+    leaves.append(array if array.dtype == fmt.dtype
+                  else array.astype(fmt.dtype))
+  return leaves
+
+
+class _InMemory:
+  """A chain's observations held as NumPy arrays (``in_memory=True``).
+
+  Rows are gathered by index into recycled buffers; runs of consecutive
+  rows, as ordered chains read them, are slices.
+  """
+
+  def __init__(self, arrays: Rows, shard: ObservationRange,
+               buffers: BufferPool):
+    stop = shard.start + shard.count
+    self._arrays = [array[shard.start:stop] for array in arrays]
+    self._buffers = buffers
+    self.count = shard.count
+
+  def restart(self, first: int) -> None:
+    """Nothing to do: rows are read by index."""
+    del first
+
+  def rows(self, wanted: np.ndarray, keep: np.ndarray) -> Rows:
+    """The rows of stream elements ``wanted`` (numbered along passes)."""
+    del keep
+    return self.gather(wanted % self.count)
+
+  def gather(self, flat: np.ndarray) -> Rows:
+    """The rows ``flat`` of the chain's observations."""
+    first = int(flat[0])
+    if (int(flat[-1]) - first == flat.size - 1
+        and bool((np.diff(flat) == 1).all())):
+      return [array[first:first + flat.size] for array in self._arrays]
+    return [self._buffers.take(array, flat) for array in self._arrays]
+
+
+def _lookup(numbers: np.ndarray, wanted: np.ndarray
+            ) -> Tuple[np.ndarray, np.ndarray]:
+  """Where the ``wanted`` numbers are in the sorted ``numbers``: a row of
+  ``numbers`` for each (clipped to the range where absent), and whether it
+  is there."""
+  at = np.minimum(np.searchsorted(numbers, wanted), numbers.size - 1)
+  return at, numbers[at] == wanted
+
+
+def _gather_from(blocks: List[Tuple[np.ndarray, Rows]], wanted: np.ndarray,
+                 out: Rows) -> None:
+  """Fills ``out`` with the rows of the elements ``wanted``, each held by
+  one of the blocks; the block holding most is gathered in one pass."""
+  found = [_lookup(numbers, wanted) for numbers, _ in blocks]
+  counts = [np.count_nonzero(there) for _, there in found]
+  if sum(counts) != wanted.size:  # blocks are disjoint
+    raise RuntimeError(
+        f"internal error: {wanted.size - sum(counts)} of the elements wanted "
+        "are not held; please report it")
+  most = int(np.argmax(counts))
+  for b in [most] + [b for b in range(len(blocks)) if b != most]:
+    at, there = found[b]
+    rows = blocks[b][1]
+    if b == most:  # every row; those held elsewhere are overwritten below
+      for leaf, row in zip(out, rows):
+        np.take(row, at, axis=0, out=leaf, mode="clip")
+    elif there.any():
+      positions = np.flatnonzero(there)
+      for leaf, row in zip(out, rows):
+        leaf[positions] = row[at[positions]]
+
+
+class _Streamed:
+  """A chain's observations read from the pipeline in order, pass after
+  pass (the default, ``in_memory=False``).
+
+  Elements are numbered along the passes (element ``i`` of pass ``p`` is
+  ``p * count + i``). The source holds the blocks it read and still needs:
+  the elements a shuffle buffer holds (copied into one small block) and
+  those read ahead (views of the last block read).
+  """
+
+  def __init__(self, data: tf.data.Dataset, count: int, rows_per_read: int,
+               loader: "TensorflowDataLoader"):
+    self._data = data
+    self._rows_per_read = rows_per_read
+    self._loader = loader
+    self._buffers = loader._buffers
+    self.count = count
+    self.restart(0)
+
+  def restart(self, first: int) -> None:
+    """Reads again from element ``first``, the start of a pass."""
+    self._iterator: Optional[Iterator] = None
+    self._blocks: List[Tuple[np.ndarray, Rows]] = []  # numbers, rows
+    self._next = first  # the number of the element read next
+
+  def _read(self) -> None:
+    if self._iterator is None:
+      options = tf.data.Options()
+      options.deterministic = True
+      blocks = self._data.repeat().batch(self._rows_per_read)
+      self._iterator = iter(blocks.with_options(options))
+    formats = self._loader._leaf_formats
+    rows = _leaves(formats, _next(self._iterator, self._loader))
+    size = len(rows[0])
+    self._blocks.append((np.arange(self._next, self._next + size), rows))
+    self._next += size
+
+  def rows(self, wanted: np.ndarray, keep: np.ndarray) -> Rows:
+    """The rows of elements ``wanted``; afterwards only the elements
+    ``keep`` and those after all ``wanted`` and ``keep`` stay held."""
+    keep = np.sort(keep)  # numbers of a block are sorted, for _lookup
+    frontier = int(max(wanted.max(), keep[-1] if keep.size else -1)) + 1
+    while self._next < frontier:
+      self._read()
+    formats = self._loader._leaf_formats
+    out = [self._buffers.empty((wanted.size,) + fmt.shape, fmt.dtype)
+           for fmt in formats]
+    held = [np.empty((keep.size,) + fmt.shape, fmt.dtype) for fmt in formats]
+    blocks, self._blocks = self._blocks, []
+    _gather_from(blocks, wanted, out)
+    if keep.size:
+      _gather_from(blocks, keep, held)
+    for numbers, rows in blocks:
+      ahead = np.searchsorted(numbers, frontier)
+      if ahead < numbers.size:
+        self._blocks.append((numbers[ahead:], [r[ahead:] for r in rows]))
+    if keep.size:
+      self._blocks.insert(0, (keep, held))
+    return out
+
+
+class _RandomPasses:
+  """The batches of a random chain: the chain's observations streamed
+  through a shuffle buffer of ``shuffle_cache`` slots, pass after pass
+  (:class:`jax_data.sampling.BufferShuffle`), cut into batches. Batch ``j``
+  holds stream steps ``j * mb .. j * mb + mb - 1`` and may span two passes.
   """
 
   kind = "random"
 
-  def __init__(self, data: tf.data.Dataset, count: int, mb_size: int,
-               cache_size: int, shuffle_cache: int, seed: int):
-    self._data = data
-    self._count = count
+  def __init__(self, source, mb_size: int, cache_size: int,
+               shuffle_cache: int, seed: int):
+    self._source = source
     self._mb_size = mb_size
+    self._size = cache_size * mb_size
     self._shuffle_cache = shuffle_cache
-    self.seed = seed
-    self.tf_global_seed = _tf_global_seed()
+    self._shuffle = BufferShuffle(source.count, shuffle_cache, seed)
     self._all_valid = np.ones((cache_size, mb_size), bool)
     self._all_valid.setflags(write=False)
 
-  def elements(self, batch: int) -> tf.data.Dataset:
-    """The stream from batch ``batch`` on; skips less than one pass."""
-    if _tf_global_seed() != self.tf_global_seed:
-      raise RuntimeError(
-          "TensorFlow's global seed changed from "
-          f"{self.tf_global_seed} to {_tf_global_seed()} (tf.random.set_seed) "
-          "after this chain was registered, so its stream cannot be rebuilt; "
-          "set the global seed before creating chains")
-    first_pass, offset = divmod(batch * self._mb_size, self._count)
-    base_seed = tf.constant(self.seed * _PASS_SEEDS, tf.int64)
-    data, shuffle_cache = self._data, self._shuffle_cache
+  @property
+  def seed(self) -> int:
+    return self._shuffle.seed
 
-    def one_pass(index):
-      return data.shuffle(shuffle_cache, seed=base_seed + index,
-                          reshuffle_each_iteration=False)
-
-    return tf.data.Dataset.counter(first_pass).flat_map(one_pass).skip(offset)
+  def chunk(self, batch: int) -> Tuple[Rows, np.ndarray]:
+    """The rows of batches ``batch .. batch + cache_size - 1``, and their
+    mask; a position other than the last chunk's end replays less than a
+    pass."""
+    step = batch * self._mb_size
+    shuffle = self._shuffle
+    if shuffle.position != step:
+      shuffle.seek(step)
+      self._source.restart(step // shuffle.count * shuffle.count)
+    wanted = shuffle.take(self._size)
+    try:
+      rows = self._source.rows(wanted, shuffle.buffered())
+    except BaseException:
+      shuffle.position = None  # the source's state is unknown
+      raise
+    return rows, self._all_valid
 
   def normalize(self, batch: int) -> int:
     return batch
 
-  def mask(self, batch: int) -> np.ndarray:
-    del batch
-    return self._all_valid
-
   def fingerprint(self) -> Dict[str, Any]:
     """What a state must share with this stream to be loaded into it."""
-    return {"kind": self.kind, "shuffle_cache": self._shuffle_cache,
-            "tf_global_seed": self.tf_global_seed}
+    return {"kind": self.kind, "shuffle_cache": self._shuffle_cache}
 
   def settings(self) -> Dict[str, Any]:
     """What a loaded state brings along: the seed."""
     return {"seed": self.seed}
 
-  def adopt(self, state: Dict[str, Any]) -> bool:
-    """Takes the settings of ``state``; whether anything changed."""
+  def adopt(self, state: Dict[str, Any]) -> None:
+    """Takes the settings of ``state``."""
     seed = check_int("seed", state.get("seed"), minimum=0, maximum=_MAX_SEED)
-    changed, self.seed = seed != self.seed, seed
-    return changed
+    if seed != self._shuffle.seed:
+      self._shuffle.seed, self._shuffle.position = seed, None
 
 
 class _OrderedPasses:
-  """The element stream of an ordered chain: padded passes, in order.
+  """The batches of an ordered chain: padded passes, in order.
 
   Each pass is the chain's observations in pipeline order, padded up to a
   whole number of batches with its own first observations; the padding is
-  masked out. The stream is periodic, so a position is a batch of a pass.
+  masked out (``spec/SAMPLING.md``'s ordered stream). The stream is
+  periodic, so a position is a batch of a pass.
   """
 
   kind = "ordered"
 
-  def __init__(self, data: tf.data.Dataset, count: int, mb_size: int,
+  def __init__(self, source, data: tf.data.Dataset, mb_size: int,
                cache_size: int):
+    self._source = source
     self._mb_size = mb_size
     self._cache_size = cache_size
-    self.batches_per_pass = math.ceil(count / mb_size)
+    self._indices = OrderedStream(ObservationRange(0, source.count),
+                                  mb_size)
+    self.batches_per_pass = self._indices.batches_per_pass
+    count = source.count
     padding = self.batches_per_pass * mb_size - count  # < mb_size <= count
     self._pass = data.concatenate(data.take(padding)) if padding else data
-    positions = np.arange(self.batches_per_pass * mb_size)
-    self._pass_mask = (positions < count).reshape(self.batches_per_pass,
-                                                  mb_size)
+    self._iterator: Optional[Iterator] = None
+    self._next_batch: Optional[int] = None  # where the iterator stands
 
-  def elements(self, batch: int) -> tf.data.Dataset:
-    return self._pass.repeat().skip(batch * self._mb_size)
+  def chunk(self, batch: int) -> Tuple[Rows, np.ndarray]:
+    """The rows of batches ``batch .. batch + cache_size - 1`` of the
+    padded passes, and their mask."""
+    self._indices.set_state({"mode": "ordered", "batch": batch})
+    indices, mask = self._indices.draw(self._cache_size)
+    if isinstance(self._source, _InMemory):
+      return self._source.gather(indices.reshape(-1)), mask
+    if self._next_batch != batch:
+      options = tf.data.Options()
+      options.deterministic = True
+      size = self._cache_size * self._mb_size
+      chunks = self._pass.repeat().skip(batch * self._mb_size).batch(
+          size, drop_remainder=True)
+      self._iterator = iter(chunks.with_options(options))
+    # Until a draw succeeds the iterator's position is unknown.
+    self._next_batch = None
+    loader = self._source._loader
+    rows = _leaves(loader._leaf_formats, _next(self._iterator, loader))
+    self._next_batch = self.normalize(batch + self._cache_size)
+    return rows, mask
 
   def normalize(self, batch: int) -> int:
     return batch % self.batches_per_pass
-
-  def mask(self, batch: int) -> np.ndarray:
-    rows = (batch + np.arange(self._cache_size)) % self.batches_per_pass
-    return self._pass_mask[rows]
 
   def fingerprint(self) -> Dict[str, Any]:
     return {"kind": self.kind}
@@ -235,9 +400,8 @@ class _OrderedPasses:
   def settings(self) -> Dict[str, Any]:
     return {}
 
-  def adopt(self, state: Dict[str, Any]) -> bool:
+  def adopt(self, state: Dict[str, Any]) -> None:
     del state
-    return False
 
 
 @dataclasses.dataclass
@@ -246,9 +410,8 @@ class _Chain:
   cache_size: int
   mb_size: int
   shard: ObservationRange
-  stream: Any  # _RandomPasses or _OrderedPasses: the chain's elements
+  stream: Any  # _RandomPasses or _OrderedPasses: the chain's batches
   position: int  # batches served (within the pass for ordered chains)
-  iterator: Optional[Iterator] = None  # None: rebuilt at the next chunk
 
 
 class TensorflowDataLoader(HostDataLoader):
@@ -262,8 +425,17 @@ class TensorflowDataLoader(HostDataLoader):
   float32 unless x64 is enabled); ``uint8`` and ``bool`` stay as they are.
 
   Streams are reproducible: the same seed gives the same batches, given the
-  same pipeline order and TensorFlow global seed (``tf.random.set_seed``).
-  Options of the pipeline are kept, except that ``deterministic`` is set.
+  same pipeline order. The shuffle buffer works as ``tf.data``'s ``shuffle``
+  does, but is computed in NumPy (:class:`jax_data.sampling.BufferShuffle`),
+  so streams do not depend on TensorFlow's seeds or version. Options of the
+  pipeline are kept, except that ``deterministic`` is set.
+
+  By default every pass reads the pipeline again, so data larger than
+  memory work and random augmentations in the pipeline stay random. With
+  ``in_memory=True`` the loader reads the pipeline once, when it is
+  created, keeps the observations as NumPy arrays (in the loader's dtypes)
+  and serves chains from them: several times faster, with the same streams,
+  but it needs the memory and freezes random augmentations.
 
   >>> import numpy as np
   >>> import tensorflow as tf
@@ -294,6 +466,7 @@ class TensorflowDataLoader(HostDataLoader):
       pipeline's cardinality is unknown (e.g. after ``filter``) or infinite;
       then its first ``observation_count`` elements are the data set, and a
       pipeline that turns out shorter is an error when the chunk is drawn.
+    in_memory: Read the pipeline once, now, and serve from NumPy arrays.
 
   Raises:
     TypeError: ``pipeline`` is not a dataset of dicts, or a feature cannot
@@ -308,7 +481,8 @@ class TensorflowDataLoader(HostDataLoader):
 
   def __init__(self, pipeline: tf.data.Dataset, shuffle_cache: int = 100,
                exclude_keys: Optional[Iterable[str]] = None,
-               observation_count: Optional[int] = None):
+               observation_count: Optional[int] = None,
+               in_memory: bool = False):
     if not isinstance(pipeline, tf.data.Dataset):
       raise TypeError(
           "pipeline must be a tf.data.Dataset (e.g. from tfds.load), got "
@@ -336,7 +510,28 @@ class TensorflowDataLoader(HostDataLoader):
     if excluded:
       pipeline = pipeline.map(lambda element: {k: element[k] for k in kept})
     self._pipeline = pipeline
+    self._leaf_formats, self._treedef = jax.tree_util.tree_flatten(
+        self._format)
+    self._buffers = BufferPool()
+    self._arrays: Optional[Rows] = None
+    if check_bool("in_memory", in_memory):
+      self._arrays = self._read_all()
     self._chains: ChainList[_Chain] = ChainList(self)
+
+  def _read_all(self) -> Rows:
+    """Every observation of one pass, as arrays in the loader's dtypes."""
+    arrays = [np.empty((self._count,) + fmt.shape, fmt.dtype)
+              for fmt in self._leaf_formats]
+    options = tf.data.Options()
+    options.deterministic = True
+    blocks = iter(self._pipeline.batch(4096).with_options(options))
+    filled = 0
+    while filled < self._count:
+      rows = _leaves(self._leaf_formats, _next(blocks, self))
+      for array, leaf in zip(arrays, rows):
+        array[filled:filled + len(leaf)] = leaf
+      filled += len(rows[0])
+    return arrays
 
   @staticmethod
   def _check_exclude_keys(exclude_keys, spec) -> frozenset:
@@ -357,8 +552,9 @@ class TensorflowDataLoader(HostDataLoader):
 
   def __repr__(self) -> str:
     keys = ", ".join(self._format)
+    memory = ", in memory" if self._arrays is not None else ""
     return (f"{type(self).__name__}({keys}; {self._count} observations, "
-            f"shuffle_cache={self._shuffle_cache})")
+            f"shuffle_cache={self._shuffle_cache}{memory})")
 
   @property
   def static_information(self) -> Dict[str, int]:
@@ -402,7 +598,8 @@ class TensorflowDataLoader(HostDataLoader):
     cache_size, mb_size = check_sizes(cache_size, mb_size, shard.count)
 
     def make_chain(chain_id):
-      stream = _RandomPasses(data, shard.count, mb_size, cache_size,
+      source = self._source(shard, data, cache_size * mb_size)
+      stream = _RandomPasses(source, mb_size, cache_size,
                              self._shuffle_cache,
                              chain_id if seed is None else seed)
       return _Chain(cache_size, mb_size, shard, stream, 0)
@@ -428,9 +625,18 @@ class TensorflowDataLoader(HostDataLoader):
                    self._ORDERED_KEYWORDS)
     shard, data = self._shard(kwargs)
     cache_size, mb_size = check_sizes(cache_size, mb_size, shard.count)
-    stream = _OrderedPasses(data, shard.count, mb_size, cache_size)
+    stream = _OrderedPasses(
+        self._source(shard, data, cache_size * mb_size), data, mb_size,
+        cache_size)
     return self._chains.add(
         lambda _: _Chain(cache_size, mb_size, shard, stream, 0))
+
+  def _source(self, shard: ObservationRange, data: tf.data.Dataset,
+              rows_per_read: int):
+    """Where a chain's rows come from: memory or the pipeline."""
+    if self._arrays is None:
+      return _Streamed(data, shard.count, rows_per_read, self)
+    return _InMemory(self._arrays, shard, self._buffers)
 
   def _chain(self, chain_id: int) -> _Chain:
     return self._chains.get(chain_id)
@@ -439,20 +645,6 @@ class TensorflowDataLoader(HostDataLoader):
     self._chains.release(chain_id)
 
   # -- serving ------------------------------------------------------------
-
-  def _chunks(self, chain: _Chain) -> Iterator:
-    size = chain.cache_size * chain.mb_size
-    options = tf.data.Options()
-    options.deterministic = True
-    # No prefetch: the host bridge already asks for the next chunk from a
-    # background thread while the device works, and a tf.data prefetch
-    # thread on top of it only adds a hand-off per chunk (measured slower).
-    # A sequential batch: a parallel one is faster alone, but inside a
-    # pipeline its threads compete with the device for the cores (measured
-    # 2x slower).
-    chunks = chain.stream.elements(chain.position).batch(
-        size, drop_remainder=True)
-    return iter(chunks.with_options(options))
 
   def get_batches(self, chain_id: int) -> Tuple[Dict[str, np.ndarray],
                                                 np.ndarray]:
@@ -464,33 +656,11 @@ class TensorflowDataLoader(HostDataLoader):
       mb_size)``.
     """
     chain = self._chain(chain_id)
-    # Until a draw succeeds the iterator's position is unknown: a failed
-    # draw leaves the chain without one, to be rebuilt at its position.
-    iterator, chain.iterator = chain.iterator or self._chunks(chain), None
-    try:
-      chunk = next(iterator)
-    except StopIteration:
-      raise RuntimeError(
-          f"the pipeline of {self!r} ended although chains repeat it; does "
-          "it yield fewer elements on later passes?") from None
-    except tf.errors.FailedPreconditionError as e:
-      if not self._count_stated:
-        raise
-      raise ValueError(
-          f"observation_count={self._count} does not fit the pipeline: "
-          f"{e.message}") from e
-    chain.iterator = iterator
+    rows, mask = chain.stream.chunk(chain.position)
     lead = (chain.cache_size, chain.mb_size)
-
-    def to_numpy(fmt, tensor):
-      array = np.asarray(tensor)  # a read-only view: no copy, unlike .numpy()
-      array = array.reshape(lead + array.shape[1:])
-      return array if array.dtype == fmt.dtype else array.astype(fmt.dtype)
-
-    batches = jax.tree_util.tree_map(to_numpy, self._format, chunk)
-    mask = chain.stream.mask(chain.position)
+    leaves = [leaf.reshape(lead + leaf.shape[1:]) for leaf in rows]
     chain.position = chain.stream.normalize(chain.position + chain.cache_size)
-    return batches, mask
+    return jax.tree_util.tree_unflatten(self._treedef, leaves), mask
 
   # -- checkpoints --------------------------------------------------------
 
@@ -521,8 +691,8 @@ class TensorflowDataLoader(HostDataLoader):
                       f"chain {chain_id} of {self!r}")
     position = chain.stream.normalize(
         check_int("position", data.get("position"), minimum=0))
-    if chain.stream.adopt(data) or position != chain.position:
-      chain.position, chain.iterator = position, None
+    chain.stream.adopt(data)
+    chain.position = position
 
   def chain_fingerprint(self, chain_id: int) -> Dict[str, Any]:
     chain = self._chain(chain_id)

@@ -146,3 +146,74 @@ def test_shards_are_disjoint_and_cover():
 def test_sharded_stream_draws_inside_its_shard():
   got, _ = _batches(_random(5, 2, seed=1, shuffle=True, start=20), 10)
   assert set(got.reshape(-1)) == set(range(20, 25))
+
+
+# -- shuffle buffer -----------------------------------------------------------
+
+
+def _buffer_stream(count, buffer_size, seed, steps, chunk):
+  stream = sampling.BufferShuffle(count, buffer_size, seed)
+  stream.seek(0)
+  parts = [stream.take(min(chunk, steps - i)) for i in range(0, steps, chunk)]
+  return np.concatenate(parts)
+
+
+@pytest.mark.parametrize("count,buffer_size", [(10, 1), (23, 5), (20, 50),
+                                               (3000, 100), (7, 7)])
+def test_buffer_shuffle_passes_hold_every_element_once_within_the_window(
+    count, buffer_size):
+  stream = _buffer_stream(count, buffer_size, 3, 3 * count, 7)
+  for p, one_pass in enumerate(stream.reshape(3, count)):
+    elements = one_pass - p * count  # numbered along the passes
+    assert sorted(elements.tolist()) == list(range(count))
+    # Step t emits only elements the buffer has read: 0 .. t + size - 1.
+    assert np.all(elements <= np.arange(count) + buffer_size - 1)
+  if buffer_size == 1:
+    assert stream.tolist() == list(range(3 * count))  # no shuffling
+  elif count > buffer_size:
+    assert (stream[:count] != stream[count:2 * count] - count).any()
+
+
+GOLDEN_BUFFER_STREAM = [3, 2, 5, 4, 6, 7, 0, 8, 9, 1, 13, 14, 15, 10, 11, 17,
+                        19, 16, 12, 18, 21, 24, 20, 25, 27]
+
+
+def test_buffer_shuffle_golden_values():
+  # Pinned: a change of the stream definition must be deliberate.
+  assert _buffer_stream(10, 4, 7, 25, 25).tolist() == GOLDEN_BUFFER_STREAM
+
+
+@pytest.mark.parametrize("chunk", [1, 6, 64, 1000])
+def test_buffer_shuffle_does_not_depend_on_chunks_or_seeks(chunk):
+  # 2**16 + 700 elements: draws come from two blocks of generators.
+  count = 2**16 + 700
+  whole = _buffer_stream(count, 50, 1, count + 2000, count + 2000)
+  assert np.array_equal(_buffer_stream(count, 50, 1, 3000, chunk),
+                        whole[:3000])
+  stream = sampling.BufferShuffle(count, 50, 1)
+  for position in (2**16 - 3, count - 60, count - 1, count + 5):
+    stream.seek(position)
+    assert np.array_equal(stream.take(chunk), whole[position:position + chunk])
+  assert not np.array_equal(_buffer_stream(count, 50, 2, 100, 100),
+                            whole[:100])
+
+
+def test_buffer_shuffle_buffered_is_read_but_not_emitted():
+  count, size = 12, 5
+  stream = sampling.BufferShuffle(count, size, 0)
+  stream.seek(0)
+  emitted = []
+  for step in range(2 * count):
+    first_pass_element = step // count * count
+    within = step % count
+    read = set(range(first_pass_element,
+                     first_pass_element + min(count, size + within)))
+    expected = read - set(emitted) if within else set()
+    assert set(stream.buffered().tolist()) == expected
+    emitted.extend(stream.take(1).tolist())
+
+
+def test_buffer_shuffle_needs_a_seek_after_a_failure():
+  stream = sampling.BufferShuffle(10, 3, 0)
+  with pytest.raises(RuntimeError, match="seek first"):
+    stream.take(2)

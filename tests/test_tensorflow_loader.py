@@ -183,13 +183,24 @@ def test_save_and_load_state_continue_exactly(kind):
   assert saved == frozen  # loading never mutates the checkpoint
 
 
-def test_load_state_at_the_current_position_keeps_the_stream():
-  loader = TensorflowDataLoader(_pipeline(23), shuffle_cache=6)
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_load_state_replays_only_when_the_position_moves(monkeypatch,
+                                                         in_memory):
+  loader = TensorflowDataLoader(_pipeline(23), shuffle_cache=6,
+                                in_memory=in_memory)
   chain = loader.register_random_pipeline(3, 4, seed=1)
-  _chunks(loader, chain, 2)
-  iterator = loader._chain(chain).iterator
+  first = _chunks(loader, chain, 1)
+  seek = jax_data.sampling.BufferShuffle.seek
+  seeks = []
+  monkeypatch.setattr(jax_data.sampling.BufferShuffle, "seek",
+                      lambda self, step: seeks.append(step) or seek(self, step))
   loader.load_state(chain, loader.save_state(chain))
-  assert loader._chain(chain).iterator is iterator  # no rebuild, no skip
+  _chunks(loader, chain, 1)
+  assert seeks == []  # at the current position: no replay
+  state = loader.save_state(chain)
+  state["position"] = 0
+  loader.load_state(chain, state)
+  assert _chunks(loader, chain, 1) == first and seeks == [0]
 
 
 def test_load_state_names_what_differs():
@@ -408,20 +419,82 @@ def test_gpus_stay_hidden_or_a_warning_says_why(monkeypatch):
     tensorflow_loader._hide_gpus()
 
 
-def test_changed_global_seed_is_an_error_not_another_stream():
-  loader = TensorflowDataLoader(_pipeline(10))
-  chain = loader.register_random_pipeline(1, 2)
-  state = loader.save_state(chain)
+def test_streams_do_not_depend_on_tensorflow_seeds():
+  reference = TensorflowDataLoader(_pipeline(30), shuffle_cache=8)
+  expected = _stream(reference, reference.register_random_pipeline(4, 5), 3)
   try:
     tf.random.set_seed(1234)
-    with pytest.raises(RuntimeError, match="global seed changed"):
-      loader.get_batches(chain)
-    fresh = TensorflowDataLoader(_pipeline(10))
-    with pytest.raises(ValueError, match="tf_global_seed is"):
-      fresh.load_state(fresh.register_random_pipeline(1, 2), state)
+    loader = TensorflowDataLoader(_pipeline(30), shuffle_cache=8)
+    assert _stream(loader, loader.register_random_pipeline(4, 5),
+                   3).tolist() == expected.tolist()
   finally:
     tf.compat.v1.random.set_random_seed(None)
-  assert loader.get_batches(chain)[0]["x"].shape == (1, 2)
+
+
+# -- in memory ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,mb,cache,buffer,shard", [
+    (23, 4, 3, 5, None), (20, 5, 2, 50, (1, 3)), (7, 7, 1, 3, None),
+    (41, 3, 4, 100, (2, 4))])
+def test_in_memory_serves_the_same_streams(n, mb, cache, buffer, shard):
+  shards = {} if shard is None else dict(shard_index=shard[0],
+                                         shard_count=shard[1])
+  streams = []
+  for in_memory in (False, True):
+    loader = TensorflowDataLoader(_pipeline(n), shuffle_cache=buffer,
+                                  in_memory=in_memory)
+    random = loader.register_random_pipeline(cache, mb, seed=3, **shards)
+    ordered = loader.register_ordered_pipeline(cache, mb, **shards)
+    streams.append([_chunks(loader, random, 5), _chunks(loader, ordered, 5)])
+  assert streams[0] == streams[1]
+  ordered_x = np.ravel(streams[1][1][0][0])
+  start = 0 if shard is None else shard[0] * n // shard[1]
+  assert ordered_x[0] == start  # the shard, in pipeline order
+
+
+def test_in_memory_reads_the_pipeline_once_and_converts_dtypes():
+  reads = []
+
+  def count(x):
+    reads.append(1)
+    return x
+
+  pipeline = _pipeline(12).map(
+      lambda e: {**e, "x": tf.numpy_function(count, [e["x"]], tf.int64)})
+  pipeline = pipeline.map(lambda e: {**e, "x": tf.ensure_shape(e["x"], [])})
+  loader = TensorflowDataLoader(pipeline, shuffle_cache=4, in_memory=True)
+  assert len(reads) == 12
+  assert repr(loader).endswith("shuffle_cache=4, in memory)")
+  chain = loader.register_random_pipeline(3, 5)
+  batches, _ = loader.get_batches(chain)
+  for _ in range(4):
+    loader.get_batches(chain)
+  assert len(reads) == 12
+  assert str(batches["x"].dtype) == "int32"
+  assert str(batches["y"].dtype) == "float32"
+
+
+def test_checkpoints_move_between_memory_and_streaming():
+  streamed = TensorflowDataLoader(_pipeline(17), shuffle_cache=5)
+  chain = streamed.register_random_pipeline(2, 3, seed=8)
+  _chunks(streamed, chain, 4)
+  state = streamed.save_state(chain)
+  expected = _chunks(streamed, chain, 6)
+  memory = TensorflowDataLoader(_pipeline(17), shuffle_cache=5,
+                                in_memory=True)
+  other = memory.register_random_pipeline(2, 3)
+  memory.load_state(other, state)
+  assert _chunks(memory, other, 6) == expected
+
+
+def test_in_memory_errors_name_the_argument():
+  with pytest.raises(TypeError, match="in_memory must be True or False, got "
+                     "in_memory='yes'"):
+    TensorflowDataLoader(_pipeline(5), in_memory="yes")
+  short = _pipeline(5).filter(lambda e: e["x"] < 100)
+  with pytest.raises(ValueError, match="observation_count=8 does not fit"):
+    TensorflowDataLoader(short, observation_count=8, in_memory=True)
 
 
 # -- inside jit -------------------------------------------------------------
