@@ -531,6 +531,8 @@ class TensorflowDataLoader(HostDataLoader):
       for array, leaf in zip(arrays, rows):
         array[filled:filled + len(leaf)] = leaf
       filled += len(rows[0])
+    for array in arrays:  # chunks may be views of them: keep them intact
+      array.setflags(write=False)
     return arrays
 
   @staticmethod

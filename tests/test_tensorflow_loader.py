@@ -473,6 +473,11 @@ def test_in_memory_reads_the_pipeline_once_and_converts_dtypes():
   assert len(reads) == 12
   assert str(batches["x"].dtype) == "int32"
   assert str(batches["y"].dtype) == "float32"
+  # Ordered chunks are views of the held arrays, which stay intact.
+  ordered, _ = loader.get_batches(loader.register_ordered_pipeline(2, 3))
+  assert ordered["x"].tolist() == [[0, 1, 2], [3, 4, 5]]
+  with pytest.raises(ValueError, match="read-only"):
+    ordered["x"][0, 0] = 7
 
 
 def test_checkpoints_move_between_memory_and_streaming():
