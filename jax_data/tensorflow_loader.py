@@ -162,6 +162,13 @@ def _leaves(formats: List[jax.ShapeDtypeStruct], element: Any) -> Rows:
   return leaves
 
 
+def _in_order(dataset: tf.data.Dataset) -> Iterator:
+  """An iterator over ``dataset`` with ``deterministic`` order set."""
+  options = tf.data.Options()
+  options.deterministic = True
+  return iter(dataset.with_options(options))
+
+
 class _InMemory:
   """A chain's observations held as NumPy arrays (``in_memory=True``).
 
@@ -253,10 +260,8 @@ class _Streamed:
 
   def _read(self) -> None:
     if self._iterator is None:
-      options = tf.data.Options()
-      options.deterministic = True
-      blocks = self._data.repeat().batch(self._rows_per_read)
-      self._iterator = iter(blocks.with_options(options))
+      self._iterator = _in_order(
+          self._data.repeat().batch(self._rows_per_read))
     formats = self._loader._leaf_formats
     rows = _leaves(formats, _next(self._iterator, self._loader))
     size = len(rows[0])
@@ -378,12 +383,9 @@ class _OrderedPasses:
     if isinstance(self._source, _InMemory):
       return self._source.gather(indices.reshape(-1)), mask
     if self._next_batch != batch:
-      options = tf.data.Options()
-      options.deterministic = True
       size = self._cache_size * self._mb_size
-      chunks = self._pass.repeat().skip(batch * self._mb_size).batch(
-          size, drop_remainder=True)
-      self._iterator = iter(chunks.with_options(options))
+      self._iterator = _in_order(self._pass.repeat().skip(
+          batch * self._mb_size).batch(size, drop_remainder=True))
     # Until a draw succeeds the iterator's position is unknown.
     self._next_batch = None
     loader = self._source._loader
@@ -522,9 +524,7 @@ class TensorflowDataLoader(HostDataLoader):
     """Every observation of one pass, as arrays in the loader's dtypes."""
     arrays = [np.empty((self._count,) + fmt.shape, fmt.dtype)
               for fmt in self._leaf_formats]
-    options = tf.data.Options()
-    options.deterministic = True
-    blocks = iter(self._pipeline.batch(4096).with_options(options))
+    blocks = _in_order(self._pipeline.batch(4096))
     filled = 0
     while filled < self._count:
       rows = _leaves(self._leaf_formats, _next(blocks, self))
