@@ -102,6 +102,12 @@ def _read_rows(array: np.memmap, flat: np.ndarray) -> np.ndarray:
   return rows
 
 
+def is_run(flat: np.ndarray) -> bool:
+  """Whether the indices are consecutive (rows a slice can read)."""
+  return (int(flat[-1]) - int(flat[0]) == flat.size - 1
+          and bool((np.diff(flat) == 1).all()))
+
+
 class BufferPool:
   """Chunk buffers used again once nothing else references them.
 
@@ -343,8 +349,7 @@ class NumpyDataLoader(_ArrayData, HostDataLoader):
     flat = indices.reshape(-1)
     # Ordered chains read runs of consecutive rows: a slice, not a gather.
     first = int(flat[0])
-    contiguous = (int(flat[-1]) - first == flat.size - 1
-                  and bool((np.diff(flat) == 1).all()))
+    contiguous = is_run(flat)
     batches = {}
     for key, array in self._arrays.items():
       if contiguous:

@@ -41,6 +41,7 @@ import tensorflow as tf
 from jax_data.loader import ChainList
 from jax_data.loader import HostDataLoader
 from jax_data.numpy_loader import BufferPool
+from jax_data.numpy_loader import is_run
 from jax_data.sampling import BufferShuffle
 from jax_data.sampling import ObservationRange
 from jax_data.sampling import OrderedStream
@@ -194,9 +195,8 @@ class _InMemory:
 
   def gather(self, flat: np.ndarray) -> Rows:
     """The rows ``flat`` of the chain's observations."""
-    first = int(flat[0])
-    if (int(flat[-1]) - first == flat.size - 1
-        and bool((np.diff(flat) == 1).all())):
+    if is_run(flat):
+      first = int(flat[0])
       return [array[first:first + flat.size] for array in self._arrays]
     return [self._buffers.take(array, flat) for array in self._arrays]
 
