@@ -14,3 +14,21 @@ collect_ignore = ["docs/conf.py", "examples", "benchmarks", "setup.py"]
 # tests/test_tensorflow_loader.py skips itself.
 if importlib.util.find_spec("tensorflow") is None:
   collect_ignore += ["jax_data/tensorflow_loader.py", "docs/tensorflow.rst"]
+
+
+def _bridge_path_fixture():
+  import pytest
+
+  @pytest.fixture(params=["in_place", "copied"])
+  def bridge_path(request, monkeypatch):
+    """Runs a test with each way compiled code receives chunks on CPU:
+    written in place (``buffer_callback``, the default) and returned by
+    ``pure_callback`` (what other platforms use)."""
+    from jax_data import bridge
+    monkeypatch.setattr(bridge, "IN_PLACE", request.param == "in_place")
+    return request.param
+
+  return bridge_path
+
+
+bridge_path = _bridge_path_fixture()

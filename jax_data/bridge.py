@@ -13,6 +13,12 @@ Every fetch goes through one ``jax.pure_callback`` that takes a *lane* axis:
 
 Callback inputs are small int32 arrays with gradients stopped; outputs are
 made device-varying inside ``shard_map`` by a select against a varying value.
+
+On CPU the callback is ``jax.experimental.buffer_callback``: the host copies
+each chunk straight into XLA's output buffer with NumPy, which releases the
+GIL, so the prefetch thread keeps working meanwhile. ``jax.pure_callback``
+would copy the returned arrays itself while holding the GIL, stalling the
+prefetch thread for the whole copy. Other platforms use ``pure_callback``.
 """
 
 from __future__ import annotations
@@ -28,12 +34,23 @@ from typing import Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
 
 from jax_data.host import ChunkServer
 from jax_data.host import PipelineReleasedError
 from jax_data.types import PyTree
+
+try:  # experimental in JAX; absent or moved, pure_callback serves all
+  from jax.experimental.buffer_callback import buffer_callback
+except ImportError:  # pragma: no cover
+  buffer_callback = None
+
+
+# Whether CPU devices are served in place (buffer_callback). Read when a
+# pipeline's code is traced; tests turn it off to check the other path.
+IN_PLACE = True
 
 
 def _vma(x) -> frozenset:
@@ -133,8 +150,17 @@ class _Ops:
     outs = [jax.ShapeDtypeStruct((lanes,) + s.shape, s.dtype)
             for s in self._leaf_formats + [self._mask_format]]
     callback = _Callback(self.server, self._device_count, self._participants)
-    return list(jax.pure_callback(callback, outs, chains, chunks, need,
-                                  vmap_method="sequential"))
+
+    def copied(chains, chunks, need):
+      return list(jax.pure_callback(callback, outs, chains, chunks, need,
+                                    vmap_method="sequential"))
+
+    if not IN_PLACE or buffer_callback is None:
+      return copied(chains, chunks, need)
+
+    in_place = buffer_callback(callback.into, outs, vmap_method="sequential")
+    return lax.platform_dependent(chains, chunks, need, cpu=in_place,
+                                  default=copied)
 
   def _fetch_lanes_flat(self, chains, chunks):
     need = jnp.ones(chains.shape, jnp.bool_)
@@ -238,13 +264,25 @@ class _Callback:
     self._device_count = device_count
     self._participants = participants
 
-  def __call__(self, chains, chunks, need):
+  def _live_server(self) -> ChunkServer:
     server = self._server()
     if server is None:
       raise PipelineReleasedError(
           "compiled code called a jax_data pipeline that no longer exists")
-    return server.serve(chains, chunks, need, self._device_count,
-                        self._participants)
+    return server
+
+  def __call__(self, chains, chunks, need):
+    """``pure_callback``: returns the lanes' arrays."""
+    return self._live_server().serve(chains, chunks, need,
+                                     self._device_count, self._participants)
+
+  def into(self, context, outs, chains, chunks, need) -> None:
+    """``buffer_callback``: writes the lanes into XLA's buffers ``outs``."""
+    del context
+    self._live_server().serve_into(
+        [np.asarray(o) for o in outs], np.asarray(chains),
+        np.asarray(chunks), np.asarray(need), self._device_count,
+        self._participants)
 
 
 def _varying_like(outs, predicate, axes) -> List[jax.Array]:

@@ -360,6 +360,34 @@ class ChunkServer:
     """The callback body: chunks for ``L`` lanes, stacked on a leading axis.
 
     Lanes whose ``need`` is False get zeros; compiled code keeps their cache.
+    See :meth:`lanes` for the arguments.
+    """
+    lanes = self.lanes(chains, chunks, need, device_count, participants)
+    if len(lanes) == 1:
+      leaves, mask = lanes[0]
+      return tuple(leaf[None] for leaf in leaves) + (mask[None],)
+    stacked = [np.stack([lane[0][i] for lane in lanes])
+               for i in range(len(self._leaf_formats))]
+    return tuple(stacked) + (np.stack([lane[1] for lane in lanes]),)
+
+  def serve_into(self, outs: Sequence[np.ndarray], chains: np.ndarray,
+                 chunks: np.ndarray, need: np.ndarray, device_count: int = 1,
+                 participants: int = 1) -> None:
+    """Like :meth:`serve`, but copies the lanes into ``outs`` (compiled
+    code's own output buffers, a leading lane axis each): one copy per lane,
+    made by NumPy without holding the GIL, so the prefetch thread runs
+    meanwhile."""
+    lanes = self.lanes(chains, chunks, need, device_count, participants)
+    for lane, (leaves, mask) in enumerate(lanes):
+      for out, leaf in zip(outs, list(leaves) + [mask]):
+        np.copyto(out[lane], leaf)
+
+  def lanes(self, chains: np.ndarray, chunks: np.ndarray, need: np.ndarray,
+            device_count: int = 1, participants: int = 1
+            ) -> List[Tuple[Leaves, np.ndarray]]:
+    """The chunk (leaves, mask) of each of ``L`` lanes.
+
+    Lanes whose ``need`` is False get zeros; compiled code keeps their cache.
 
     With ``participants > 1`` the request is one of several that devices
     make for the same refresh. A failure must then reach every one of them:
@@ -382,12 +410,7 @@ class ChunkServer:
       error = self._meet(int(chunks[need].min()), participants, error)
     if error is not None:
       raise error
-    if len(lanes) == 1:
-      leaves, mask = lanes[0]
-      return tuple(leaf[None] for leaf in leaves) + (mask[None],)
-    stacked = [np.stack([lane[0][i] for lane in lanes])
-               for i in range(len(self._leaf_formats))]
-    return tuple(stacked) + (np.stack([lane[1] for lane in lanes]),)
+    return lanes
 
   def _meet(self, index: int, participants: int,
             error: Optional[BaseException]) -> Optional[BaseException]:

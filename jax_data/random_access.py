@@ -44,8 +44,8 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
                           ) -> pl.Pipeline:
   """Random mini-batches of a loader, drawn inside ``jit`` and ``lax.scan``.
 
-  A host loader serves chunks of ``cached_batches_count`` batches through
-  ``jax.pure_callback`` when the state's cache is used up. A state is a
+  A host loader serves chunks of ``cached_batches_count`` batches through a
+  host callback when the state's cache is used up. A state is a
   value: the same state gives the same batch, also under ``vmap``, ``pmap``
   and remat, and the host never advances a chain twice for one request.
 

@@ -13,6 +13,9 @@ from jax import lax
 import jax_data
 from jax_data import NumpyDataLoader
 
+# Every test runs with both ways chunks reach compiled code (conftest.py).
+pytestmark = pytest.mark.usefixtures("bridge_path")
+
 
 class FlakyLoader(NumpyDataLoader):
   """Fails on the ``fail_at``-th chunk of chain ``fail_chain``."""
@@ -122,7 +125,10 @@ _FOUR_DEVICES = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax import lax
     import jax_data
+    from jax_data import bridge
     from tests.test_faults import FlakyLoader
+
+    bridge.IN_PLACE = IN_PLACE
 
     loader = FlakyLoader(fail_chain=2, fail_at=1, x=np.arange(50.0))
     init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 2, 3)
@@ -151,11 +157,13 @@ _FOUR_DEVICES = textwrap.dedent("""
     """)
 
 
-def test_failure_on_one_of_four_devices_before_a_collective():
+def test_failure_on_one_of_four_devices_before_a_collective(bridge_path):
   """Every device raises together, so none waits forever in the psum."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
-  done = subprocess.run([sys.executable, "-c", _FOUR_DEVICES], cwd=root,
+  script = _FOUR_DEVICES.replace("IN_PLACE = IN_PLACE",
+                                 f"IN_PLACE = {bridge_path == 'in_place'}")
+  done = subprocess.run([sys.executable, "-c", script], cwd=root,
                         env=env, capture_output=True, text=True, timeout=180)
   output = done.stdout + done.stderr[-3000:]
   assert done.returncode == 0, output

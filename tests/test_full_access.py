@@ -12,6 +12,9 @@ import jax_data
 from jax_data import DeviceNumpyDataLoader
 from jax_data import NumpyDataLoader
 
+# Every test runs with both ways chunks reach compiled code (conftest.py).
+pytestmark = pytest.mark.usefixtures("bridge_path")
+
 
 @pytest.mark.parametrize("n,mb,cache", [(10, 4, 1), (10, 4, 2), (10, 4, 5),
                                         (12, 4, 2), (7, 1, 3), (9, 9, 4),

@@ -12,6 +12,9 @@ import jax_data
 from jax_data import NumpyDataLoader
 from jax_data import host
 
+# Every test runs with both ways chunks reach compiled code (conftest.py).
+pytestmark = pytest.mark.usefixtures("bridge_path")
+
 CHAINS = [dict(seed=0), dict(seed=1, shuffle=True),
           dict(seed=2, shuffle=True, in_epochs=True), dict(seed=3)]
 N, CACHE, MB, STEPS = 11, 3, 4, 10

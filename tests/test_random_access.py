@@ -1,6 +1,7 @@
 """random_reference_data inside compiled code: streams, values, release."""
 
 import gc
+import re
 import threading
 import warnings
 import weakref
@@ -14,6 +15,9 @@ from jax import lax
 
 import jax_data
 from jax_data import NumpyDataLoader
+
+# Every test runs with both ways chunks reach compiled code (conftest.py).
+pytestmark = pytest.mark.usefixtures("bridge_path")
 
 MODES = [dict(), dict(shuffle=True), dict(shuffle=True, in_epochs=True)]
 
@@ -163,6 +167,20 @@ def test_remat_replay_keeps_stream():
   assert batch["x"].tolist() == _expected_stream(20, 2, 2, 9, seed=0)[0][8]
 
 
+def test_cpu_chunks_are_written_in_place(bridge_path):
+  """On CPU the host writes chunks into XLA's buffers (buffer_callback);
+  the pure_callback path, which other platforms use, gives the same
+  stream."""
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(13)), 3, 4)
+  text = _scan(batch_fn, 20).lower(init_fn(seed=1)).as_text()
+  target = {"in_place": "xla_buffer_python_cpu_callback",
+            "copied": "xla_ffi_python_cpu_callback"}[bridge_path]
+  assert set(re.findall(r"xla_\w*callback", text)) == {target}
+  _, (x, mask) = _scan(batch_fn, 20)(init_fn(seed=1))
+  assert (x.tolist(), mask.tolist()) == _expected_stream(13, 3, 4, 20, seed=1)
+
+
 def test_host_answers_with_numpy_only(monkeypatch):
   pipeline = jax_data.random_reference_data(
       NumpyDataLoader(x=np.arange(20.0)), 2, 2)
@@ -170,15 +188,16 @@ def test_host_answers_with_numpy_only(monkeypatch):
   server = pipeline.bridge.server
   in_callback = threading.local()
   jax_calls, results = [], []
-  serve = server.serve
+  lanes = server.lanes
 
-  def watched_serve(*args):
+  def watched_lanes(*args):
     in_callback.on = True
     try:
-      out = serve(*args)
+      out = lanes(*args)
     finally:
       in_callback.on = False
-    results.extend(out)
+    for leaves, mask in out:
+      results.extend(list(leaves) + [mask])
     return out
 
   def spy(name, fn):
@@ -188,7 +207,7 @@ def test_host_answers_with_numpy_only(monkeypatch):
       return fn(*a, **k)
     return wrapper
 
-  monkeypatch.setattr(server, "serve", watched_serve)
+  monkeypatch.setattr(server, "lanes", watched_lanes)
   for name in ("array", "asarray", "zeros"):
     monkeypatch.setattr(jnp, name, spy(name, getattr(jnp, name)))
   monkeypatch.setattr(jax, "device_put", spy("device_put", jax.device_put))
