@@ -209,17 +209,24 @@ class ChunkServer:
 
   # -- serving ------------------------------------------------------------
 
-  def chunk(self, chain_id: int, index: int, device_count: int = 1
+  def chunk(self, chain_id: int, index: int, device_count: int = 1,
+            defer: Optional[List[Tuple[_ChainRecord, int]]] = None
             ) -> Tuple[Leaves, np.ndarray]:
     """Chunk ``index`` of a chain: flattened batch leaves and mask.
 
     ``device_count`` requests are expected for the chunk (one per device of
     a replicated state); it is kept until they all came, within the cap.
+
+    The production of the next chunk starts now, or, if ``defer`` is a list
+    and the chunk was ready when asked for (the device, not the host, sets
+    the pace), is appended to ``defer`` for the caller to start once it has
+    copied this chunk, so that the copy does not compete with it.
     """
     record = self.record(chain_id)
     if record.progress is not None:
       record.progress(index)
     future, produce = self._future(record, index, device_count)
+    ready = future.done()
     if produce:
       self._produce_into(record, index, future)
     try:
@@ -230,7 +237,10 @@ class ChunkServer:
         if entry is not None and entry.future is future:
           del record.chunks[index]  # a later request tries again
       raise
-    self._schedule_next(record, index)
+    if ready and defer is not None:
+      defer.append((record, index))
+    else:
+      self.schedule_next(record, index)
     return result
 
   def _future(self, record: _ChainRecord, index: int, device_count: int):
@@ -264,7 +274,8 @@ class ChunkServer:
       else:
         break
 
-  def _schedule_next(self, record: _ChainRecord, index: int) -> None:
+  def schedule_next(self, record: _ChainRecord, index: int) -> None:
+    """Starts producing the chunk after ``index`` in the background."""
     if self._executor is None or self._loader is None:
       return
     following = index + 1
@@ -376,16 +387,27 @@ class ChunkServer:
     """Like :meth:`serve`, but copies the lanes into ``outs`` (compiled
     code's own output buffers, a leading lane axis each): one copy per lane,
     made by NumPy without holding the GIL, so the prefetch thread runs
-    meanwhile."""
-    lanes = self.lanes(chains, chunks, need, device_count, participants)
-    for lane, (leaves, mask) in enumerate(lanes):
-      for out, leaf in zip(outs, list(leaves) + [mask]):
-        np.copyto(out[lane], leaf)
+    meanwhile. When the chunks were ready before they were asked for, the
+    next ones are produced after the copy, not during it (see
+    :meth:`chunk`): the copy holds up the device, the production does not.
+    """
+    deferred: List[Tuple[_ChainRecord, int]] = []
+    try:
+      lanes = self.lanes(chains, chunks, need, device_count, participants,
+                         deferred)
+      for lane, (leaves, mask) in enumerate(lanes):
+        for out, leaf in zip(outs, list(leaves) + [mask]):
+          np.copyto(out[lane], leaf)
+    finally:
+      for record, index in deferred:
+        self.schedule_next(record, index)
 
   def lanes(self, chains: np.ndarray, chunks: np.ndarray, need: np.ndarray,
-            device_count: int = 1, participants: int = 1
+            device_count: int = 1, participants: int = 1,
+            defer: Optional[List[Tuple[_ChainRecord, int]]] = None
             ) -> List[Tuple[Leaves, np.ndarray]]:
-    """The chunk (leaves, mask) of each of ``L`` lanes.
+    """The chunk (leaves, mask) of each of ``L`` lanes (``defer``: see
+    :meth:`chunk`).
 
     Lanes whose ``need`` is False get zeros; compiled code keeps their cache.
 
@@ -402,7 +424,7 @@ class ChunkServer:
     lanes, error = [], None
     try:
       for chain, index, wanted in zip(chains, chunks, need):
-        lanes.append(self.chunk(int(chain), int(index), device_count)
+        lanes.append(self.chunk(int(chain), int(index), device_count, defer)
                      if wanted else self._zero_chunk())
     except Exception as e:  # pylint: disable=broad-except
       error = e
