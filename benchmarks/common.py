@@ -5,7 +5,10 @@ data on the device, jax_data, jax-sgmc, a Python loop), warms each of them
 up (compiles), and then times them round-robin: repeat ``r`` times every
 contender once before repeat ``r + 1`` starts. On a shared, noisy machine
 this keeps the contenders of one ratio under the same conditions; ratios
-are medians of the per-repeat (paired) ratios.
+are medians of the per-repeat (paired) ratios. Between two measurements
+the process waits until its threads are idle (:func:`settle`): a tf.data
+iterator refills its prefetch buffer after its contender stopped asking,
+and that work must not be timed as part of the next contender.
 """
 
 from __future__ import annotations
@@ -78,6 +81,18 @@ class Timing:
     return (max(self.samples) - min(self.samples)) / 2 / self.median
 
 
+def settle(window: float = 0.05, timeout: float = 5.0) -> None:
+  """Waits until the process's threads are idle: less than a tenth of a
+  core used over ``window`` seconds (background work a contender left:
+  tf.data prefetching, a loader's read-ahead), at most ``timeout`` s."""
+  deadline = time.perf_counter() + timeout
+  while time.perf_counter() < deadline:
+    cpu = time.process_time()
+    time.sleep(window)
+    if time.process_time() - cpu < 0.1 * window:
+      return
+
+
 def measure(contenders: Sequence[Contender], repeats: int,
             warm_up: bool = True) -> list[Timing]:
   """Times contenders round-robin after one warm-up call each.
@@ -97,6 +112,7 @@ def measure(contenders: Sequence[Contender], repeats: int,
   samples: list[list[float]] = [[] for _ in contenders]
   for _ in range(repeats):
     for contender, times in zip(contenders, samples):
+      settle()
       start = time.perf_counter()
       contender.run()
       times.append((time.perf_counter() - start) / contender.units)

@@ -13,8 +13,9 @@ _METHOD = """\
   jax_data.
 - **jax_data**: `random_reference_data` / `full_data_mapper` over a
   `NumpyDataLoader` (or `TensorflowDataLoader`), the whole loop in one
-  jitted `lax.scan`; a host chunk of `cache` batches arrives through
-  `jax.pure_callback` when the device-side cache is used up.
+  jitted `lax.scan`; a host chunk of `cache` batches arrives through a
+  host callback (on CPU `buffer_callback`, which copies into XLA's buffer)
+  when the device-side cache is used up.
 - **jax-sgmc 0.1.5**: the same code with the predecessor's data module.
 - **Python loop**: batches assembled with NumPy on the host and one jitted
   step per batch.
@@ -22,8 +23,11 @@ _METHOD = """\
   contenders of a row are timed round-robin, one measurement each per
   repeat, with `block_until_ready`. Times are medians over the repeats, ±
   half their range; a ratio is the median of the per-repeat ratios, so both
-  sides of a ratio ran under the same load. The machine is shared: single
-  measurements vary by tens of percent, ratios less.
+  sides of a ratio ran under the same load. Before each measurement the
+  process waits until its threads are idle, so that work a contender left
+  running (a tf.data iterator refilling its prefetch buffer) is not timed
+  as the next one's. The machine is shared: single measurements vary by
+  tens of percent, ratios less.
 - Slow contenders (jax-sgmc, the Python loop) run fewer steps where noted,
   chosen by a pilot run so that a measurement still takes about a second;
   the time per step is what is compared."""
