@@ -3,6 +3,8 @@
 import importlib.util
 import os
 
+import pytest
+
 # Set before JAX is imported anywhere: several devices for pmap/shard_map.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -16,19 +18,11 @@ if importlib.util.find_spec("tensorflow") is None:
   collect_ignore += ["jax_data/tensorflow_loader.py", "docs/tensorflow.rst"]
 
 
-def _bridge_path_fixture():
-  import pytest
-
-  @pytest.fixture(params=["in_place", "copied"])
-  def bridge_path(request, monkeypatch):
-    """Runs a test with each way compiled code receives chunks on CPU:
-    written in place (``buffer_callback``, the default) and returned by
-    ``pure_callback`` (what other platforms use)."""
-    from jax_data import bridge
-    monkeypatch.setattr(bridge, "IN_PLACE", request.param == "in_place")
-    return request.param
-
-  return bridge_path
-
-
-bridge_path = _bridge_path_fixture()
+@pytest.fixture(params=["in_place", "copied"])
+def bridge_path(request, monkeypatch):
+  """Runs a test with each way compiled code receives chunks on CPU:
+  written in place (``buffer_callback``, the default) and returned by
+  ``pure_callback`` (what other platforms use)."""
+  from jax_data import bridge
+  monkeypatch.setattr(bridge, "IN_PLACE", request.param == "in_place")
+  return request.param

@@ -1,6 +1,6 @@
 """Device side of the bridge: fetching chunks from compiled code.
 
-Every fetch goes through one ``jax.pure_callback`` that takes a *lane* axis:
+Every fetch goes through one host callback that takes a *lane* axis:
 ``L`` chains and chunk indices, answered by one host call. Two
 ``jax.custom_batching.custom_vmap`` wrappers keep it that way under ``vmap``
 (``spec/CALLBACKS.md``):
