@@ -1,7 +1,9 @@
 """Test set-up for tests and doctests: four CPU devices, quiet TensorFlow."""
 
+import functools
 import importlib.util
 import os
+import types
 
 import pytest
 
@@ -18,11 +20,17 @@ if importlib.util.find_spec("tensorflow") is None:
   collect_ignore += ["jax_data/tensorflow_loader.py", "docs/tensorflow.rst"]
 
 
-@pytest.fixture(params=["in_place", "copied"])
-def bridge_path(request, monkeypatch):
-  """Runs a test with each way compiled code receives chunks on CPU:
-  written in place (``buffer_callback``, the default) and returned by
-  ``pure_callback`` (what other platforms use)."""
-  from jax_data import bridge
-  monkeypatch.setattr(bridge, "IN_PLACE", request.param == "in_place")
-  return request.param
+@pytest.fixture(params=["auto", "pure"], ids=["in_place", "copied"])
+def pipelines(request):
+  """The pipeline constructors, bound to one way compiled code receives
+  chunks on CPU: written in place (``callback="auto"``, the default,
+  ``buffer_callback``) or returned by ``pure_callback`` (``"pure"``, what
+  other platforms use)."""
+  import jax_data
+  callback = request.param
+  bind = lambda f: functools.partial(f, callback=callback)
+  return types.SimpleNamespace(
+      callback=callback,
+      random_reference_data=bind(jax_data.random_reference_data),
+      full_reference_data=bind(jax_data.full_reference_data),
+      full_data_mapper=bind(jax_data.full_data_mapper))

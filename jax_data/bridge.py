@@ -11,14 +11,17 @@ Every fetch goes through one host callback that takes a *lane* axis:
   unbatched (any lane needs a new chunk), so the host is called once per
   cache refresh, not on every step.
 
-Callback inputs are small int32 arrays with gradients stopped; outputs are
+Callback inputs are small int32 arrays with gradients stopped (per lane:
+the pipeline a state belongs to, its chain and the chunk index); outputs are
 made device-varying inside ``shard_map`` by a select against a varying value.
 
-On CPU the callback is ``jax.experimental.buffer_callback``: the host copies
-each chunk straight into XLA's output buffer with NumPy, which releases the
-GIL, so the prefetch thread keeps working meanwhile. ``jax.pure_callback``
-would copy the returned arrays itself while holding the GIL, stalling the
-prefetch thread for the whole copy. Other platforms use ``pure_callback``.
+With ``callback="auto"`` the callback on CPU is
+``jax.experimental.buffer_callback``: the host copies each chunk straight
+into XLA's output buffer with NumPy, which releases the GIL, so the prefetch
+thread keeps working meanwhile. ``jax.pure_callback`` would copy the
+returned arrays itself while holding the GIL, stalling the prefetch thread
+for the whole copy. Other platforms, and ``callback="pure"`` everywhere, use
+``pure_callback``.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
 
-from jax_data.host import ChunkServer
-from jax_data.host import PipelineReleasedError
+from jax_data.errors import PipelineReleasedError
+from jax_data.host import Host
 from jax_data.types import PyTree
 
 try:  # experimental in JAX; absent or moved, pure_callback serves all
@@ -47,10 +50,19 @@ try:  # experimental in JAX; absent or moved, pure_callback serves all
 except ImportError:  # pragma: no cover
   buffer_callback = None
 
+#: The ways compiled code can receive chunks: ``"auto"`` (in place through
+#: ``buffer_callback`` on CPU where JAX offers it, ``pure_callback``
+#: elsewhere) and ``"pure"`` (``pure_callback`` on every platform).
+CALLBACKS = ("auto", "pure")
 
-# Whether CPU devices are served in place (buffer_callback). Read when a
-# pipeline's code is traced; tests turn it off to check the other path.
-IN_PLACE = True
+
+def check_callback(callback: Any) -> str:
+  """Checks the ``callback`` argument of the pipeline constructors."""
+  if callback not in CALLBACKS:
+    raise ValueError(
+        f"callback must be one of {', '.join(map(repr, CALLBACKS))}, got "
+        f"callback={callback!r}")
+  return callback
 
 
 def _vma(x) -> frozenset:
@@ -85,22 +97,29 @@ def _fold_lanes(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class Bridge:
-  """Compiled-code access to a :class:`ChunkServer`.
+  """Compiled-code access to a pipeline's :class:`~jax_data.host.Host`.
 
   Args:
-    server: The host side.
+    host: The host side.
     batch_format: Pytree of ``jax.ShapeDtypeStruct`` of one chunk, with
       leading axes ``(cache_size, mb_size)``.
+    callback: ``"auto"`` or ``"pure"`` (see :data:`CALLBACKS`).
   """
 
-  def __init__(self, server: ChunkServer, batch_format: PyTree):
-    self.server = server
+  def __init__(self, host: Host, batch_format: PyTree,
+               callback: str = "auto"):
+    self.host = host
+    self.callback = check_callback(callback)
     leaves, self.treedef = jax.tree_util.tree_flatten(batch_format)
     self.leaf_formats = [jax.ShapeDtypeStruct(s.shape, s.dtype)
                          for s in leaves]
-    self.mask_format = jax.ShapeDtypeStruct(
-        (server.cache_size, server.mb_size), jnp.bool_)
+    self.mask_format = jax.ShapeDtypeStruct(host.layout.lead, jnp.bool_)
     self._ops: Dict[Tuple[int, int], _Ops] = {}
+
+  @property
+  def in_place(self) -> bool:
+    """Whether CPU devices receive chunks in place (``buffer_callback``)."""
+    return self.callback == "auto" and buffer_callback is not None
 
   def ops(self, device_count: int, participants: int) -> "_Ops":
     """The callback wrappers for requests that ``participants`` devices
@@ -110,16 +129,18 @@ class Bridge:
       self._ops[key] = _Ops(self, device_count, participants)
     return self._ops[key]
 
-  def fetch(self, chain: jax.Array, chunk: jax.Array, device_count: int = 1
-            ) -> Tuple[PyTree, jax.Array]:
-    """Chunk ``chunk`` of chain ``chain``: (batches, mask)."""
-    return self.ops(device_count, _participants()).fetch(chain, chunk)
+  def fetch(self, pipeline: jax.Array, chain: jax.Array, chunk: jax.Array,
+            device_count: int = 1) -> Tuple[PyTree, jax.Array]:
+    """Chunk ``chunk`` of chain ``chain`` of pipeline ``pipeline``:
+    (batches, mask)."""
+    return self.ops(device_count, _participants()).fetch(pipeline, chain,
+                                                         chunk)
 
-  def refresh(self, chain, chunk, cached_chunk, batches, mask,
+  def refresh(self, pipeline, chain, chunk, cached_chunk, batches, mask,
               device_count: int = 1):
     """Makes sure the cache holds ``chunk``: (cached_chunk, batches, mask)."""
     return self.ops(device_count, _participants()).refresh(
-        chain, chunk, cached_chunk, batches, mask)
+        pipeline, chain, chunk, cached_chunk, batches, mask)
 
 
 def _participants() -> int:
@@ -134,8 +155,11 @@ class _Ops:
   number of participating devices."""
 
   def __init__(self, bridge: Bridge, device_count: int, participants: int):
-    self.server = bridge.server
+    # Weak: JAX's trace caches keep these wrappers, and with them anything
+    # they hold, after the pipeline is gone.
+    self._host = weakref.ref(bridge.host)
     self.treedef = bridge.treedef
+    self._in_place = bridge.in_place
     self._leaf_formats = bridge.leaf_formats
     self._mask_format = bridge.mask_format
     self._device_count = device_count
@@ -145,78 +169,78 @@ class _Ops:
     self.fetch = self._make_fetch()
     self.refresh = self._make_refresh()
 
-  def _fetch_lanes(self, chains, chunks, need) -> List[jax.Array]:
+  def _fetch_lanes(self, pipelines, chains, chunks, need) -> List[jax.Array]:
     lanes = chains.shape[0]
     outs = [jax.ShapeDtypeStruct((lanes,) + s.shape, s.dtype)
             for s in self._leaf_formats + [self._mask_format]]
-    callback = _Callback(self.server, self._device_count, self._participants)
+    callback = _Callback(self._host, self._device_count, self._participants)
+    args = (pipelines, chains, chunks, need)
 
-    def copied(chains, chunks, need):
-      return list(jax.pure_callback(callback, outs, chains, chunks, need,
+    def copied(*args):
+      return list(jax.pure_callback(callback, outs, *args,
                                     vmap_method="sequential"))
 
-    if not IN_PLACE or buffer_callback is None:
-      return copied(chains, chunks, need)
-
+    if not self._in_place:
+      return copied(*args)
     in_place = buffer_callback(callback.into, outs, vmap_method="sequential")
-    return lax.platform_dependent(chains, chunks, need, cpu=in_place,
-                                  default=copied)
+    return lax.platform_dependent(*args, cpu=in_place, default=copied)
 
-  def _fetch_lanes_flat(self, chains, chunks):
+  def _fetch_lanes_flat(self, pipelines, chains, chunks):
     need = jnp.ones(chains.shape, jnp.bool_)
-    outs = self._fetch_lanes(chains, chunks, need)
-    return _varying_like(outs, chains == chains, _vma(chains) | _vma(chunks))
+    outs = self._fetch_lanes(pipelines, chains, chunks, need)
+    return _varying_like(outs, chains == chains,
+                         _vma(pipelines) | _vma(chains) | _vma(chunks))
 
-  def _refresh_lanes_flat(self, chains, chunks, cached_chunks, mask,
-                          *leaves):
+  def _refresh_lanes_flat(self, pipelines, chains, chunks, cached_chunks,
+                          mask, *leaves):
     need = cached_chunks != chunks
 
     def fetch(ops):
-      chains, chunks, cached_chunks, mask, *leaves = ops
+      pipelines, chains, chunks, cached_chunks, mask, *leaves = ops
       need = cached_chunks != chunks
-      new = self._fetch_lanes(chains, chunks, need)
+      new = self._fetch_lanes(pipelines, chains, chunks, need)
       old = list(leaves) + [mask]
       merged = [jnp.where(need.reshape(need.shape + (1,) * (n.ndim - 1)), n, o)
                 for n, o in zip(new, old)]
       return [jnp.where(need, chunks, cached_chunks)] + merged
 
     def keep(ops):
-      chains, chunks, cached_chunks, mask, *leaves = ops
+      _, _, _, cached_chunks, mask, *leaves = ops
       return [cached_chunks] + list(leaves) + [mask]
 
-    ops = [chains, chunks, cached_chunks, mask] + list(leaves)
+    ops = [pipelines, chains, chunks, cached_chunks, mask] + list(leaves)
     return lax.cond(jnp.any(need), fetch, keep, ops)
 
   def _make_fetch(self):
     @custom_vmap
-    def fetch(chain, chunk):
-      outs = self._fetch_many(chain[None], chunk[None])
+    def fetch(pipeline, chain, chunk):
+      outs = self._fetch_many(pipeline[None], chain[None], chunk[None])
       return [o[0] for o in outs]
 
     @fetch.def_vmap
-    def _rule(axis_size, in_batched, chain, chunk):
-      chain, chunk = _broadcast(axis_size, in_batched, (chain, chunk))
-      outs = self._fetch_many(chain, chunk)
+    def _rule(axis_size, in_batched, pipeline, chain, chunk):
+      args = _broadcast(axis_size, in_batched, (pipeline, chain, chunk))
+      outs = self._fetch_many(*args)
       return outs, [True] * len(outs)
 
-    def fetch_chunk(chain: jax.Array, chunk: jax.Array
+    def fetch_chunk(pipeline: jax.Array, chain: jax.Array, chunk: jax.Array
                     ) -> Tuple[PyTree, jax.Array]:
       """Chunk ``chunk`` of chain ``chain``: (batches, mask)."""
-      chain = lax.stop_gradient(jnp.asarray(chain, jnp.int32))
-      chunk = lax.stop_gradient(jnp.asarray(chunk, jnp.int32))
-      *leaves, mask = fetch(chain, chunk)
+      args = [lax.stop_gradient(jnp.asarray(a, jnp.int32))
+              for a in (pipeline, chain, chunk)]
+      *leaves, mask = fetch(*args)
       return self.treedef.unflatten(leaves), mask
 
     return fetch_chunk
 
   def _make_refresh(self):
     @custom_vmap
-    def refresh(chain, chunk, cached_chunk, mask, *leaves):
+    def refresh(pipeline, chain, chunk, cached_chunk, mask, *leaves):
       def fetch(ops):
-        chain, chunk, cached_chunk, mask, *leaves = ops
+        pipeline, chain, chunk, cached_chunk, mask, *leaves = ops
         need = cached_chunk != chunk
-        new = [n[0] for n in self._fetch_lanes(chain[None], chunk[None],
-                                                need[None])]
+        new = [n[0] for n in self._fetch_lanes(
+            pipeline[None], chain[None], chunk[None], need[None])]
         if _participants() == 1:  # no manual axes: no varying types
           return [chunk] + new
         # Inside shard_map, merging with the old cache (a select over the
@@ -226,10 +250,10 @@ class _Ops:
         return [jnp.where(need, chunk, cached_chunk)] + merged
 
       def keep(ops):
-        chain, chunk, cached_chunk, mask, *leaves = ops
+        _, _, _, cached_chunk, mask, *leaves = ops
         return [cached_chunk] + list(leaves) + [mask]
 
-      ops = [chain, chunk, cached_chunk, mask] + list(leaves)
+      ops = [pipeline, chain, chunk, cached_chunk, mask] + list(leaves)
       return lax.cond(cached_chunk != chunk, fetch, keep, ops)
 
     @refresh.def_vmap
@@ -238,10 +262,10 @@ class _Ops:
       outs = self._refresh_many(*args)
       return outs, [True] * len(outs)
 
-    def refresh_cache(chain, chunk, cached_chunk, batches, mask):
+    def refresh_cache(pipeline, chain, chunk, cached_chunk, batches, mask):
       """Makes sure the cache holds ``chunk``: (cached_chunk, batches, mask)."""
       leaves = self.treedef.flatten_up_to(batches)
-      args = [chain, chunk, cached_chunk, mask] + list(leaves)
+      args = [pipeline, chain, chunk, cached_chunk, mask] + list(leaves)
       args = [lax.stop_gradient(a) for a in args]
       cached_chunk, *rest = refresh(*args)
       *leaves, mask = rest
@@ -253,36 +277,36 @@ class _Ops:
 class _Callback:
   """The host function compiled code calls.
 
-  It holds its server weakly: compiled executables keep their callbacks,
+  It holds the host weakly: compiled executables keep their callbacks,
   and JAX's caches keep executables while their functions live, so a strong
   reference would keep every pipeline alive for good.
   """
 
-  def __init__(self, server: ChunkServer, device_count: int,
+  def __init__(self, host: "weakref.ref[Host]", device_count: int,
                participants: int):
-    self._server = weakref.ref(server)
+    self._host = host
     self._device_count = device_count
     self._participants = participants
 
-  def _live_server(self) -> ChunkServer:
-    server = self._server()
-    if server is None:
+  def _live_host(self) -> Host:
+    host = self._host()
+    if host is None:
       raise PipelineReleasedError(
           "compiled code called a jax_data pipeline that no longer exists")
-    return server
+    return host
 
-  def __call__(self, chains, chunks, need):
+  def __call__(self, pipelines, chains, chunks, need):
     """``pure_callback``: returns the lanes' arrays."""
-    return self._live_server().serve(chains, chunks, need,
-                                     self._device_count, self._participants)
+    return self._live_host().serve(pipelines, chains, chunks, need,
+                                   self._device_count, self._participants)
 
-  def into(self, context, outs, chains, chunks, need) -> None:
+  def into(self, context, outs, pipelines, chains, chunks, need) -> None:
     """``buffer_callback``: writes the lanes into XLA's buffers ``outs``."""
     del context
-    self._live_server().serve_into(
-        [np.asarray(o) for o in outs], np.asarray(chains),
-        np.asarray(chunks), np.asarray(need), self._device_count,
-        self._participants)
+    self._live_host().serve_into(
+        [np.asarray(o) for o in outs], np.asarray(pipelines),
+        np.asarray(chains), np.asarray(chunks), np.asarray(need),
+        self._device_count, self._participants)
 
 
 def _varying_like(outs, predicate, axes) -> List[jax.Array]:

@@ -24,21 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_data.pipeline import Pipeline
+from jax_data import pipeline as pl
 from jax_data.types import CacheState
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _FIELDS = ("chain", "chunk", "position", "cached_chunk", "key")
-
-
-def _pipeline(pipeline: Any) -> Pipeline:
-  found = getattr(pipeline, "jax_data_pipeline", pipeline)
-  if not isinstance(found, Pipeline):
-    raise TypeError(
-        "pipeline must be what random_reference_data, full_reference_data "
-        "or full_data_mapper returned (or one of its functions), got "
-        f"pipeline={pipeline!r}")
-  return found
 
 
 def _lanes(state: CacheState, template: CacheState):
@@ -64,24 +54,15 @@ def state_to_pytree(pipeline: Any, state: CacheState) -> Dict[str, np.ndarray]:
   Returns:
     ``{"host": uint8 JSON bytes, "chunk", "position": int32, "key": uint32}``.
   """
-  pipeline = _pipeline(pipeline)
+  pipeline = pl.of(pipeline)
   lanes = _lanes(state, pipeline.template)
   arrays = {f: np.asarray(getattr(state, f)) for f in _FIELDS}
   chains = []
-  if pipeline.bridge is not None:
-    server = pipeline.bridge.server
+  if pipeline.host is not None:
     for lane in np.ndindex(*lanes):
-      chain = int(arrays["chain"][lane])
-      record = server.record(chain)
-      index, snapshot = server.snapshot_before(chain,
-                                               int(arrays["chunk"][lane]))
-      chains.append({
-          "kind": record.kind, "registration": record.registration,
-          "cycle": record.cycle,
-          "fingerprint": server.loader.chain_fingerprint(chain),
-          "snapshot_index": index, "snapshot": snapshot})
-  host = {"version": FORMAT_VERSION, "pipeline": pipeline.kind,
-          "lanes": list(lanes), "chains": chains,
+      chains.append(pipeline.host.save_chain(int(arrays["chain"][lane]),
+                                             int(arrays["chunk"][lane])))
+  host = {"version": FORMAT_VERSION, "lanes": list(lanes), "chains": chains,
           "fingerprint": pipeline.fingerprint}
   encoded = json.dumps(host, default=_json_default).encode()
   return {"host": np.frombuffer(encoded, np.uint8).copy(),
@@ -104,20 +85,19 @@ def state_from_pytree(pipeline: Any, tree: Dict[str, Any]) -> CacheState:
   """Restores a state from :func:`state_to_pytree` (``tree`` is not
   changed).
 
-  The chains are registered anew on the pipeline's loader; their
-  fingerprints (observation count, batch and cache size, seed, mode) must
-  match the saved ones.
+  The chains are registered anew on the pipeline's loader; the pipeline's
+  fingerprint (loader, observation count, batch and cache size, a digest of
+  the data) must match the saved one.
 
   Raises:
     ValueError: a version or fingerprint differs; the message shows both.
   """
-  pipeline = _pipeline(pipeline)
+  pipeline = pl.of(pipeline)
   try:
     host = json.loads(np.asarray(tree["host"], np.uint8).tobytes().decode())
   except (KeyError, TypeError, ValueError) as e:
     raise ValueError(f"tree is not a jax_data checkpoint: {e}") from e
   _check("format version", host.get("version"), FORMAT_VERSION)
-  _check("pipeline kind", host.get("pipeline"), pipeline.kind)
   _check("pipeline", host.get("fingerprint"), pipeline.fingerprint)
   lanes = tuple(host["lanes"])
   chunk = np.asarray(tree["chunk"], np.int32).reshape(lanes)
@@ -125,15 +105,9 @@ def state_from_pytree(pipeline: Any, tree: Dict[str, Any]) -> CacheState:
   key = np.asarray(tree["key"], np.uint32).reshape(
       lanes + np.shape(pipeline.template.key))
   chain = np.full(lanes, -1, np.int32)
-  if pipeline.bridge is not None:
-    server = pipeline.bridge.server
+  if pipeline.host is not None:
     for lane, saved in zip(np.ndindex(*lanes), host["chains"]):
-      new = server.register(saved["kind"], cycle=saved["cycle"],
-                            **saved["registration"])
-      _check(f"chain {lane or ''}".strip(),
-             server.loader.chain_fingerprint(new), saved["fingerprint"])
-      server.adopt_snapshot(new, saved["snapshot_index"], saved["snapshot"])
-      chain[lane] = new
+      chain[lane] = pipeline.host.restore_chain(saved)
   template = pipeline.template
 
   def build(lane_chain, lane_chunk, lane_position, lane_key):
@@ -152,10 +126,19 @@ def state_from_pytree(pipeline: Any, tree: Dict[str, Any]) -> CacheState:
 
 
 def _check(what: str, saved: Any, here: Any) -> None:
-  if saved != here:
-    raise ValueError(
-        f"checkpoint does not fit: its {what} is {saved!r}, but here it is "
-        f"{here!r}")
+  """Raises if ``saved`` differs from ``here``, naming the fields that
+  differ and showing both sides."""
+  if saved == here:
+    return
+  differ = ""
+  if isinstance(saved, dict) and isinstance(here, dict):
+    differ = "; ".join(
+        f"{k} is {saved.get(k)!r} in the checkpoint but {here.get(k)!r} here"
+        for k in sorted(set(saved) | set(here), key=str)
+        if saved.get(k) != here.get(k)) + "; "
+  raise ValueError(
+      f"checkpoint does not fit: {differ}its {what} is {saved!r}, but here "
+      f"it is {here!r}")
 
 
 def save_checkpoint(path: Union[str, os.PathLike], pipeline: Any,

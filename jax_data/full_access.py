@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 import threading
 from typing import Any
 from typing import Callable
+from typing import Dict
 from typing import Optional
 from typing import Tuple
 from typing import Union
@@ -17,14 +17,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_data import device_loader
 from jax_data import pipeline as pl
+from jax_data import states
+from jax_data.bridge import check_callback
+from jax_data.host_loader import HostDataLoader
 from jax_data.loader import DataLoader
 from jax_data.loader import DeviceDataLoader
-from jax_data.random_access import LoaderRef
 from jax_data.sampling import ObservationRange
 from jax_data.types import CacheState
 from jax_data.types import MiniBatchInformation
 from jax_data.types import PyTree
+from jax_data.validation import check_bool
+from jax_data.validation import check_int
 from jax_data.validation import check_keywords
 
 Progress = Union[None, bool, Callable[[int, int], None]]
@@ -126,7 +131,8 @@ def full_reference_data(data_loader: DataLoader,
                         mb_size: Optional[int] = None, *,
                         shard_index: Optional[int] = None,
                         shard_count: Optional[int] = None,
-                        progress: Progress = None) -> pl.Pipeline:
+                        progress: Progress = None,
+                        callback: str = "auto") -> pl.Pipeline:
   """Maps functions over every observation, in order, inside compiled code.
 
   Each call of ``map_fn`` makes one pass over observations ``0 .. N - 1``
@@ -154,6 +160,8 @@ def full_reference_data(data_loader: DataLoader,
       total)`` called on the host with counts of batches as the device asks
       for each chunk, or True for a line on stderr. The device code is the
       same either way; None (default) costs nothing.
+    callback: How compiled code receives chunks (see
+      :func:`random_reference_data`).
 
   Returns:
     ``(init_fn, map_fn, release_fn)``. ``map_fn(fun, data_state, carry,
@@ -164,12 +172,15 @@ def full_reference_data(data_loader: DataLoader,
     fillers are dropped, so results have leading axis ``N``.
   """
   return _full_pipeline(data_loader, cached_batches_count, mb_size,
-                        shard_index, shard_count, progress, stacklevel=4)
+                        shard_index, shard_count, progress, callback,
+                        stacklevel=4)
 
 
 def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
-                   shard_count, progress, stacklevel):
+                   shard_count, progress, callback, stacklevel
+                   ) -> "FullPipeline":
   loader = pl.check_loader(data_loader)
+  callback = check_callback(callback)
   total = loader.static_information["observation_count"]
   observations = ObservationRange.from_arguments(total, shard_index,
                                                  shard_count)
@@ -177,91 +188,105 @@ def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
                                        observations.count)
   plan = _PassPlan(observations.count, cache_size, mb_size)
   if isinstance(loader, DeviceDataLoader):
-    ref = LoaderRef(loader)
     if progress is not None:
       raise ValueError(
           "progress needs a host loader: a DeviceDataLoader makes no host "
           f"calls to report from, got progress={progress!r}")
-    init_fn, fetch_chunk, release_fn, bridge = _device_chunks(
-        ref, plan, observations)
-    release_check = ref.check_open
+    chunks = device_loader.FullChunks(loader, observations, plan.cache_size,
+                                      mb_size)
   else:
     pl.warn_large_cache(cache_size, mb_size, observations.count, stacklevel)
     shard = ({} if shard_index is None else
              {"shard_index": shard_index, "shard_count": shard_count})
-    init_fn, fetch_chunk, release_fn, bridge = _host_chunks(
-        loader, plan, shard, _progress_reporter(progress, plan))
-    release_check = bridge.server.check_open
-  expected = pl.make_state(-1 if bridge is None else 0, 0, mb_size)
+    chunks = HostChunks(loader, plan, shard, _progress_reporter(progress,
+                                                                plan),
+                        callback)
+  return FullPipeline(chunks, plan, loader)
 
-  @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
-  def one_pass(fun, data_state, carry, masking, information, device_count):
+
+class HostChunks:
+  """The chunks of full-data passes over a host loader: ordered chains
+  served through the bridge."""
+
+  def __init__(self, loader: HostDataLoader, plan: _PassPlan,
+               shard: Dict[str, Any],
+               progress: Optional[Callable[[int], None]], callback: str):
+    self._bridge = pl.assemble(loader, plan.cache_size, plan.mb_size,
+                               callback=callback, cycle=plan.chunks,
+                               progress=progress)
+    self.host = self._bridge.host
+    self.id = self.host.id
+    self._shard = shard
+    self._mb_size = plan.mb_size
+
+  def init(self, **kwargs: Any) -> CacheState:
+    check_keywords("init_fn of a full-data pipeline", kwargs, ())
+    spec = self.host.loader.chain_spec(True, **self._shard)
+    chain = self.host.register(spec)
+    return states.new_state(self.id, chain, self._mb_size)
+
+  def fetch(self, state: CacheState, chunk: jax.Array, device_count: int
+            ) -> Tuple[PyTree, jax.Array]:
+    return self._bridge.fetch(state.pipeline, state.chain, chunk,
+                              device_count)
+
+  def check_open(self) -> None:
+    self.host.check_open()
+
+  def release(self) -> None:
+    self.host.release()
+
+
+class FullPipeline(pl.Pipeline):
+  """Full-data passes; see :func:`full_reference_data`."""
+
+  kind = "full"
+
+  def __init__(self, chunks: Any, plan: _PassPlan, loader: DataLoader):
+    self._chunks = chunks
+    self._plan = plan
+    super().__init__(chunks.host, states.new_state(chunks.id, 0,
+                                                   plan.mb_size),
+                     loader, plan.cache_size, plan.mb_size, plan.count)
+    self.sizes = (plan.cache_size, plan.mb_size, plan.count)
+    self._one_pass = jax.jit(self._pass, static_argnums=(0, 3, 4, 5))
+    self.functions = (self.init_fn, self.map_fn, self.release_fn)
+
+  def init_fn(self, **kwargs: Any) -> CacheState:
+    """The state of a new ordered chain (no keywords)."""
+    return self._chunks.init(**kwargs)
+
+  def _pass(self, fun, data_state, carry, masking, information,
+            device_count):
     results, carry = _map_pass(
-        lambda k: fetch_chunk(data_state, k, device_count), plan, fun, carry,
-        masking, information)
+        lambda k: self._chunks.fetch(data_state, k, device_count),
+        self._plan, fun, carry, masking, information)
     return data_state, (results, carry)
 
-  def map_fn(fun: Callable, data_state: CacheState, carry: PyTree,
+  def map_fn(self, fun: Callable, data_state: CacheState, carry: PyTree,
              masking: bool = False, information: bool = False,
              device_count: int = 1):
+    """One pass of ``fun`` over every observation."""
     if not callable(fun):
       raise TypeError(f"fun must be callable, got fun={fun!r}")
-    data_state = pl.check_state(data_state, expected, "map_fn")
-    masking = pl.check_flag("masking", masking)
-    information = pl.check_flag("information", information)
-    device_count = pl.check_device_count(device_count)
-    release_check()
-    return one_pass(fun, data_state, carry, masking, information,
-                    device_count)
+    data_state = states.check_state(data_state, self.template, "map_fn")
+    masking = check_bool("masking", masking)
+    information = check_bool("information", information)
+    device_count = check_int("device_count", device_count, minimum=1)
+    self._chunks.check_open()
+    return self._one_pass(fun, data_state, carry, masking, information,
+                          device_count)
 
-  fingerprint = pl.fingerprint(loader, plan.cache_size, mb_size,
-                               observations.count)
-  return pl.Pipeline((init_fn, map_fn, release_fn), bridge, "full", expected,
-                     fingerprint)
-
-
-def _host_chunks(loader, plan: _PassPlan, shard, progress):
-  bridge = pl.make_bridge(loader, plan.cache_size, plan.mb_size)
-  server = bridge.server
-
-  def init_fn(**kwargs: Any) -> CacheState:
-    check_keywords("init_fn of a full-data pipeline", kwargs, ())
-    chain = server.register("ordered", cycle=plan.chunks, progress=progress,
-                            **shard)
-    return pl.make_state(chain, 0, plan.mb_size)
-
-  def fetch_chunk(state: CacheState, chunk: jax.Array, device_count: int):
-    server.check_open()
-    return bridge.fetch(state.chain, chunk, device_count)
-
-  return init_fn, fetch_chunk, server.release, bridge
-
-
-def _device_chunks(ref: LoaderRef, plan: _PassPlan,
-                   observations: ObservationRange):
-  def init_fn(**kwargs: Any) -> CacheState:
-    check_keywords("init_fn of a full-data pipeline", kwargs, ())
-    ref.check_open()
-    return pl.make_state(-1, 0, plan.mb_size)
-
-  def fetch_chunk(state: CacheState, chunk: jax.Array, device_count: int):
-    del state, device_count
-    data = ref.loader.get_full_data()
-    batch = (chunk * plan.cache_size + jnp.arange(plan.cache_size)
-             ) % plan.batches
-    positions = batch[:, None] * plan.mb_size + jnp.arange(plan.mb_size)
-    indices = positions % observations.count + observations.start
-    batches = jax.tree_util.tree_map(lambda a: jnp.take(a, indices, axis=0),
-                                     data)
-    return batches, positions < observations.count
-
-  return init_fn, fetch_chunk, ref.release, None
+  def release_fn(self) -> None:
+    """Drops every reference the pipeline holds to the loader."""
+    self._chunks.release()
 
 
 def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
                      mb_size: int = 1, *, shard_index: Optional[int] = None,
                      shard_count: Optional[int] = None,
-                     progress: Progress = None) -> pl.Pipeline:
+                     progress: Progress = None,
+                     callback: str = "auto") -> pl.Pipeline:
   """Like :func:`full_reference_data`, but no data state is threaded through.
 
   >>> import jax.numpy as jnp
@@ -280,6 +305,7 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
     shard_index: See :func:`full_reference_data`.
     shard_count: See :func:`full_reference_data`.
     progress: See :func:`full_reference_data`.
+    callback: See :func:`random_reference_data`.
 
   Returns:
     ``(mapper_fn, release_fn)``. ``mapper_fn(fun, carry, masking=False,
@@ -288,17 +314,31 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
     is vmapped over each batch and the carry of the batch's first
     observation is kept.
   """
-  pipeline = _full_pipeline(data_loader, cached_batches_count, mb_size,
-                            shard_index, shard_count, progress, stacklevel=4)
-  init_fn, map_fn, release_fn = pipeline
-  state = init_fn()
+  full = _full_pipeline(data_loader, cached_batches_count, mb_size,
+                        shard_index, shard_count, progress, callback,
+                        stacklevel=4)
+  return MapperPipeline(full, data_loader)
 
-  def mapper_fn(fun: Callable, carry: PyTree, masking: bool = False,
+
+class MapperPipeline(pl.Pipeline):
+  """Full-data passes whose state stays on the host; see
+  :func:`full_data_mapper`."""
+
+  kind = "mapper"
+
+  def __init__(self, full: FullPipeline, loader: DataLoader):
+    self._full = full
+    self._state = full.init_fn()
+    super().__init__(full.host, full.template, loader, *full.sizes)
+    self.functions = (self.mapper_fn, self.release_fn)
+
+  def mapper_fn(self, fun: Callable, carry: PyTree, masking: bool = False,
                 information: bool = False, batched: bool = True,
                 device_count: int = 1):
+    """One pass of ``fun`` over every observation: (results, carry)."""
     if not callable(fun):
       raise TypeError(f"fun must be callable, got fun={fun!r}")
-    if not pl.check_flag("batched", batched):
+    if not check_bool("batched", batched):
       if masking:
         raise ValueError(
             "masking=True needs a batched fun (batched=True): vectorise fun "
@@ -308,13 +348,14 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
             "information=True needs a batched fun (batched=True), got "
             "batched=False")
       fun = _batched(fun)
-    _, (results, carry) = map_fn(fun, state, carry, masking=masking,
-                                 information=information,
-                                 device_count=device_count)
+    _, (results, carry) = self._full.map_fn(
+        fun, self._state, carry, masking=masking, information=information,
+        device_count=device_count)
     return results, carry
 
-  return pl.Pipeline((mapper_fn, release_fn), pipeline.bridge, "mapper",
-                     pipeline.template, pipeline.fingerprint)
+  def release_fn(self) -> None:
+    """Drops every reference the pipeline holds to the loader."""
+    self._full.release_fn()
 
 
 def _batched(fun: Callable) -> Callable:

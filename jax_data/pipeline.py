@@ -1,78 +1,141 @@
-"""What the random and full-data pipelines share: set-up checks, the host
-server and bridge, and the returned tuple type."""
+"""Pipeline assembly: one call builds a pipeline's host side and bridge,
+and what every pipeline shares.
+
+The in-jit access modules (``random_access``, ``full_access``) check their
+arguments, call :func:`assemble` for a host loader, and return a
+:class:`Pipeline`: an object whose functions (``init_fn``, ``batch_fn``,
+...) unpack like a tuple. Checkpoints take a pipeline, or one of its
+functions, and reach the host side through :attr:`Pipeline.host`.
+"""
 
 from __future__ import annotations
 
-import functools
+import collections.abc
 import math
-import types
+import secrets
 import warnings
 from typing import Any
+from typing import Callable
+from typing import ClassVar
 from typing import Dict
 from typing import Optional
+from typing import Tuple
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from jax_data import validation
 from jax_data.bridge import Bridge
-from jax_data.host import ChunkServer
+from jax_data.host import Host
+from jax_data.host_loader import HostDataLoader
 from jax_data.loader import DataLoader
 from jax_data.loader import DeviceDataLoader
-from jax_data.loader import HostDataLoader
 from jax_data.types import CacheState
-from jax_data.validation import check_bool
-from jax_data.validation import check_int
+from jax_data.validation import check_sizes as _check_sizes
 
 
-class Pipeline(tuple):
-  """The tuple a pipeline constructor returns, e.g. ``(init_fn, batch_fn,
-  release_fn)``; it unpacks like a plain tuple.
+class Pipeline(collections.abc.Sequence):
+  """What a pipeline constructor returns: its functions, which unpack like
+  a tuple (``init_fn, batch_fn, release_fn = pipeline``).
 
-  Checkpoints take the pipeline or any of its functions (each carries the
-  attribute ``jax_data_pipeline``).
+  Args:
+    host: The host side; None for device-resident loaders.
+    template: A state of the pipeline's shapes, positioned at the start.
+    loader: The loader (only its type and size are kept).
+    cache_size: Batches per chunk (0 for device-resident random batches).
+    mb_size: Observations per batch.
+    observation_count: Observations a pass visits.
 
   Attributes:
-    bridge: The host bridge; None for device-resident loaders.
-    kind: "random", "full" or "mapper".
+    kind: ``"random"``, ``"full"`` or ``"mapper"``.
+    host: The host side; None for device-resident loaders.
+    id: The pipeline's identity, carried by its states.
     template: A state of the pipeline's shapes, positioned at the start.
-    fingerprint: What a checkpoint of this pipeline must match.
   """
 
-  def __new__(cls, functions, bridge: Optional[Bridge], kind: str,
-              template: CacheState, fingerprint: Dict[str, Any]):
-    self = super().__new__(cls, tuple(_as_function(f) for f in functions))
-    self.bridge = bridge
-    self.kind = kind
+  kind: ClassVar[str]
+  functions: Tuple[Callable[..., Any], ...]
+
+  def __init__(self, host: Optional[Host], template: CacheState,
+               loader: DataLoader, cache_size: int, mb_size: int,
+               observation_count: int):
+    self.host = host
     self.template = template
-    self.fingerprint = fingerprint
-    for function in self:
-      function.jax_data_pipeline = self
-    return self
+    self.id = int(template.pipeline)
+    self._shape = (type(loader).__name__, cache_size, mb_size,
+                   observation_count)
+    self._digest: Optional[str] = None
 
-  def __getnewargs__(self):
-    return (tuple(self), self.bridge, self.kind, self.template,
-            self.fingerprint)
+  @property
+  def fingerprint(self) -> Dict[str, Any]:
+    """What a checkpoint of this pipeline must match (see
+    :func:`fingerprint`); the data's digest is computed on first use."""
+    if self._digest is None and self.host is not None:
+      self._digest = self.host.loader.content_digest()
+    return fingerprint(self.kind, *self._shape, self._digest)
+
+  def __getitem__(self, index):
+    return self.functions[index]
+
+  def __len__(self) -> int:
+    return len(self.functions)
+
+  def __repr__(self) -> str:
+    names = ", ".join(f.__name__ for f in self.functions)
+    return f"<{type(self).__name__} ({names})>"
 
 
-def _as_function(function):
-  """A plain function (bound methods cannot carry attributes)."""
-  if isinstance(function, types.FunctionType):
-    return function
+def of(handle: Any) -> Pipeline:
+  """The pipeline of ``handle``: a pipeline, or one of its functions.
 
-  @functools.wraps(function)
-  def wrapper(*args, **kwargs):
-    return function(*args, **kwargs)
+  Raises:
+    TypeError: ``handle`` is neither.
+  """
+  found = getattr(handle, "__self__", handle)
+  if not isinstance(found, Pipeline):
+    raise TypeError(
+        "pipeline must be what random_reference_data, full_reference_data "
+        "or full_data_mapper returned (or one of its functions), got "
+        f"pipeline={handle!r}")
+  return found
 
-  return wrapper
+
+def new_id() -> int:
+  """A new pipeline identity: a random positive int32, so that states of
+  pipelines of other processes (a pickled state) are refused too."""
+  return secrets.randbelow(2**31 - 1) + 1
 
 
-def fingerprint(loader: DataLoader, cache_size: int, mb_size: int,
-                observation_count: int) -> Dict[str, Any]:
-  """What identifies a pipeline's batches, for checking checkpoints."""
-  return {"loader": type(loader).__name__, "cache_size": cache_size,
-          "mb_size": mb_size, "observation_count": observation_count}
+def assemble(loader: HostDataLoader, cache_size: int, mb_size: int, *,
+             callback: str = "auto", cycle: Optional[int] = None,
+             progress: Optional[Callable[[int], None]] = None,
+             verify_calls: bool = False) -> Bridge:
+  """Builds the host side of a pipeline over ``loader`` and the bridge to
+  it; the host is ``bridge.host``.
+
+  Args:
+    loader: The host loader.
+    cache_size: Batches per chunk.
+    mb_size: Observations per batch.
+    callback: How compiled code receives chunks (``bridge.CALLBACKS``).
+    cycle: Chunks per pass of a full-data pipeline's ordered chains.
+    progress: Told each chunk index compiled code asks for.
+    verify_calls: Warn when a chunk is produced again (see ``Host``).
+  """
+  layout = loader.chunk_layout(cache_size, mb_size)
+  host = Host(loader, layout, new_id(), cycle=cycle, progress=progress,
+              verify_calls=verify_calls)
+  batch_format, _ = loader.batch_format(cache_size, mb_size)
+  return Bridge(host, batch_format, callback)
+
+
+def fingerprint(kind: str, loader: str, cache_size: int, mb_size: int,
+                observation_count: int, digest: Optional[str]
+                ) -> Dict[str, Any]:
+  """What identifies a pipeline's batches, for checking checkpoints: its
+  kind, the loader's type, the sizes, and a cheap digest of the loader's
+  data (``HostDataLoader.content_digest``: a sample of rows and the row
+  count), so that a checkpoint is not restored into other data of the same
+  size."""
+  return {"kind": kind, "loader": loader, "cache_size": cache_size,
+          "mb_size": mb_size, "observation_count": observation_count,
+          "data": digest}
 
 
 def check_loader(data_loader: Any) -> DataLoader:
@@ -85,16 +148,16 @@ def check_loader(data_loader: Any) -> DataLoader:
 
 
 def check_sizes(data_loader: DataLoader, cache_size: Any, mb_size: Any,
-                observation_count: Optional[int] = None):
+                observation_count: Optional[int] = None) -> Tuple[int, int]:
   """Checks the cache and batch sizes of a pipeline against the data."""
   if observation_count is None:
     observation_count = data_loader.static_information["observation_count"]
-  return validation.check_sizes(cache_size, mb_size, observation_count,
-                                cache_name="cached_batches_count")
+  return _check_sizes(cache_size, mb_size, observation_count,
+                      cache_name="cached_batches_count")
 
 
 def warn_large_cache(cache_size: int, mb_size: int, observation_count: int,
-                     stacklevel: int = 3):
+                     stacklevel: int = 3) -> None:
   """Warns when the cache holds more batches than one pass over the data."""
   needed = math.ceil(observation_count / mb_size)
   if cache_size > needed:
@@ -103,69 +166,3 @@ def warn_large_cache(cache_size: int, mb_size: int, observation_count: int,
         f"{needed} that hold all {observation_count} observations; consider "
         "a smaller cache or a DeviceNumpyDataLoader", UserWarning,
         stacklevel=stacklevel)
-
-
-def make_bridge(loader: HostDataLoader, cache_size: int, mb_size: int,
-                verify_calls: bool = False) -> Bridge:
-  batch_format, _ = loader.batch_format(cache_size, mb_size)
-  leaves, treedef = jax.tree_util.tree_flatten(batch_format)
-  formats = [(s.shape, np.dtype(s.dtype)) for s in leaves]
-  server = ChunkServer(loader, cache_size, mb_size, formats,
-                       flatten=treedef.flatten_up_to,
-                       verify_calls=verify_calls)
-  return Bridge(server, batch_format)
-
-
-def make_state(chain: int, cache_size: int, mb_size: int,
-               batch_format=None, key=None) -> CacheState:
-  """A state positioned before a chain's first batch, with an empty cache."""
-  if batch_format is None:
-    batches, mask = {}, jnp.zeros((0, mb_size), jnp.bool_)
-  else:
-    batches = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                     batch_format)
-    mask = jnp.zeros((cache_size, mb_size), jnp.bool_)
-  if key is None:
-    key = jnp.zeros((2,), jnp.uint32)
-  return CacheState(chain=jnp.int32(chain), chunk=jnp.int32(0),
-                    position=jnp.int32(0), cached_chunk=jnp.int32(-1),
-                    batches=batches, mask=mask, key=key)
-
-
-def check_state(state: Any, expected: CacheState, where: str) -> CacheState:
-  """Checks that ``state`` has the structure and shapes of this pipeline's
-  states, before anything is traced."""
-  if not isinstance(state, CacheState):
-    raise TypeError(
-        f"{where} expects a CacheState from this pipeline's init_fn, got "
-        f"state of type {type(state).__name__}")
-  got = jax.tree_util.tree_structure(state)
-  want = jax.tree_util.tree_structure(expected)
-  if got != want:
-    raise TypeError(
-        f"state does not belong to this pipeline: its structure is {got}, "
-        f"expected {want}")
-  for g, w in zip(jax.tree_util.tree_leaves(state),
-                  jax.tree_util.tree_leaves(expected)):
-    # Inside vmap/pmap a state has its unbatched shapes again.
-    if np.shape(g) != np.shape(w) or jnp.result_type(g) != jnp.result_type(w):
-      raise TypeError(
-          f"state does not belong to this pipeline: a field has shape "
-          f"{np.shape(g)} and dtype {jnp.result_type(g)}, expected "
-          f"{np.shape(w)} and {jnp.result_type(w)}")
-  return state
-
-
-def check_device_count(device_count: Any) -> int:
-  return check_int("device_count", device_count, minimum=1)
-
-
-def check_flag(name: str, value: Any) -> bool:
-  return check_bool(name, value)
-
-
-def chunk_batch(batches, mask, position):
-  """Batch ``position`` of a cache."""
-  pick = lambda x: jax.lax.dynamic_index_in_dim(x, position, keepdims=False)
-  return jax.tree_util.tree_map(pick, batches), pick(mask)
-

@@ -2,46 +2,27 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
+from jax_data import device_loader
 from jax_data import pipeline as pl
-from jax_data.host import PipelineReleasedError
+from jax_data import states
+from jax_data.bridge import check_callback
+from jax_data.host_loader import HostDataLoader
 from jax_data.loader import DataLoader
 from jax_data.loader import DeviceDataLoader
 from jax_data.types import CacheState
 from jax_data.types import MiniBatchInformation
-
-
-class LoaderRef:
-  """Holds a device loader until the pipeline is released."""
-
-  def __init__(self, loader: DataLoader):
-    self._loader: Optional[DataLoader] = loader
-
-  @property
-  def loader(self) -> DataLoader:
-    if self._loader is None:
-      raise PipelineReleasedError(
-          "this pipeline was released by its release_fn; create a new "
-          "pipeline to draw more data")
-    return self._loader
-
-  def check_open(self) -> None:
-    """Raises :class:`PipelineReleasedError` if the pipeline was released."""
-    _ = self.loader
-
-  def release(self) -> None:
-    self._loader = None
+from jax_data.validation import check_bool
+from jax_data.validation import check_int
 
 
 def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
-                          mb_size: int, verify_calls: bool = False
-                          ) -> pl.Pipeline:
+                          mb_size: int, verify_calls: bool = False, *,
+                          callback: str = "auto") -> pl.Pipeline:
   """Random mini-batches of a loader, drawn inside ``jit`` and ``lax.scan``.
 
   A host loader serves chunks of ``cached_batches_count`` batches through a
@@ -67,6 +48,9 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
     mb_size: Observations per batch.
     verify_calls: Warn when a chunk is requested again after the chain moved
       on (a state used twice or replayed), which costs regeneration.
+    callback: How compiled code receives chunks: ``"auto"`` (written in
+      place into XLA's buffer on CPU, ``jax.pure_callback`` elsewhere) or
+      ``"pure"`` (``jax.pure_callback`` everywhere).
 
   Returns:
     ``(init_fn, batch_fn, release_fn)``. ``init_fn(**kwargs)`` registers a
@@ -80,78 +64,72 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
     TypeError, ValueError: bad arguments, named with their values.
   """
   loader = pl.check_loader(data_loader)
-  verify_calls = pl.check_flag("verify_calls", verify_calls)
+  verify_calls = check_bool("verify_calls", verify_calls)
+  callback = check_callback(callback)
   count = loader.static_information["observation_count"]
   cache_size, mb_size = pl.check_sizes(loader, cached_batches_count, mb_size)
   if isinstance(loader, DeviceDataLoader):
-    return _device_pipeline(LoaderRef(loader), mb_size, count,
-                            pl.fingerprint(loader, 0, mb_size, count))
+    return device_loader.RandomPipeline(loader, mb_size)
   pl.warn_large_cache(cache_size, mb_size, count)
+  return RandomPipeline(loader, cache_size, mb_size, verify_calls, callback)
 
-  fingerprint = pl.fingerprint(loader, cache_size, mb_size, count)
-  bridge = pl.make_bridge(loader, cache_size, mb_size, verify_calls)
-  server = bridge.server
-  batch_format, _ = loader.batch_format(cache_size, mb_size)
-  expected = pl.make_state(0, cache_size, mb_size, batch_format)
-  del loader, data_loader  # closures hold the bridge only
 
-  def init_fn(**kwargs: Any) -> CacheState:
-    chain = server.register("random", **kwargs)
-    return pl.make_state(chain, cache_size, mb_size, batch_format)
+class RandomPipeline(pl.Pipeline):
+  """Random batches of a host loader; see :func:`random_reference_data`."""
 
-  @functools.partial(jax.jit, static_argnums=1)
-  def step(state: CacheState, device_count: int):
-    cached, batches, mask = bridge.refresh(
-        state.chain, state.chunk, state.cached_chunk, state.batches,
-        state.mask, device_count)
-    batch, batch_mask = pl.chunk_batch(batches, mask, state.position)
+  kind = "random"
+
+  def __init__(self, loader: HostDataLoader, cache_size: int, mb_size: int,
+               verify_calls: bool, callback: str):
+    self._bridge = pl.assemble(loader, cache_size, mb_size,
+                               callback=callback, verify_calls=verify_calls)
+    host = self._bridge.host
+    self._count = loader.static_information["observation_count"]
+    self._cache_size, self._mb_size = cache_size, mb_size
+    self._batch_format, _ = loader.batch_format(cache_size, mb_size)
+    template = states.new_state(host.id, 0, mb_size, cache_size,
+                                self._batch_format)
+    super().__init__(host, template, loader, cache_size, mb_size,
+                     self._count)
+    self._step = jax.jit(self._advance, static_argnums=1)
+    self.functions = (self.init_fn, self.batch_fn, self.release_fn)
+
+  def init_fn(self, **kwargs: Any) -> CacheState:
+    """Registers a random chain; keywords go to the loader (``seed``,
+    ``shuffle``, ``in_epochs``, ``shard_index``, ``shard_count``)."""
+    spec = self.host.loader.chain_spec(False, **kwargs)
+    chain = self.host.register(spec)
+    return states.new_state(self.id, chain, self._mb_size, self._cache_size,
+                            self._batch_format)
+
+  def _advance(self, state: CacheState, device_count: int):
+    cached, batches, mask = self._bridge.refresh(
+        state.pipeline, state.chain, state.chunk, state.cached_chunk,
+        state.batches, state.mask, device_count)
+    batch, batch_mask = states.batch_at(batches, mask, state.position)
     position = state.position + 1
-    wrap = position >= cache_size
+    wrap = position >= self._cache_size
     new_state = state._replace(
         chunk=jnp.where(wrap, state.chunk + 1, state.chunk),
         position=jnp.where(wrap, 0, position),
         cached_chunk=cached, batches=batches, mask=mask)
     return new_state, batch, batch_mask
 
-  def batch_fn(state: CacheState, information: bool = False,
+  def batch_fn(self, state: CacheState, information: bool = False,
                device_count: int = 1):
-    state = pl.check_state(state, expected, "batch_fn")
-    information = pl.check_flag("information", information)
-    device_count = pl.check_device_count(device_count)
-    server.check_open()
-    new_state, batch, batch_mask = step(state, device_count)
+    """The next batch of the state's chain, and the advanced state."""
+    state = states.check_state(state, self.template, "batch_fn")
+    information = check_bool("information", information)
+    device_count = check_int("device_count", device_count, minimum=1)
+    self.host.check_open()
+    new_state, batch, batch_mask = self._step(state, device_count)
     if information:
       # Built outside the jitted step: its counts stay Python ints.
       return new_state, (batch, MiniBatchInformation(
-          observation_count=count, mask=batch_mask, batch_size=mb_size))
+          observation_count=self._count, mask=batch_mask,
+          batch_size=self._mb_size))
     return new_state, batch
 
-  def release_fn() -> None:
-    server.release()
-
-  return pl.Pipeline((init_fn, batch_fn, release_fn), bridge, "random",
-                     expected, fingerprint)
-
-
-def _device_pipeline(ref: LoaderRef, mb_size: int, count: int,
-                     fingerprint) -> pl.Pipeline:
-  """Random batches of a device-resident loader: no host calls."""
-  expected = pl.make_state(-1, 0, mb_size)
-
-  def init_fn(**kwargs: Any) -> CacheState:
-    key = ref.loader.init_random_data(**kwargs)
-    return pl.make_state(-1, 0, mb_size, key=key)
-
-  def batch_fn(state: CacheState, information: bool = False,
-               device_count: int = 1):
-    state = pl.check_state(state, expected, "batch_fn")
-    information = pl.check_flag("information", information)
-    pl.check_device_count(device_count)
-    key, (batch, info) = ref.loader.get_random_data(state.key, mb_size)
-    new_state = state._replace(key=key)
-    if information:
-      return new_state, (batch, info)
-    return new_state, batch
-
-  return pl.Pipeline((init_fn, batch_fn, ref.release), None, "random",
-                     expected, fingerprint)
+  def release_fn(self) -> None:
+    """Drops every reference the pipeline holds to the loader."""
+    self.host.release()

@@ -43,9 +43,12 @@ def _state_key(state: Dict[str, Any]) -> Tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class ObservationRange:
-  """The observations a chain draws from: ``start .. start + count - 1``."""
+  """The observations a chain draws from: ``start .. start + count - 1``,
+  shard ``shard_index`` of ``shard_count`` (0 of 1: all of them)."""
   start: int
   count: int
+  shard_index: int = 0
+  shard_count: int = 1
 
   @classmethod
   def from_arguments(cls, observation_count: int, shard_index: Any,
@@ -79,7 +82,7 @@ class ObservationRange:
     """
     start = shard_index * observation_count // shard_count
     stop = (shard_index + 1) * observation_count // shard_count
-    return cls(start, stop - start)
+    return cls(start, stop - start, shard_index, shard_count)
 
 
 class RandomStream:
@@ -230,11 +233,26 @@ class OrderedStream:
     self._batch = int(state["batch"]) % self.batches_per_pass
 
   def draw(self, count: int) -> Tuple[Indices, Mask]:
-    n, mb = self.observations.count, self.mb_size
-    batch = (self._batch + np.arange(count)) % self.batches_per_pass
-    positions = batch[:, None] * mb + np.arange(mb)[None, :]
+    indices, mask = ordered_batches(self._batch, count, self.mb_size,
+                                    self.observations)
     self._batch = int((self._batch + count) % self.batches_per_pass)
-    return positions % n + self.observations.start, positions < n
+    return indices, mask
+
+
+def ordered_batches(first: Any, count: int, mb_size: int,
+                    observations: ObservationRange, xp: Any = np
+                    ) -> Tuple[Any, Any]:
+  """Indices and mask of ``count`` batches of the ordered stream, from
+  batch ``first`` of a pass on (:class:`OrderedStream`).
+
+  ``xp`` is the array module: NumPy on the host, ``jax.numpy`` for a
+  device-resident loader (``first`` may then be traced).
+  """
+  n = observations.count
+  batches_per_pass = -(-n // mb_size)
+  batch = (first + xp.arange(count)) % batches_per_pass
+  positions = batch[:, None] * mb_size + xp.arange(mb_size)[None, :]
+  return positions % n + observations.start, positions < n
 
 
 

@@ -25,8 +25,6 @@ import warnings
 from typing import Any
 from typing import Dict
 from typing import Iterable
-from typing import Iterator
-from typing import List
 from typing import Optional
 from typing import Tuple
 
@@ -38,25 +36,26 @@ import jax
 import numpy as np
 import tensorflow as tf
 
-from jax_data.loader import ChainList
-from jax_data.loader import HostDataLoader
-from jax_data.numpy_loader import BufferPool
-from jax_data.numpy_loader import is_run
-from jax_data.sampling import BufferShuffle
+from jax_data.chains import ChainCursor
+from jax_data.chains import ChainSpec
+from jax_data.chains import ChunkLayout
+from jax_data.chains import OrderedChain
+from jax_data.gather import Gatherer
+from jax_data.gather import digest_rows
+from jax_data.host_loader import HostDataLoader
 from jax_data.sampling import ObservationRange
-from jax_data.sampling import OrderedStream
+from jax_data.tensorflow_streams import MAX_SEED
+from jax_data.tensorflow_streams import MemoryRows
+from jax_data.tensorflow_streams import OrderedMemoryCursor
+from jax_data.tensorflow_streams import OrderedPipelineCursor
+from jax_data.tensorflow_streams import PipelineRows
+from jax_data.tensorflow_streams import Reading
+from jax_data.tensorflow_streams import Rows
+from jax_data.tensorflow_streams import ShuffleCursor
+from jax_data.tensorflow_streams import in_order
 from jax_data.types import PyTree
 from jax_data.validation import check_bool
 from jax_data.validation import check_int
-from jax_data.validation import check_keywords
-from jax_data.validation import check_saved_state
-from jax_data.validation import check_sizes
-
-# 2: random chains shuffle with sampling.BufferShuffle, not tf.data's op.
-_STATE_VERSION = 2
-_MAX_SEED = 2**31 - 1
-
-Rows = List[np.ndarray]  # one array per feature, observations first
 
 
 def _hide_gpus() -> None:
@@ -136,286 +135,6 @@ def _count(pipeline: tf.data.Dataset, observation_count: Optional[int]
   return cardinality, False
 
 
-def _next(iterator: Iterator, loader: "TensorflowDataLoader") -> Any:
-  """The next element of a tf.data iterator over the loader's pipeline."""
-  try:
-    return next(iterator)
-  except StopIteration:
-    raise RuntimeError(
-        f"the pipeline of {loader!r} ended early; does it yield fewer "
-        "elements on later passes?") from None
-  except tf.errors.FailedPreconditionError as e:
-    if not loader._count_stated:
-      raise
-    raise ValueError(
-        f"observation_count={loader._count} does not fit the pipeline: "
-        f"{e.message}") from e
-
-
-def _leaves(formats: List[jax.ShapeDtypeStruct], element: Any) -> Rows:
-  """The features of a batch of elements as NumPy arrays, in the order of
-  the loader's format leaves, with the loader's dtypes."""
-  leaves = []
-  for fmt, tensor in zip(formats, jax.tree_util.tree_leaves(element)):
-    array = np.asarray(tensor)  # a read-only view: no copy, unlike .numpy()
-    leaves.append(array if array.dtype == fmt.dtype
-                  else array.astype(fmt.dtype))
-  return leaves
-
-
-def _in_order(dataset: tf.data.Dataset) -> Iterator:
-  """An iterator over ``dataset`` with ``deterministic`` order set."""
-  options = tf.data.Options()
-  options.deterministic = True
-  return iter(dataset.with_options(options))
-
-
-class _InMemory:
-  """A chain's observations held as NumPy arrays (``in_memory=True``).
-
-  Rows are gathered by index into recycled buffers; runs of consecutive
-  rows, as ordered chains read them, are slices.
-  """
-
-  def __init__(self, arrays: Rows, shard: ObservationRange,
-               buffers: BufferPool):
-    stop = shard.start + shard.count
-    self._arrays = [array[shard.start:stop] for array in arrays]
-    self._buffers = buffers
-    self.count = shard.count
-
-  def restart(self, first: int) -> None:
-    """Nothing to do: rows are read by index."""
-    del first
-
-  def rows(self, wanted: np.ndarray, keep: np.ndarray) -> Rows:
-    """The rows of stream elements ``wanted`` (numbered along passes)."""
-    del keep
-    return self.gather(wanted % self.count)
-
-  def gather(self, flat: np.ndarray) -> Rows:
-    """The rows ``flat`` of the chain's observations."""
-    if is_run(flat):
-      first = int(flat[0])
-      return [array[first:first + flat.size] for array in self._arrays]
-    return [self._buffers.take(array, flat) for array in self._arrays]
-
-
-def _lookup(numbers: np.ndarray, wanted: np.ndarray
-            ) -> Tuple[np.ndarray, np.ndarray]:
-  """Where the ``wanted`` numbers are in the sorted ``numbers``: a row of
-  ``numbers`` for each (clipped to the range where absent), and whether it
-  is there."""
-  at = np.minimum(np.searchsorted(numbers, wanted), numbers.size - 1)
-  return at, numbers[at] == wanted
-
-
-def _gather_from(blocks: List[Tuple[np.ndarray, Rows]], wanted: np.ndarray,
-                 out: Rows) -> None:
-  """Fills ``out`` with the rows of the elements ``wanted``, each held by
-  one of the blocks; the block holding most is gathered in one pass."""
-  found = [_lookup(numbers, wanted) for numbers, _ in blocks]
-  counts = [np.count_nonzero(there) for _, there in found]
-  if sum(counts) != wanted.size:  # blocks are disjoint
-    raise RuntimeError(
-        f"internal error: {wanted.size - sum(counts)} of the elements wanted "
-        "are not held; please report it")
-  most = int(np.argmax(counts))
-  for b in [most] + [b for b in range(len(blocks)) if b != most]:
-    at, there = found[b]
-    rows = blocks[b][1]
-    if b == most:  # every row; those held elsewhere are overwritten below
-      for leaf, row in zip(out, rows):
-        np.take(row, at, axis=0, out=leaf, mode="clip")
-    elif there.any():
-      positions = np.flatnonzero(there)
-      for leaf, row in zip(out, rows):
-        leaf[positions] = row[at[positions]]
-
-
-class _Streamed:
-  """A chain's observations read from the pipeline in order, pass after
-  pass (the default, ``in_memory=False``).
-
-  Elements are numbered along the passes (element ``i`` of pass ``p`` is
-  ``p * count + i``). The source holds the blocks it read and still needs:
-  the elements a shuffle buffer holds (copied into one small block) and
-  those read ahead (views of the last block read).
-  """
-
-  def __init__(self, data: tf.data.Dataset, count: int, rows_per_read: int,
-               loader: "TensorflowDataLoader"):
-    self._data = data
-    self._rows_per_read = rows_per_read
-    self._loader = loader
-    self._buffers = loader._buffers
-    self.count = count
-    self.restart(0)
-
-  def restart(self, first: int) -> None:
-    """Reads again from element ``first``, the start of a pass."""
-    self._iterator: Optional[Iterator] = None
-    self._blocks: List[Tuple[np.ndarray, Rows]] = []  # numbers, rows
-    self._next = first  # the number of the element read next
-
-  def _read(self) -> None:
-    if self._iterator is None:
-      self._iterator = _in_order(
-          self._data.repeat().batch(self._rows_per_read))
-    formats = self._loader._leaf_formats
-    rows = _leaves(formats, _next(self._iterator, self._loader))
-    size = len(rows[0])
-    self._blocks.append((np.arange(self._next, self._next + size), rows))
-    self._next += size
-
-  def rows(self, wanted: np.ndarray, keep: np.ndarray) -> Rows:
-    """The rows of elements ``wanted``; afterwards only the elements
-    ``keep`` and those after all ``wanted`` and ``keep`` stay held."""
-    keep = np.sort(keep)  # numbers of a block are sorted, for _lookup
-    frontier = int(max(wanted.max(), keep[-1] if keep.size else -1)) + 1
-    while self._next < frontier:
-      self._read()
-    formats = self._loader._leaf_formats
-    out = [self._buffers.empty((wanted.size,) + fmt.shape, fmt.dtype)
-           for fmt in formats]
-    held = [np.empty((keep.size,) + fmt.shape, fmt.dtype) for fmt in formats]
-    blocks, self._blocks = self._blocks, []
-    _gather_from(blocks, wanted, out)
-    if keep.size:
-      _gather_from(blocks, keep, held)
-    for numbers, rows in blocks:
-      ahead = np.searchsorted(numbers, frontier)
-      if ahead < numbers.size:
-        self._blocks.append((numbers[ahead:], [r[ahead:] for r in rows]))
-    if keep.size:
-      self._blocks.insert(0, (keep, held))
-    return out
-
-
-class _RandomPasses:
-  """The batches of a random chain: the chain's observations streamed
-  through a shuffle buffer of ``shuffle_cache`` slots, pass after pass
-  (:class:`jax_data.sampling.BufferShuffle`), cut into batches. Batch ``j``
-  holds stream steps ``j * mb .. j * mb + mb - 1`` and may span two passes.
-  """
-
-  kind = "random"
-
-  def __init__(self, source, mb_size: int, cache_size: int,
-               shuffle_cache: int, seed: int):
-    self._source = source
-    self._mb_size = mb_size
-    self._size = cache_size * mb_size
-    self._shuffle_cache = shuffle_cache
-    self._shuffle = BufferShuffle(source.count, shuffle_cache, seed)
-    self._all_valid = np.ones((cache_size, mb_size), bool)
-    self._all_valid.setflags(write=False)
-
-  @property
-  def seed(self) -> int:
-    return self._shuffle.seed
-
-  def chunk(self, batch: int) -> Tuple[Rows, np.ndarray]:
-    """The rows of batches ``batch .. batch + cache_size - 1``, and their
-    mask; a position other than the last chunk's end replays less than a
-    pass."""
-    step = batch * self._mb_size
-    shuffle = self._shuffle
-    if shuffle.position != step:
-      shuffle.seek(step)
-      self._source.restart(step // shuffle.count * shuffle.count)
-    wanted = shuffle.take(self._size)
-    try:
-      rows = self._source.rows(wanted, shuffle.buffered())
-    except BaseException:
-      shuffle.position = None  # the source's state is unknown
-      raise
-    return rows, self._all_valid
-
-  def normalize(self, batch: int) -> int:
-    return batch
-
-  def fingerprint(self) -> Dict[str, Any]:
-    """What a state must share with this stream to be loaded into it."""
-    return {"kind": self.kind, "shuffle_cache": self._shuffle_cache}
-
-  def settings(self) -> Dict[str, Any]:
-    """What a loaded state brings along: the seed."""
-    return {"seed": self.seed}
-
-  def adopt(self, state: Dict[str, Any]) -> None:
-    """Takes the settings of ``state``."""
-    seed = check_int("seed", state.get("seed"), minimum=0, maximum=_MAX_SEED)
-    if seed != self._shuffle.seed:
-      self._shuffle.seed, self._shuffle.position = seed, None
-
-
-class _OrderedPasses:
-  """The batches of an ordered chain: padded passes, in order.
-
-  Each pass is the chain's observations in pipeline order, padded up to a
-  whole number of batches with its own first observations; the padding is
-  masked out (``spec/SAMPLING.md``'s ordered stream). The stream is
-  periodic, so a position is a batch of a pass.
-  """
-
-  kind = "ordered"
-
-  def __init__(self, source, data: tf.data.Dataset, mb_size: int,
-               cache_size: int):
-    self._source = source
-    self._mb_size = mb_size
-    self._cache_size = cache_size
-    self._indices = OrderedStream(ObservationRange(0, source.count),
-                                  mb_size)
-    self.batches_per_pass = self._indices.batches_per_pass
-    count = source.count
-    padding = self.batches_per_pass * mb_size - count  # < mb_size <= count
-    self._pass = data.concatenate(data.take(padding)) if padding else data
-    self._iterator: Optional[Iterator] = None
-    self._next_batch: Optional[int] = None  # where the iterator stands
-
-  def chunk(self, batch: int) -> Tuple[Rows, np.ndarray]:
-    """The rows of batches ``batch .. batch + cache_size - 1`` of the
-    padded passes, and their mask."""
-    self._indices.set_state({"mode": "ordered", "batch": batch})
-    indices, mask = self._indices.draw(self._cache_size)
-    if isinstance(self._source, _InMemory):
-      return self._source.gather(indices.reshape(-1)), mask
-    if self._next_batch != batch:
-      size = self._cache_size * self._mb_size
-      self._iterator = _in_order(self._pass.repeat().skip(
-          batch * self._mb_size).batch(size, drop_remainder=True))
-    # Until a draw succeeds the iterator's position is unknown.
-    self._next_batch = None
-    loader = self._source._loader
-    rows = _leaves(loader._leaf_formats, _next(self._iterator, loader))
-    self._next_batch = self.normalize(batch + self._cache_size)
-    return rows, mask
-
-  def normalize(self, batch: int) -> int:
-    return batch % self.batches_per_pass
-
-  def fingerprint(self) -> Dict[str, Any]:
-    return {"kind": self.kind}
-
-  def settings(self) -> Dict[str, Any]:
-    return {}
-
-  def adopt(self, state: Dict[str, Any]) -> None:
-    del state
-
-
-@dataclasses.dataclass
-class _Chain:
-  """Host-side bookkeeping of one registered chain."""
-  cache_size: int
-  mb_size: int
-  shard: ObservationRange
-  stream: Any  # _RandomPasses or _OrderedPasses: the chain's batches
-  position: int  # batches served (within the pass for ordered chains)
-
-
 class TensorflowDataLoader(HostDataLoader):
   """Host loader over a ``tf.data.Dataset`` of dicts, e.g. from ``tfds.load``.
 
@@ -478,8 +197,7 @@ class TensorflowDataLoader(HostDataLoader):
       ``observation_count``.
   """
 
-  _RANDOM_KEYWORDS = ("seed", "shard_index", "shard_count")
-  _ORDERED_KEYWORDS = ("shard_index", "shard_count")
+  random_keywords = ("seed", "shard_index", "shard_count")
 
   def __init__(self, pipeline: tf.data.Dataset, shuffle_cache: int = 100,
                exclude_keys: Optional[Iterable[str]] = None,
@@ -505,29 +223,29 @@ class TensorflowDataLoader(HostDataLoader):
           "pipeline; keep at least one")
     self._format = _format({key: spec[key] for key in kept})
     self._count, stated = _count(pipeline, observation_count)
-    self._count_stated = stated
     if stated:
       pipeline = pipeline.take(self._count).apply(
           tf.data.experimental.assert_cardinality(self._count))
     if excluded:
       pipeline = pipeline.map(lambda element: {k: element[k] for k in kept})
     self._pipeline = pipeline
-    self._leaf_formats, self._treedef = jax.tree_util.tree_flatten(
-        self._format)
-    self._buffers = BufferPool()
     self._arrays: Optional[Rows] = None
+    self._gatherer = Gatherer()
+    self._digest: Optional[str] = None
+    self._reading = Reading(self.chunk_layout(1, 1).leaves, repr(self),
+                            self._count, stated)
     if check_bool("in_memory", in_memory):
       self._arrays = self._read_all()
-    self._chains: ChainList[_Chain] = ChainList(self)
+      self._reading = dataclasses.replace(self._reading, name=repr(self))
 
   def _read_all(self) -> Rows:
     """Every observation of one pass, as arrays in the loader's dtypes."""
     arrays = [np.empty((self._count,) + fmt.shape, fmt.dtype)
-              for fmt in self._leaf_formats]
-    blocks = _in_order(self._pipeline.batch(4096))
+              for fmt in self._reading.formats]
+    blocks = in_order(self._pipeline.batch(4096))
     filled = 0
     while filled < self._count:
-      rows = _leaves(self._leaf_formats, _next(blocks, self))
+      rows = self._reading.next_rows(blocks)
       for array, leaf in zip(arrays, rows):
         array[filled:filled + len(leaf)] = leaf
       filled += len(rows[0])
@@ -568,135 +286,47 @@ class TensorflowDataLoader(HostDataLoader):
 
   # -- chains -------------------------------------------------------------
 
-  def _shard(self, kwargs) -> Tuple[ObservationRange, tf.data.Dataset]:
-    shard = ObservationRange.from_arguments(
-        self._count, kwargs.get("shard_index"), kwargs.get("shard_count"))
+  def check_spec(self, spec: ChainSpec) -> None:
+    """Seeds of random chains are in ``[0, 2**31)``."""
+    if not isinstance(spec, OrderedChain):
+      check_int("seed", spec.seed, minimum=0, maximum=MAX_SEED)
+
+  def open_chain(self, spec: ChainSpec, layout: ChunkLayout) -> ChainCursor:
+    """A cursor over the chain: random chains stream the shard through a
+    shuffle buffer of ``shuffle_cache`` observations, pass after pass;
+    ordered chains visit it in pipeline order, the last batch of a pass
+    padded with the pass's first observations, masked False (as
+    ``spec/SAMPLING.md`` for NumPy). A chunk may span two passes."""
+    shard = spec.observations
+    if self._arrays is not None:
+      source = MemoryRows(self._arrays, shard, self._gatherer)
+      if isinstance(spec, OrderedChain):
+        return OrderedMemoryCursor(source, spec, layout)
+      return ShuffleCursor(source, spec, layout, self._shuffle_cache)
+    data = self._shard(shard)
+    if isinstance(spec, OrderedChain):
+      return OrderedPipelineCursor(data, spec, layout, self._reading)
+    source = PipelineRows(data, shard.count,
+                          layout.cache_size * layout.mb_size, self._reading)
+    return ShuffleCursor(source, spec, layout, self._shuffle_cache)
+
+  def _shard(self, shard: ObservationRange) -> tf.data.Dataset:
     data = self._pipeline
     if shard.count != self._count:
       data = data.skip(shard.start).take(shard.count)
-    return shard, data
+    return data
 
-  def register_random_pipeline(self, cache_size: int = 1,
-                               mb_size: Optional[int] = None,
-                               **kwargs: Any) -> int:
-    """Registers a chain of shuffled batches.
-
-    Args:
-      cache_size: Batches per chunk.
-      mb_size: Observations per batch.
-      **kwargs: ``seed`` (an integer in ``[0, 2**31)``; default: the chain
-        id), and ``shard_index``/``shard_count`` to draw from one contiguous
-        shard of the pipeline.
-
-    Returns:
-      The chain id.
-    """
-    check_keywords(f"a random chain of {type(self).__name__}", kwargs,
-                   self._RANDOM_KEYWORDS)
-    seed = kwargs.get("seed")
-    if seed is not None:
-      seed = check_int("seed", seed, minimum=0, maximum=_MAX_SEED)
-    shard, data = self._shard(kwargs)
-    cache_size, mb_size = check_sizes(cache_size, mb_size, shard.count)
-
-    def make_chain(chain_id):
-      source = self._source(shard, data, cache_size * mb_size)
-      stream = _RandomPasses(source, mb_size, cache_size,
-                             self._shuffle_cache,
-                             chain_id if seed is None else seed)
-      return _Chain(cache_size, mb_size, shard, stream, 0)
-
-    return self._chains.add(make_chain)
-
-  def register_ordered_pipeline(self, cache_size: int = 1,
-                                mb_size: Optional[int] = None,
-                                **kwargs: Any) -> int:
-    """Registers a chain that visits every observation in pipeline order,
-    pass after pass; the last batch of a pass is padded with the pass's
-    first observations, masked False (as ``spec/SAMPLING.md`` for NumPy).
-
-    Args:
-      cache_size: Batches per chunk; a chunk may span two passes.
-      mb_size: Observations per batch.
-      **kwargs: ``shard_index``/``shard_count`` to pass over one shard.
-
-    Returns:
-      The chain id.
-    """
-    check_keywords(f"an ordered chain of {type(self).__name__}", kwargs,
-                   self._ORDERED_KEYWORDS)
-    shard, data = self._shard(kwargs)
-    cache_size, mb_size = check_sizes(cache_size, mb_size, shard.count)
-    stream = _OrderedPasses(
-        self._source(shard, data, cache_size * mb_size), data, mb_size,
-        cache_size)
-    return self._chains.add(
-        lambda _: _Chain(cache_size, mb_size, shard, stream, 0))
-
-  def _source(self, shard: ObservationRange, data: tf.data.Dataset,
-              rows_per_read: int):
-    """Where a chain's rows come from: memory or the pipeline."""
-    if self._arrays is None:
-      return _Streamed(data, shard.count, rows_per_read, self)
-    return _InMemory(self._arrays, shard, self._buffers)
-
-  def _chain(self, chain_id: int) -> _Chain:
-    return self._chains.get(chain_id)
-
-  def release_chain(self, chain_id: int) -> None:
-    self._chains.release(chain_id)
-
-  # -- serving ------------------------------------------------------------
-
-  def get_batches(self, chain_id: int) -> Tuple[Dict[str, np.ndarray],
-                                                np.ndarray]:
-    """The chain's next ``cache_size`` batches and their mask.
-
-    Returns:
-      A dict of NumPy arrays with leading axes ``(cache_size, mb_size)`` and
-      the loader's dtypes, and a bool mask of shape ``(cache_size,
-      mb_size)``.
-    """
-    chain = self._chain(chain_id)
-    rows, mask = chain.stream.chunk(chain.position)
-    lead = (chain.cache_size, chain.mb_size)
-    leaves = [leaf.reshape(lead + leaf.shape[1:]) for leaf in rows]
-    chain.position = chain.stream.normalize(chain.position + chain.cache_size)
-    return jax.tree_util.tree_unflatten(self._treedef, leaves), mask
-
-  # -- checkpoints --------------------------------------------------------
-
-  def _fingerprint(self, chain: _Chain) -> Dict[str, Any]:
-    return {"version": _STATE_VERSION, **chain.stream.fingerprint(),
-            "cache_size": chain.cache_size, "mb_size": chain.mb_size,
-            "observation_count": self._count,
-            "shard": [chain.shard.start, chain.shard.count]}
-
-  def save_state(self, chain_id: int) -> Dict[str, Any]:
-    """The chain's position: a small dict of Python ints and strings."""
-    chain = self._chain(chain_id)
-    return {**self._fingerprint(chain), **chain.stream.settings(),
-            "position": chain.position}
-
-  def load_state(self, chain_id: int, data: Dict[str, Any]) -> None:
-    """Moves the chain to a position from :meth:`save_state`.
-
-    The stream is rebuilt at the next chunk, unless the chain is at that
-    position already. ``data`` is not changed.
-
-    Raises:
-      ValueError: the state belongs to a chain of another kind, sizes, data
-        set or shuffle settings; the message names what differs.
-    """
-    chain = self._chain(chain_id)
-    check_saved_state(data, self._fingerprint(chain),
-                      f"chain {chain_id} of {self!r}")
-    position = chain.stream.normalize(
-        check_int("position", data.get("position"), minimum=0))
-    chain.stream.adopt(data)
-    chain.position = position
-
-  def chain_fingerprint(self, chain_id: int) -> Dict[str, Any]:
-    chain = self._chain(chain_id)
-    return {"loader": type(self).__name__, **self._fingerprint(chain),
-            **chain.stream.settings()}
+  def content_digest(self) -> str:
+    """A digest of the observation count and of the pipeline's first 32
+    observations (read once, on first use), the same in both modes."""
+    if self._digest is None:
+      first = min(self._count, 32)
+      if self._arrays is not None:
+        leaves = [array[:first] for array in self._arrays]
+      else:
+        leaves = self._reading.next_rows(
+            in_order(self._pipeline.take(first).batch(first)))
+      dtypes = [fmt.dtype for fmt in self._reading.formats]
+      self._digest = (digest_rows(first, leaves, dtypes)
+                      + f"/{self._count}")
+    return self._digest

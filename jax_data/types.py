@@ -36,6 +36,8 @@ class CacheState(NamedTuple):
   pipeline.
 
   Attributes:
+    pipeline: shape=(), int32. Identity of the pipeline the state belongs
+      to; a pipeline refuses the states of others.
     chain: shape=(), int32. Host chain id; -1 for device-resident pipelines.
     chunk: shape=(), int32. Index of the chunk that holds the next batch.
     position: shape=(), int32. Index of the next batch within that chunk.
@@ -47,6 +49,7 @@ class CacheState(NamedTuple):
     key: shape=(2,), uint32. PRNG key of device-resident random pipelines;
       zeros for host pipelines.
   """
+  pipeline: jax.Array
   chain: jax.Array
   chunk: jax.Array
   position: jax.Array

@@ -107,8 +107,9 @@ def test_mismatches_are_named_with_both_sides(tmp_path):
   host = json.loads(tree["host"].tobytes())
   host["version"] = 99
   bad = dict(tree, host=np.frombuffer(json.dumps(host).encode(), np.uint8))
-  with pytest.raises(ValueError, match="format version is 99, but here it "
-                     "is 1"):
+  version = jax_data.checkpoint.FORMAT_VERSION
+  with pytest.raises(ValueError, match=f"format version is 99, but here it "
+                     f"is {version}"):
     jax_data.state_from_pytree(pipeline, bad)
   with pytest.raises(TypeError, match="pipeline must be"):
     jax_data.state_to_pytree(object(), state)
@@ -179,3 +180,48 @@ def test_tensorflow_restore_in_a_fresh_process(tmp_path):
   jax_data.save_checkpoint(path, pipeline, state)
   _, (expected, _) = _run(batch_fn, 13)(state)
   assert _restored_in_new_process(_RESTORE_TF, path, 13) == expected.tolist()
+
+
+def test_restore_into_other_data_of_the_same_size_is_refused():
+  pipeline = _pipeline()
+  state, _ = _run(pipeline[1], 3)(pipeline[0](seed=1))
+  tree = jax_data.state_to_pytree(pipeline, state)
+  same_shape = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(N) + 1), CACHE, MB)
+  with pytest.raises(ValueError, match="data is '[0-9a-f]+' in the "
+                     "checkpoint but '[0-9a-f]+' here"):
+    jax_data.state_from_pytree(same_shape, tree)
+  # The same data, held another way (float64 memmap-like array without a
+  # copy), restores.
+  again = jax_data.random_reference_data(
+      NumpyDataLoader(copy=False, x=np.arange(N, dtype=np.int64)), CACHE, MB)
+  restored = jax_data.state_from_pytree(again, tree)
+  _, expected = _run(pipeline[1], 5)(state)
+  _, got = _run(again[1], 5)(restored)
+  assert got[0].tolist() == expected[0].tolist()
+
+
+def test_data_digest_reads_a_fixed_sample_of_rows(tmp_path):
+  class Counting:
+    def __init__(self, array):
+      self.array, self.rows = array, set()
+
+    def __getitem__(self, row):
+      self.rows.add(row)
+      return self.array[row]
+
+  for n in (1, 10, 10_000, 1_000_000):
+    leaf = Counting(np.arange(n))
+    digest = jax_data.gather.digest_rows(n, [leaf], [np.dtype(np.int32)])
+    assert len(leaf.rows) <= 32 and len(digest) == 32
+  # A memmap is not read whole, and its digest is that of the same data
+  # in memory.
+  path = tmp_path / "x.npy"
+  np.save(path, np.arange(200_000, dtype=np.float64).reshape(100_000, 2))
+  memmapped = NumpyDataLoader(copy=False, x=np.load(path, mmap_mode="r"))
+  in_memory = NumpyDataLoader(x=np.load(path))
+  assert memmapped.content_digest() == in_memory.content_digest()
+  changed = np.load(path)
+  changed[0, 0] = -1.0  # row 0 is always in the sample
+  assert NumpyDataLoader(x=changed).content_digest() != (
+      in_memory.content_digest())

@@ -13,8 +13,8 @@ from jax import lax
 import jax_data
 from jax_data import NumpyDataLoader
 
-# Every test runs with both ways chunks reach compiled code (conftest.py).
-pytestmark = pytest.mark.usefixtures("bridge_path")
+# Tests that build pipelines with the `pipelines` fixture run with both ways
+# chunks reach compiled code (conftest.py).
 
 
 class FlakyLoader(NumpyDataLoader):
@@ -38,9 +38,9 @@ def _scan(batch_fn, steps):
                                     length=steps))
 
 
-def test_failure_names_loader_chain_and_error_and_other_chains_work():
+def test_failure_names_loader_chain_and_error_and_other_chains_work(pipelines):
   loader = FlakyLoader(fail_chain=1, fail_at=2, x=np.arange(20))
-  init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 2, 3)
+  init_fn, batch_fn, _ = pipelines.random_reference_data(loader, 2, 3)
   healthy, failing = init_fn(seed=0), init_fn(seed=1)
   run = _scan(batch_fn, 10)
   with pytest.raises(Exception) as info:
@@ -89,18 +89,18 @@ class BrokenHostLoader(jax_data.HostDataLoader):
     pass
 
 
-def test_user_defined_loader_failure():
-  init_fn, batch_fn, _ = jax_data.random_reference_data(
+def test_user_defined_loader_failure(pipelines):
+  init_fn, batch_fn, _ = pipelines.random_reference_data(
       BrokenHostLoader(), 2, 2)
   with pytest.raises(Exception, match=r"BrokenHostLoader\(\), chain 0, "
                      r"chunk 0: ValueError: cannot decode record 3"):
     jax.block_until_ready(_scan(batch_fn, 3)(init_fn()))
-  mapper_fn, _ = jax_data.full_data_mapper(BrokenHostLoader(), 2, 2)
+  mapper_fn, _ = pipelines.full_data_mapper(BrokenHostLoader(), 2, 2)
   with pytest.raises(Exception, match="ValueError: cannot decode record 3"):
     jax.block_until_ready(mapper_fn(lambda b, c: (b["x"], c), None))
 
 
-def test_truncated_memmap_raises_instead_of_crashing(tmp_path):
+def test_truncated_memmap_raises_instead_of_crashing(tmp_path, pipelines):
   path = tmp_path / "x.npy"
   data = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32,
                                    shape=(1000, 4))
@@ -108,7 +108,7 @@ def test_truncated_memmap_raises_instead_of_crashing(tmp_path):
   data.flush()
   del data
   loader = NumpyDataLoader(copy=False, x=np.load(path, mmap_mode="r"))
-  mapper_fn, _ = jax_data.full_data_mapper(loader, 2, 100)
+  mapper_fn, _ = pipelines.full_data_mapper(loader, 2, 100)
   total, _ = mapper_fn(lambda b, m, c: ((b["x"].sum(1) * m).sum(), c), None,
                        masking=True)
   assert float(total.sum()) == 4000.0
@@ -125,13 +125,11 @@ _FOUR_DEVICES = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax import lax
     import jax_data
-    from jax_data import bridge
     from tests.test_faults import FlakyLoader
 
-    bridge.IN_PLACE = IN_PLACE
-
     loader = FlakyLoader(fail_chain=2, fail_at=1, x=np.arange(50.0))
-    init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 2, 3)
+    init_fn, batch_fn, _ = jax_data.random_reference_data(
+        loader, 2, 3, callback=CALLBACK)
     states = jax.tree_util.tree_map(lambda *x: jnp.stack(x),
                                     *[init_fn(seed=i) for i in range(4)])
 
@@ -157,12 +155,11 @@ _FOUR_DEVICES = textwrap.dedent("""
     """)
 
 
-def test_failure_on_one_of_four_devices_before_a_collective(bridge_path):
+def test_failure_on_one_of_four_devices_before_a_collective(pipelines):
   """Every device raises together, so none waits forever in the psum."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
-  script = _FOUR_DEVICES.replace("IN_PLACE = IN_PLACE",
-                                 f"IN_PLACE = {bridge_path == 'in_place'}")
+  script = _FOUR_DEVICES.replace("CALLBACK", repr(pipelines.callback))
   done = subprocess.run([sys.executable, "-c", script], cwd=root,
                         env=env, capture_output=True, text=True, timeout=180)
   output = done.stdout + done.stderr[-3000:]
@@ -173,7 +170,7 @@ def test_failure_on_one_of_four_devices_before_a_collective(bridge_path):
   assert "AFTER (4, 6)" in done.stdout, output
 
 
-def test_tf_data_map_that_raises():
+def test_tf_data_map_that_raises(pipelines):
   tf = pytest.importorskip("tensorflow")
   from jax_data.tensorflow_loader import TensorflowDataLoader
 
@@ -184,7 +181,7 @@ def test_tf_data_map_that_raises():
 
   pipeline = tf.data.Dataset.from_tensor_slices(
       {"x": np.arange(20, dtype=np.int64)}).map(check)
-  mapper_fn, _ = jax_data.full_data_mapper(TensorflowDataLoader(pipeline),
+  mapper_fn, _ = pipelines.full_data_mapper(TensorflowDataLoader(pipeline),
                                            2, 4)
   with pytest.raises(Exception) as info:
     jax.block_until_ready(mapper_fn(lambda b, c: (b["x"], c), None))
@@ -192,7 +189,7 @@ def test_tf_data_map_that_raises():
   assert "TensorflowDataLoader" in message and "chain 0" in message
   assert "InvalidArgumentError" in message and "corrupt record" in message
   # The process and other loaders keep working.
-  healthy, _ = jax_data.full_data_mapper(
+  healthy, _ = pipelines.full_data_mapper(
       TensorflowDataLoader(tf.data.Dataset.from_tensor_slices(
           {"x": np.arange(20, dtype=np.int64)})), 2, 4)
   values, _ = healthy(lambda b, c: (b["x"], c), None)

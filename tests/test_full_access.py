@@ -12,8 +12,8 @@ import jax_data
 from jax_data import DeviceNumpyDataLoader
 from jax_data import NumpyDataLoader
 
-# Every test runs with both ways chunks reach compiled code (conftest.py).
-pytestmark = pytest.mark.usefixtures("bridge_path")
+# Tests that build pipelines with the `pipelines` fixture run with both ways
+# chunks reach compiled code (conftest.py).
 
 
 @pytest.mark.parametrize("n,mb,cache", [(10, 4, 1), (10, 4, 2), (10, 4, 5),
@@ -21,9 +21,9 @@ pytestmark = pytest.mark.usefixtures("bridge_path")
                                         (23, 5, 100)])
 @pytest.mark.parametrize("loader_cls", [NumpyDataLoader, DeviceNumpyDataLoader])
 def test_every_observation_once_in_order_pass_after_pass(loader_cls, n, mb,
-                                                         cache):
+                                                         cache, pipelines):
   x = np.arange(n) * 10
-  init_fn, map_fn, _ = jax_data.full_reference_data(loader_cls(x=x), cache,
+  init_fn, map_fn, _ = pipelines.full_reference_data(loader_cls(x=x), cache,
                                                     mb)
 
   def per_observation(batch, carry):
@@ -51,9 +51,9 @@ def test_every_observation_once_in_order_pass_after_pass(loader_cls, n, mb,
     assert padding.tolist() == x[:per_pass * mb - n].tolist()
 
 
-def test_guide_sum_of_potentials():
+def test_guide_sum_of_potentials(pipelines):
   loader = NumpyDataLoader(base=jnp.arange(10))
-  init_fun, map_fun, _ = jax_data.full_reference_data(loader, 3, 4)
+  init_fun, map_fun, _ = pipelines.full_reference_data(loader, 3, 4)
 
   def sum_potentials(exp, data, mask, carry):
     return jnp.sum(mask * jnp.power(data["base"], exp)), carry
@@ -67,9 +67,9 @@ def test_guide_sum_of_potentials():
   assert result.tolist() == [10, 45, 285]
 
 
-def test_information_and_carry():
+def test_information_and_carry(pipelines):
   loader = NumpyDataLoader(x=np.arange(7.0))
-  init_fn, map_fn, _ = jax_data.full_reference_data(loader, 2, 3)
+  init_fn, map_fn, _ = pipelines.full_reference_data(loader, 2, 3)
 
   def fun(batch_and_info, carry):
     batch, info = batch_and_info
@@ -81,9 +81,9 @@ def test_information_and_carry():
   assert values.tolist() == list(range(7)) and float(total) == 21.0
 
 
-def test_mapper_batched_and_unbatched():
+def test_mapper_batched_and_unbatched(pipelines):
   loader = NumpyDataLoader(x=np.arange(10.0), y=np.ones((10, 2)))
-  mapper_fn, release_fn = jax_data.full_data_mapper(loader, 2, 3)
+  mapper_fn, release_fn = pipelines.full_data_mapper(loader, 2, 3)
   batched, carry = jax.jit(lambda: mapper_fn(
       lambda b, c: (b["x"][:, None] * b["y"], c), 1.0))()
   assert batched.shape == (10, 2) and float(carry) == 1.0
@@ -97,9 +97,9 @@ def test_mapper_batched_and_unbatched():
     mapper_fn(lambda b, c: (b["x"], c), None)
 
 
-def test_mapper_with_default_sizes_and_vmap_over_parameters():
+def test_mapper_with_default_sizes_and_vmap_over_parameters(pipelines):
   x = np.linspace(-1, 1, 9)
-  mapper_fn, _ = jax_data.full_data_mapper(NumpyDataLoader(x=x))
+  mapper_fn, _ = pipelines.full_data_mapper(NumpyDataLoader(x=x))
 
   def loglik(w):
     values, _ = mapper_fn(lambda b, c: (-(b["x"] - w) ** 2, c), None)
@@ -111,11 +111,11 @@ def test_mapper_with_default_sizes_and_vmap_over_parameters():
   np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
-def test_shards_cover_the_data_once():
+def test_shards_cover_the_data_once(pipelines):
   x = np.arange(11.0)
   total = 0.0
   for index in range(3):
-    mapper_fn, _ = jax_data.full_data_mapper(
+    mapper_fn, _ = pipelines.full_data_mapper(
         NumpyDataLoader(x=x), 2, 2, shard_index=index, shard_count=3)
     sums, _ = mapper_fn(lambda b, m, c: (jnp.sum(b["x"] * m), c), None,
                         masking=True)
@@ -123,15 +123,15 @@ def test_shards_cover_the_data_once():
   assert total == float(x.sum())
 
 
-def test_bad_arguments():
+def test_bad_arguments(pipelines):
   loader = NumpyDataLoader(x=np.arange(10))
   with pytest.raises(ValueError, match="mb_size=None"):
-    jax_data.full_reference_data(loader, 2)
+    pipelines.full_reference_data(loader, 2)
   with pytest.raises(ValueError, match="cached_batches_count=0"):
-    jax_data.full_data_mapper(loader, 0, 2)
+    pipelines.full_data_mapper(loader, 0, 2)
   with pytest.raises(ValueError, match="shard_index=3"):
-    jax_data.full_data_mapper(loader, 1, 2, shard_index=3, shard_count=3)
-  init_fn, map_fn, _ = jax_data.full_reference_data(loader, 2, 2)
+    pipelines.full_data_mapper(loader, 1, 2, shard_index=3, shard_count=3)
+  init_fn, map_fn, _ = pipelines.full_reference_data(loader, 2, 2)
   with pytest.raises(TypeError, match="unknown keyword.*seed=1"):
     init_fn(seed=1)
   with pytest.raises(TypeError, match="fun must be callable"):
@@ -140,9 +140,9 @@ def test_bad_arguments():
     map_fn(lambda b, c: (b, c), init_fn(), None, masking="yes")
 
 
-def test_progress_is_reported_per_chunk_on_request():
+def test_progress_is_reported_per_chunk_on_request(pipelines):
   seen = []
-  mapper_fn, _ = jax_data.full_data_mapper(
+  mapper_fn, _ = pipelines.full_data_mapper(
       NumpyDataLoader(x=np.arange(25.0)), 2, 3,
       progress=lambda done, total: seen.append((done, total)))
   run = jax.jit(lambda: mapper_fn(lambda b, c: (b["x"], c), None)[0])
@@ -154,12 +154,12 @@ def test_progress_is_reported_per_chunk_on_request():
   run()
   assert seen[-1] == (9, 9) and len(seen) == 5
   with pytest.raises(TypeError, match="progress='yes'"):
-    jax_data.full_data_mapper(NumpyDataLoader(x=np.arange(5)), 1, 1,
+    pipelines.full_data_mapper(NumpyDataLoader(x=np.arange(5)), 1, 1,
                               progress="yes")
 
 
-def test_progress_true_prints_to_stderr(capsys):
-  mapper_fn, _ = jax_data.full_data_mapper(
+def test_progress_true_prints_to_stderr(capsys, pipelines):
+  mapper_fn, _ = pipelines.full_data_mapper(
       NumpyDataLoader(x=np.arange(10.0)), 5, 2, progress=True)
   mapper_fn(lambda b, c: (b["x"], c), None)
   assert "full-data pass: 5/5 batches" in capsys.readouterr().err

@@ -10,10 +10,11 @@ from jax.sharding import PartitionSpec
 
 import jax_data
 from jax_data import NumpyDataLoader
-from jax_data import host
+from jax_data import chunk_store
+from jax_data.rendezvous import Rendezvous
 
-# Every test runs with both ways chunks reach compiled code (conftest.py).
-pytestmark = pytest.mark.usefixtures("bridge_path")
+# Tests that build pipelines with the `pipelines` fixture run with both ways
+# chunks reach compiled code (conftest.py).
 
 CHAINS = [dict(seed=0), dict(seed=1, shuffle=True),
           dict(seed=2, shuffle=True, in_epochs=True), dict(seed=3)]
@@ -24,18 +25,28 @@ def _stack(states):
   return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *states)
 
 
-def _counting_loader():
+class CountingLoader(NumpyDataLoader):
   """A loader that counts the chunks it produces."""
-  loader = NumpyDataLoader(x=np.arange(N))
-  produced = []
-  get_batches = loader.get_batches
 
-  def counted(chain_id):
-    produced.append(chain_id)
-    return get_batches(chain_id)
+  def __init__(self, **arrays):
+    super().__init__(**arrays)
+    self.produced = []
 
-  loader.get_batches = counted
-  return loader, produced
+  def open_chain(self, spec, layout):
+    cursor = super().open_chain(spec, layout)
+    produce = cursor.produce
+
+    def counted(index, out):
+      self.produced.append(index)
+      return produce(index, out)
+
+    cursor.produce = counted
+    return cursor
+
+
+def _counting_loader():
+  loader = CountingLoader(x=np.arange(N))
+  return loader, loader.produced
 
 
 def _run(batch_fn, steps=STEPS):
@@ -57,36 +68,37 @@ def solo():
   return [_solo(kwargs) for kwargs in CHAINS]
 
 
-def test_vmap_lanes_equal_solo_chains_with_one_host_call_per_refresh(solo):
-  pipeline = jax_data.random_reference_data(
+def test_vmap_lanes_equal_solo_chains_with_one_host_call_per_refresh(
+    solo, pipelines):
+  pipeline = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(N)), CACHE, MB)
   init_fn, batch_fn, _ = pipeline
   states = _stack([init_fn(**kwargs) for kwargs in CHAINS])
   run = jax.jit(jax.vmap(_run(batch_fn)))
-  server = pipeline.bridge.server
-  before = server.requests
+  host = pipeline.host
+  before = host.requests
   _, (x, mask) = run(states)
   for lane, (sx, smask) in enumerate(solo):
     assert x[lane].tolist() == sx and mask[lane].tolist() == smask
   refreshes = -(-STEPS // CACHE)
-  assert server.requests - before == refreshes  # not per step, not per lane
+  assert host.requests - before == refreshes  # not per step, not per lane
 
 
-def test_nested_vmap_is_one_host_call_per_refresh(solo):
-  pipeline = jax_data.random_reference_data(
+def test_nested_vmap_is_one_host_call_per_refresh(solo, pipelines):
+  pipeline = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(N)), CACHE, MB)
   init_fn, batch_fn, _ = pipeline
   states = _stack([init_fn(**kwargs) for kwargs in CHAINS])
   grid = jax.tree_util.tree_map(lambda a: a.reshape((2, 2) + a.shape[1:]),
                                 states)
-  before = pipeline.bridge.server.requests
+  before = pipeline.host.requests
   _, (x, _) = jax.jit(jax.vmap(jax.vmap(_run(batch_fn))))(grid)
   assert x.reshape(4, STEPS, MB).tolist() == [s[0] for s in solo]
-  assert pipeline.bridge.server.requests - before == -(-STEPS // CACHE)
+  assert pipeline.host.requests - before == -(-STEPS // CACHE)
 
 
-def test_vmapped_lanes_may_refresh_at_different_steps():
-  init_fn, batch_fn, _ = jax_data.random_reference_data(
+def test_vmapped_lanes_may_refresh_at_different_steps(pipelines):
+  init_fn, batch_fn, _ = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(N)), CACHE, MB)
   a, b = init_fn(seed=5), init_fn(seed=6)
   b, _ = batch_fn(b)  # one lane a step ahead
@@ -96,9 +108,9 @@ def test_vmapped_lanes_may_refresh_at_different_steps():
   assert x[0].tolist() == xa.tolist() and x[1].tolist() == xb.tolist()
 
 
-def test_map_fn_under_vmap_over_parameters():
+def test_map_fn_under_vmap_over_parameters(pipelines):
   x = np.linspace(-2, 2, 13)
-  init_fn, map_fn, _ = jax_data.full_reference_data(
+  init_fn, map_fn, _ = pipelines.full_reference_data(
       NumpyDataLoader(x=x), 2, 3)
   state = init_fn()
 
@@ -111,8 +123,8 @@ def test_map_fn_under_vmap_over_parameters():
                              [loglik(w) for w in ws], rtol=1e-6)
 
 
-def test_map_fn_under_vmap_over_states():
-  init_fn, map_fn, _ = jax_data.full_reference_data(
+def test_map_fn_under_vmap_over_states(pipelines):
+  init_fn, map_fn, _ = pipelines.full_reference_data(
       NumpyDataLoader(x=np.arange(7)), 2, 3)
   states = _stack([init_fn(), init_fn()])
   _, (values, _) = jax.jit(jax.vmap(
@@ -120,8 +132,8 @@ def test_map_fn_under_vmap_over_states():
   assert values.tolist() == [list(range(7))] * 2
 
 
-def test_pmap_over_stacked_states_equals_solo(solo):
-  init_fn, batch_fn, _ = jax_data.random_reference_data(
+def test_pmap_over_stacked_states_equals_solo(solo, pipelines):
+  init_fn, batch_fn, _ = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(N)), CACHE, MB)
   devices = jax.local_device_count()
   assert devices == 4, "tests run with 4 CPU devices (conftest.py)"
@@ -131,9 +143,9 @@ def test_pmap_over_stacked_states_equals_solo(solo):
     assert x[lane].tolist() == sx and mask[lane].tolist() == smask
 
 
-def test_replicated_state_gives_every_device_the_same_batches_once():
+def test_replicated_state_gives_every_device_the_same_batches_once(pipelines):
   loader, produced = _counting_loader()
-  init_fn, batch_fn, _ = jax_data.random_reference_data(loader, CACHE, MB)
+  init_fn, batch_fn, _ = pipelines.random_reference_data(loader, CACHE, MB)
   state = init_fn(seed=7)
   produced.clear()
 
@@ -150,8 +162,8 @@ def test_replicated_state_gives_every_device_the_same_batches_once():
   assert chunks <= len(produced) <= chunks + 1
 
 
-def test_wrong_device_count_keeps_memory_bounded():
-  pipeline = jax_data.random_reference_data(
+def test_wrong_device_count_keeps_memory_bounded(pipelines):
+  pipeline = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(N)), CACHE, MB)
   init_fn, batch_fn, _ = pipeline
   state = init_fn()
@@ -159,14 +171,14 @@ def test_wrong_device_count_keeps_memory_bounded():
                      steps=300))
   state, _ = run(state)
   state, _ = run(state)
-  record = pipeline.bridge.server.record(int(state.chain))
+  record = pipeline.host.chain(int(state.chain))
   # 64 devices were announced but one asks: chunks wait for the other 63
   # only up to the documented cap.
-  assert len(record.chunks) <= host._MAX_STORED
+  assert len(record.chunks) <= chunk_store.MAX_STORED
 
 
-def test_shard_map_behaves_like_pmap(solo):
-  init_fn, batch_fn, _ = jax_data.random_reference_data(
+def test_shard_map_behaves_like_pmap(solo, pipelines):
+  init_fn, batch_fn, _ = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(N)), CACHE, MB)
   mesh = Mesh(np.array(jax.devices()), ("d",))
   states = _stack([init_fn(**kwargs) for kwargs in CHAINS])
@@ -185,11 +197,11 @@ def test_shard_map_behaves_like_pmap(solo):
              for d in range(4))
 
 
-def test_full_data_mapper_with_a_pmapped_function_inside_jit():
+def test_full_data_mapper_with_a_pmapped_function_inside_jit(pipelines):
   n = 22
   x = np.arange(n, dtype=np.float32)
   loader = NumpyDataLoader(x=x, index=np.arange(n))
-  mapper_fn, _ = jax_data.full_data_mapper(loader, 2, 4)
+  mapper_fn, _ = pipelines.full_data_mapper(loader, 2, 4)
   squared = jax.pmap(lambda v: v ** 2)
 
   def fun(batch, carry):
@@ -201,8 +213,8 @@ def test_full_data_mapper_with_a_pmapped_function_inside_jit():
   np.testing.assert_array_equal(values, x ** 2)
 
 
-def test_full_map_under_shard_map_with_per_device_states():
-  init_fn, map_fn, _ = jax_data.full_reference_data(
+def test_full_map_under_shard_map_with_per_device_states(pipelines):
+  init_fn, map_fn, _ = pipelines.full_reference_data(
       NumpyDataLoader(x=np.arange(9)), 2, 4)
   mesh = Mesh(np.array(jax.devices()), ("d",))
   states = _stack([init_fn() for _ in range(4)])
@@ -219,31 +231,32 @@ def test_full_map_under_shard_map_with_per_device_states():
   assert values.tolist() == [[2 * i for i in range(9)]] * 4
 
 
-def test_chunk_kept_until_every_device_took_it():
-  pipeline = jax_data.random_reference_data(
+def test_chunk_kept_until_every_device_took_it(pipelines):
+  pipeline = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(100)), 2, 3)
   init_fn, _, _ = pipeline
-  server = pipeline.bridge.server
+  host = pipeline.host
   chain = int(init_fn().chain)
-  server.chunk(chain, 0, device_count=2)  # one of two devices took chunk 0
+  host.chunk(chain, 0, device_count=2)  # one of two devices took chunk 0
   for index in range(1, 6):
     for _ in range(2):
-      server.chunk(chain, index, device_count=2)
-  record = server.record(chain)
+      host.chunk(chain, index, device_count=2)
+  record = host.chain(chain)
   assert 0 in record.chunks  # still awaited by the second device
   assert 1 not in record.chunks  # taken by both: retired
 
 
-def test_devices_that_do_not_meet_stop_waiting_with_a_warning(monkeypatch):
-  monkeypatch.setattr(host, "_ROUND_TIMEOUT", 0.2)
-  pipeline = jax_data.random_reference_data(
+def test_devices_that_do_not_meet_stop_waiting_with_a_warning(pipelines):
+  pipeline = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(N)), CACHE, MB)
   init_fn, _, _ = pipeline
-  server = pipeline.bridge.server
+  host = pipeline.host
+  host.rendezvous = Rendezvous(host.name, timeout=0.2)
   chain = init_fn().chain
-  args = (np.array([chain]), np.array([0]), np.array([True]))
+  args = (np.array([pipeline.id]), np.array([chain]), np.array([0]),
+          np.array([True]))
   with pytest.warns(UserWarning, match="2 devices were expected to request "
                     "chunk 0 together, but 1 did"):
-    server.serve(*args, participants=2)
-  out = server.serve(*args, participants=2)  # no more waiting
+    host.serve(*args, participants=2)
+  out = host.serve(*args, participants=2)  # no more waiting
   assert out[0].shape == (1, CACHE, MB)

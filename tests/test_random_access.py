@@ -16,8 +16,8 @@ from jax import lax
 import jax_data
 from jax_data import NumpyDataLoader
 
-# Every test runs with both ways chunks reach compiled code (conftest.py).
-pytestmark = pytest.mark.usefixtures("bridge_path")
+# Tests that build pipelines with the `pipelines` fixture run with both ways
+# chunks reach compiled code (conftest.py).
 
 MODES = [dict(), dict(shuffle=True), dict(shuffle=True, in_epochs=True)]
 
@@ -45,8 +45,8 @@ def _scan(batch_fn, steps):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_jit_scan_and_eager_give_the_loader_stream(mode):
-  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+def test_jit_scan_and_eager_give_the_loader_stream(mode, pipelines):
+  init_fn, batch_fn, release_fn = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(13)), 3, 4)
   expected = _expected_stream(13, 3, 4, 20, seed=5, **mode)
   state, (x, mask) = _scan(batch_fn, 20)(init_fn(seed=5, **mode))
@@ -60,18 +60,18 @@ def test_jit_scan_and_eager_give_the_loader_stream(mode):
   release_fn()
 
 
-def test_guide_batches():
+def test_guide_batches(pipelines):
   loader = NumpyDataLoader(x_r=np.arange(10), y_r=np.zeros((10, 2)))
   with pytest.warns(UserWarning, match="more than the 5 that hold all 10"):
-    init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 100, 2)
+    init_fn, batch_fn, _ = pipelines.random_reference_data(loader, 100, 2)
   _, (batch, info) = batch_fn(init_fn(seed=0), information=True)
   assert batch["x_r"].tolist() == [8, 9]
   assert repr(info) == ("MiniBatchInformation(observation_count=10, "
                         "mask=Array([ True,  True], dtype=bool), batch_size=2)")
 
 
-def test_same_state_twice_gives_same_batches_and_stream_continues():
-  init_fn, batch_fn, _ = jax_data.random_reference_data(
+def test_same_state_twice_gives_same_batches_and_stream_continues(pipelines):
+  init_fn, batch_fn, _ = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(50)), 4, 3)
   expected, _ = _expected_stream(50, 4, 3, 30, seed=2, shuffle=True)
   run = _scan(batch_fn, 10)
@@ -88,25 +88,25 @@ def test_same_state_twice_gives_same_batches_and_stream_continues():
   assert b1["x"].tolist() == b2["x"].tolist() == expected[10]
 
 
-def test_repeated_host_request_never_advances_chain():
-  pipeline = jax_data.random_reference_data(
+def test_repeated_host_request_never_advances_chain(pipelines):
+  pipeline = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(40)), 2, 3)
   init_fn, batch_fn, _ = pipeline
-  server = pipeline.bridge.server
+  host = pipeline.host
   chain = int(init_fn(seed=4).chain)
-  first = server.chunk(chain, 0)[0][0].copy()
-  second_chunk = server.chunk(chain, 1)[0][0].copy()
-  assert (server.chunk(chain, 0)[0][0] == first).all()
+  first = host.chunk(chain, 0).leaves[0].copy()
+  second_chunk = host.chunk(chain, 1).leaves[0].copy()
+  assert (host.chunk(chain, 0).leaves[0] == first).all()
   for _ in range(3):
-    server.chunk(chain, 5)  # a far chunk, then the old ones again
-  np.testing.assert_array_equal(server.chunk(chain, 1)[0][0], second_chunk)
-  np.testing.assert_array_equal(server.chunk(chain, 0)[0][0], first)
+    host.chunk(chain, 5)  # a far chunk, then the old ones again
+  np.testing.assert_array_equal(host.chunk(chain, 1).leaves[0], second_chunk)
+  np.testing.assert_array_equal(host.chunk(chain, 0).leaves[0], first)
   expected, _ = _expected_stream(40, 2, 3, 4, seed=4)
   assert np.concatenate([first, second_chunk]).tolist() == expected
 
 
-def test_inside_cond_while_loop_and_grad():
-  init_fn, batch_fn, _ = jax_data.random_reference_data(
+def test_inside_cond_while_loop_and_grad(pipelines):
+  init_fn, batch_fn, _ = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(10.0)), 2, 2)
   expected, _ = _expected_stream(10, 2, 2, 6, seed=1)
 
@@ -132,8 +132,8 @@ def test_inside_cond_while_loop_and_grad():
   assert float(grad) == float(sum(expected[0]))
 
 
-def test_compiles_once_for_new_states():
-  init_fn, batch_fn, _ = jax_data.random_reference_data(
+def test_compiles_once_for_new_states(pipelines):
+  init_fn, batch_fn, _ = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(30)), 3, 2)
   traces = []
 
@@ -148,8 +148,8 @@ def test_compiles_once_for_new_states():
   assert outs[2] == _expected_stream(30, 3, 2, 5, seed=2)[0]
 
 
-def test_remat_replay_keeps_stream():
-  init_fn, batch_fn, _ = jax_data.random_reference_data(
+def test_remat_replay_keeps_stream(pipelines):
+  init_fn, batch_fn, _ = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(20.0)), 2, 2)
   expected, _ = _expected_stream(20, 2, 2, 8, seed=0)
 
@@ -167,28 +167,28 @@ def test_remat_replay_keeps_stream():
   assert batch["x"].tolist() == _expected_stream(20, 2, 2, 9, seed=0)[0][8]
 
 
-def test_cpu_chunks_are_written_in_place(bridge_path):
+def test_cpu_chunks_are_written_in_place(pipelines):
   """On CPU the host writes chunks into XLA's buffers (buffer_callback);
   the pure_callback path, which other platforms use, gives the same
   stream."""
-  init_fn, batch_fn, _ = jax_data.random_reference_data(
+  init_fn, batch_fn, _ = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(13)), 3, 4)
   text = _scan(batch_fn, 20).lower(init_fn(seed=1)).as_text()
-  target = {"in_place": "xla_buffer_python_cpu_callback",
-            "copied": "xla_ffi_python_cpu_callback"}[bridge_path]
+  target = {"auto": "xla_buffer_python_cpu_callback",
+            "pure": "xla_ffi_python_cpu_callback"}[pipelines.callback]
   assert set(re.findall(r"xla_\w*callback", text)) == {target}
   _, (x, mask) = _scan(batch_fn, 20)(init_fn(seed=1))
   assert (x.tolist(), mask.tolist()) == _expected_stream(13, 3, 4, 20, seed=1)
 
 
-def test_host_answers_with_numpy_only(monkeypatch):
-  pipeline = jax_data.random_reference_data(
+def test_host_answers_with_numpy_only(monkeypatch, pipelines):
+  pipeline = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(20.0)), 2, 2)
   init_fn, batch_fn, _ = pipeline
-  server = pipeline.bridge.server
+  host = pipeline.host
   in_callback = threading.local()
   jax_calls, results = [], []
-  lanes = server.lanes
+  lanes = host.lanes
 
   def watched_lanes(*args):
     in_callback.on = True
@@ -196,8 +196,8 @@ def test_host_answers_with_numpy_only(monkeypatch):
       out = lanes(*args)
     finally:
       in_callback.on = False
-    for leaves, mask in out:
-      results.extend(list(leaves) + [mask])
+    for chunk in out:
+      results.extend(list(chunk.leaves) + [chunk.mask])
     return out
 
   def spy(name, fn):
@@ -207,7 +207,7 @@ def test_host_answers_with_numpy_only(monkeypatch):
       return fn(*a, **k)
     return wrapper
 
-  monkeypatch.setattr(server, "lanes", watched_lanes)
+  monkeypatch.setattr(host, "lanes", watched_lanes)
   for name in ("array", "asarray", "zeros"):
     monkeypatch.setattr(jnp, name, spy(name, getattr(jnp, name)))
   monkeypatch.setattr(jax, "device_put", spy("device_put", jax.device_put))
@@ -216,8 +216,8 @@ def test_host_answers_with_numpy_only(monkeypatch):
   assert jax_calls == []
 
 
-def test_host_memory_bounded_over_100k_steps():
-  pipeline = jax_data.random_reference_data(
+def test_host_memory_bounded_over_100k_steps(pipelines):
+  pipeline = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(1000.0)), 5, 2)
   init_fn, batch_fn, _ = pipeline
   run = jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
@@ -229,24 +229,24 @@ def test_host_memory_bounded_over_100k_steps():
     state = run(state)
   gc.collect()
   grown = psutil.Process().memory_info().rss - rss
-  record = pipeline.bridge.server.record(int(state.chain))
+  record = pipeline.host.chain(int(state.chain))
   assert int(state.chunk) * 5 == 100_000
   assert len(record.chunks) <= 3
   assert len(record.snapshots) < 400  # ~16 per doubling, not 100k
   assert grown < 30 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB"
 
 
-def test_bad_arguments_raise_before_tracing():
+def test_bad_arguments_raise_before_tracing(pipelines):
   loader = NumpyDataLoader(x=np.arange(10))
   with pytest.raises(TypeError, match="data_loader=.*list"):
-    jax_data.random_reference_data([1, 2], 1, 1)
+    pipelines.random_reference_data([1, 2], 1, 1)
   with pytest.raises(ValueError, match="cached_batches_count=0"):
-    jax_data.random_reference_data(loader, 0, 2)
+    pipelines.random_reference_data(loader, 0, 2)
   with pytest.raises(ValueError, match="mb_size=11"):
-    jax_data.random_reference_data(loader, 1, 11)
+    pipelines.random_reference_data(loader, 1, 11)
   with pytest.raises(ValueError, match="mb_size=0"):
-    jax_data.random_reference_data(loader, 1, 0)
-  init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 2, 2)
+    pipelines.random_reference_data(loader, 1, 0)
+  init_fn, batch_fn, _ = pipelines.random_reference_data(loader, 2, 2)
   with pytest.raises(TypeError, match="unknown keyword.*epochs=True"):
     init_fn(epochs=True)
   with pytest.raises(ValueError, match="in_epochs=True needs shuffle=True"):
@@ -255,21 +255,21 @@ def test_bad_arguments_raise_before_tracing():
     batch_fn({"x": 1})
   with pytest.raises(ValueError, match="device_count=0"):
     batch_fn(init_fn(), device_count=0)
-  other_init, _, _ = jax_data.random_reference_data(loader, 3, 2)
+  other_init, _, _ = pipelines.random_reference_data(loader, 3, 2)
   with pytest.raises(TypeError, match="does not belong to this pipeline"):
     batch_fn(other_init())
 
 
-def test_no_warning_for_a_cache_smaller_than_the_data():
+def test_no_warning_for_a_cache_smaller_than_the_data(pipelines):
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    jax_data.random_reference_data(NumpyDataLoader(x=np.arange(10)), 3, 3)
+    pipelines.random_reference_data(NumpyDataLoader(x=np.arange(10)), 3, 3)
 
 
-def test_release_is_idempotent_and_frees_the_loader():
+def test_release_is_idempotent_and_frees_the_loader(pipelines):
   loader = NumpyDataLoader(x=np.arange(100.0))
   ref = weakref.ref(loader)
-  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 2, 2)
+  init_fn, batch_fn, release_fn = pipelines.random_reference_data(loader, 2, 2)
   run = _scan(batch_fn, 5)
   state, _ = run(init_fn())
   release_fn()
@@ -283,9 +283,9 @@ def test_release_is_idempotent_and_frees_the_loader():
     batch_fn(state)
 
 
-def test_device_loader_pipeline():
+def test_device_loader_pipeline(pipelines):
   loader = jax_data.DeviceNumpyDataLoader(x=np.arange(10))
-  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 1, 3)
+  init_fn, batch_fn, release_fn = pipelines.random_reference_data(loader, 1, 3)
   state = init_fn(key=jax.random.PRNGKey(1))
   s1, (batch, info) = jax.jit(batch_fn, static_argnums=1)(state, True)
   _, again = batch_fn(state)
@@ -296,3 +296,23 @@ def test_device_loader_pipeline():
   release_fn()
   with pytest.raises(jax_data.PipelineReleasedError):
     init_fn()
+
+
+def test_a_state_of_another_pipeline_is_refused(pipelines):
+  """Same loader kind and shapes, another pipeline: refused eagerly, and by
+  the host inside jit."""
+  a = pipelines.random_reference_data(NumpyDataLoader(x=np.arange(20)), 2, 3)
+  b = pipelines.random_reference_data(NumpyDataLoader(x=np.arange(20)), 2, 3)
+  foreign = b[0](seed=0)
+  with pytest.raises(ValueError, match="got a state of another pipeline"):
+    a[1](foreign)
+  mixed = jax.tree_util.tree_map(lambda *x: jnp.stack(x), a[0](), foreign)
+  with pytest.raises(Exception, match="a state of another pipeline"):
+    jax.block_until_ready(jax.vmap(a[1])(mixed))
+  with pytest.raises(Exception, match="a state of another pipeline"):
+    jax.block_until_ready(_scan(a[1], 4)(foreign))
+  # The pipeline's own states still work.
+  _, (x, _) = _scan(a[1], 4)(a[0](seed=0))
+  _, (y, _) = _scan(b[1], 4)(foreign)
+  assert x.tolist() == y.tolist()
+

@@ -71,7 +71,7 @@ def test_million_steps_keep_host_memory_flat():
     state = run(state)
   grown = _rss() - start
   assert int(state.chunk) * 100 == 1_000_000
-  record = pipeline.bridge.server.record(int(state.chain))
+  record = pipeline.host.chain(int(state.chain))
   assert len(record.chunks) <= 3 and len(record.snapshots) < 400
   assert grown < 20 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB"
 

@@ -1,0 +1,169 @@
+"""What a chain of a host loader is: its spec, the layout of its chunks, and
+the cursor through which the loader produces them.
+
+A chain is a stream of chunks, each ``cache_size`` batches of ``mb_size``
+observations. Its spec (:class:`RandomChain`, :class:`OrderedChain`) is a
+frozen value that says what it draws; a loader opens a
+:class:`ChainCursor` for it (``HostDataLoader.open_chain``), which produces
+the chunks into buffers of a :class:`ChunkLayout` and saves and restores
+its position. Pure NumPy.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Mapping
+from typing import Optional
+from typing import Tuple
+from typing import Union
+
+import numpy as np
+
+from jax_data.sampling import ObservationRange
+
+# A chain's position: a small JSON-compatible dict (of dicts, lists, ints,
+# strings, bools).
+Position = Dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomChain:
+  """A chain of random mini-batches (``spec/SAMPLING.md``).
+
+  Attributes:
+    seed: The chain's seed; None until the chain is added to a loader,
+      which sets it to the chain's number.
+    observations: The observations it draws from (a shard, or all).
+    shuffle: Draw without replacement, permutation after permutation.
+    in_epochs: With ``shuffle``, one permutation per epoch, the last batch
+      padded and masked.
+  """
+  seed: Optional[int]
+  observations: ObservationRange
+  shuffle: bool = False
+  in_epochs: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderedChain:
+  """A chain that passes over ``observations`` in order, pass after pass;
+  the last batch of a pass is padded and masked."""
+  observations: ObservationRange
+
+
+ChainSpec = Union[RandomChain, OrderedChain]
+
+
+def spec_to_json(spec: ChainSpec) -> Dict[str, Any]:
+  """A spec as a JSON-compatible dict (for checkpoints)."""
+  fields = dataclasses.asdict(spec)
+  fields["observations"] = list(dataclasses.astuple(spec.observations))
+  return {"kind": type(spec).__name__, **fields}
+
+
+def spec_from_json(data: Mapping[str, Any]) -> ChainSpec:
+  """The spec that :func:`spec_to_json` wrote.
+
+  Raises:
+    ValueError: ``data`` is not such a dict.
+  """
+  kinds = {"RandomChain": RandomChain, "OrderedChain": OrderedChain}
+  try:
+    fields = dict(data)
+    kind = kinds[fields.pop("kind")]
+    observations = ObservationRange(*map(int, fields.pop("observations")))
+    return kind(observations=observations, **fields)
+  except (KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"not a chain spec: {data!r} ({type(e).__name__}: {e})"
+                     ) from e
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafFormat:
+  """Shape and dtype of one leaf of an observation (no batch axes)."""
+  shape: Tuple[int, ...]
+  dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkLayout:
+  """The arrays of one chunk: leaves with leading ``(cache_size, mb_size)``.
+
+  Leaves are in the order of ``jax.tree_util.tree_leaves`` of the loader's
+  ``observation_format``.
+  """
+  cache_size: int
+  mb_size: int
+  leaves: Tuple[LeafFormat, ...]
+
+  @property
+  def lead(self) -> Tuple[int, int]:
+    return (self.cache_size, self.mb_size)
+
+  def leaf_shapes(self) -> List[Tuple[int, ...]]:
+    return [self.lead + leaf.shape for leaf in self.leaves]
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of one chunk, mask included."""
+    rows = self.cache_size * self.mb_size
+    return rows * (1 + sum(int(np.prod(leaf.shape, dtype=np.int64))
+                           * leaf.dtype.itemsize for leaf in self.leaves))
+
+
+@dataclasses.dataclass
+class Chunk:
+  """One chunk: a NumPy array per leaf and the mask of valid observations.
+
+  Attributes:
+    leaves: Arrays of shapes ``layout.leaf_shapes()`` and the layout's
+      dtypes.
+    mask: shape=(cache_size, mb_size), bool.
+  """
+  leaves: List[np.ndarray]
+  mask: np.ndarray
+
+
+class ChainCursor(abc.ABC):
+  """A chain of a host loader, positioned before one of its chunks.
+
+  The host calls :meth:`produce` for chunks ``0, 1, 2, ...`` in order; after
+  :meth:`seek` to the position saved before chunk ``i`` it continues with
+  chunk ``i``. Calls for one cursor never overlap; cursors of one loader may
+  run in different threads at once.
+  """
+
+  @abc.abstractmethod
+  def produce(self, index: int, out: Chunk) -> Chunk:
+    """Chunk ``index``, and moves the cursor past it.
+
+    Args:
+      index: The chunk's index in the chain (for messages; the cursor is
+        positioned at it).
+      out: Buffers of the chunk's layout to write into.
+
+    Returns:
+      ``out`` filled, or arrays of the same layout that nothing will ever
+      write to (read-only views of the loader's data, a shared all-True
+      mask), which saves a copy.
+    """
+
+  @abc.abstractmethod
+  def position(self) -> Position:
+    """Where the cursor stands: small and JSON-compatible (a copy)."""
+
+  @abc.abstractmethod
+  def seek(self, position: Position) -> None:
+    """Moves to a position from :meth:`position` (it is not mutated).
+
+    Raises:
+      ValueError: the position belongs to a chain of another kind or shape;
+        the message says what differs.
+    """
+
+  def close(self) -> None:  # noqa: B027 (optional, unlike the others)
+    """Frees what the cursor holds; it is not used afterwards."""

@@ -1,0 +1,340 @@
+"""A pipeline's chains on the host, and the chunks they produced.
+
+A request names a chain and a chunk index; the answer is a pure function of
+the two (``spec/CALLBACKS.md``, rule 1). A chunk asked for again (remat
+replay, a state used twice, every device of a replicated ``pmap``) gets the
+same data, and the chain never advances twice. Two things make that hold
+with bounded memory:
+
+* a few recent chunks per chain are kept, as futures, so that concurrent
+  requests for one chunk wait for a single production; a chunk asked for
+  with ``device_count=N`` stays until N requests took it, within a hard cap;
+* the loader cursor's position is saved before each chunk, and the
+  snapshots thin out logarithmically with age; a chunk no longer kept is
+  produced again from the nearest earlier snapshot.
+
+Only NumPy runs here; nothing calls JAX.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import warnings
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Tuple
+
+import numpy as np
+
+from jax_data.chains import ChainCursor
+from jax_data.chains import ChainSpec
+from jax_data.chains import Chunk
+from jax_data.chains import ChunkLayout
+from jax_data.chains import Position
+from jax_data.errors import HostLoaderError
+from jax_data.errors import PipelineReleasedError
+from jax_data.gather import BufferPool
+from jax_data.host_loader import HostDataLoader
+
+# Snapshots newer than this many chunks are all kept; older ones thin out to
+# about this many per doubling of age.
+RECENT_SNAPSHOTS = 16
+# Hard limit of stored chunks per chain, whatever device_count says.
+MAX_STORED = 32
+
+
+def keep_snapshot(index: int, newest: int) -> bool:
+  """Whether the snapshot before chunk ``index`` survives thinning.
+
+  All of the last ``RECENT_SNAPSHOTS`` are kept; older ones are kept at a
+  spacing that doubles with age, so their number grows as ``log(newest)``.
+  """
+  age = newest - index
+  if age < RECENT_SNAPSHOTS or index == 0:
+    return True
+  spacing = 1 << max(0, (age // RECENT_SNAPSHOTS).bit_length() - 1)
+  return index % spacing == 0
+
+
+@dataclasses.dataclass
+class Entry:
+  """A stored chunk and how many more requests are expected for it."""
+  future: concurrent.futures.Future
+  pending: Optional[int] = None  # None: produced ahead, not yet requested
+
+
+@dataclasses.dataclass
+class ChainRecord:
+  """The host's bookkeeping of one chain.
+
+  Attributes:
+    number: The chain's number on its loader (``CacheState.chain``).
+    spec: What it draws.
+    cursor: The loader's cursor; it stands before chunk ``next_index``.
+    snapshots: Chunk index -> the cursor's position before that chunk.
+    next_index: The chunk the cursor produces next; None while unknown (a
+      production failed half-way).
+    chunks: Stored chunks by index, oldest first.
+    produce_lock: Held while the cursor works.
+    devices: The largest ``device_count`` a request for the chain named.
+  """
+  number: int
+  spec: ChainSpec
+  cursor: ChainCursor
+  snapshots: Dict[int, Position]
+  next_index: Optional[int]
+  chunks: "collections.OrderedDict[int, Entry]" = dataclasses.field(
+      default_factory=collections.OrderedDict)
+  produce_lock: threading.Lock = dataclasses.field(
+      default_factory=threading.Lock)
+  pruned_size: int = 0
+  devices: int = 1
+
+
+class ChainStore:
+  """The chains of one pipeline and their stored chunks.
+
+  Args:
+    loader: The host loader.
+    layout: The chunks' arrays.
+    name: The loader's repr, for messages.
+    cycle: Chunks per pass of ordered chains whose requests wrap around
+      (full-data passes); None for random chains.
+    verify_calls: Warn when a chunk is produced again because a request
+      came for one no longer stored (a state used twice).
+    keep: Served chunks kept per chain besides the one produced ahead.
+      Chunks still awaited by some of ``device_count`` devices are kept too,
+      up to ``keep + 1 + 2 * device_count`` (at most ``MAX_STORED``).
+  """
+
+  def __init__(self, loader: HostDataLoader, layout: ChunkLayout, name: str,
+               cycle: Optional[int] = None, verify_calls: bool = False,
+               keep: int = 2):
+    self._loader: Optional[HostDataLoader] = loader
+    self.layout = layout
+    self.name = name
+    self.cycle = cycle
+    self._verify_calls = verify_calls
+    self._keep = keep
+    self._records: Dict[int, ChainRecord] = {}
+    self._lock = threading.Lock()
+    self._buffers = BufferPool()
+
+  # -- chains -------------------------------------------------------------
+
+  @property
+  def loader(self) -> HostDataLoader:
+    loader = self._loader
+    if loader is None:
+      raise PipelineReleasedError(
+          f"this pipeline over {self.name} was released by its release_fn; "
+          "create a new pipeline to draw more data")
+    return loader
+
+  def add(self, spec: ChainSpec,
+          snapshot: Optional[Tuple[int, Position]] = None) -> ChainRecord:
+    """Adds a chain to the loader and to the store.
+
+    Args:
+      spec: The chain.
+      snapshot: ``(index, position)``: the chain starts at the position
+        saved before chunk ``index`` (a restored checkpoint); else at chunk
+        0.
+
+    Raises:
+      ValueError: the loader refuses the spec or the position; nothing is
+        added then.
+    """
+    number, spec, cursor = self.loader.add_chain(spec, self.layout)
+    index = 0
+    if snapshot is not None:
+      index, position = snapshot
+      try:
+        cursor.seek(position)
+      except BaseException:
+        cursor.close()
+        raise
+    record = ChainRecord(number, spec, cursor, {index: cursor.position()},
+                         index)
+    with self._lock:
+      self._records[number] = record
+    return record
+
+  def record(self, number: int) -> ChainRecord:
+    """The chain ``number``; a clear error if this pipeline has none."""
+    with self._lock:
+      record = self._records.get(int(number))
+    if record is None:
+      _ = self.loader  # released pipelines say so
+      raise ValueError(
+          f"chain {int(number)} was not created by this pipeline's init_fn "
+          f"(chains of this pipeline: {sorted(self._records)})")
+    return record
+
+  def snapshot_before(self, record: ChainRecord, index: int
+                      ) -> Tuple[int, Position]:
+    """The newest snapshot at or before chunk ``index``: (its index,
+    position)."""
+    with record.produce_lock:
+      base = max(i for i in record.snapshots if i <= index)
+      return base, record.snapshots[base]
+
+  def following(self, index: int) -> int:
+    """The chunk requested after chunk ``index``."""
+    following = index + 1
+    return following if self.cycle is None else following % self.cycle
+
+  # -- stored chunks ------------------------------------------------------
+
+  def claim(self, record: ChainRecord, index: int, device_count: int
+            ) -> Tuple[concurrent.futures.Future, bool]:
+    """The future of chunk ``index`` for a request, and whether the caller
+    must produce it (it was not stored)."""
+    with self._lock:
+      record.devices = max(record.devices, device_count)
+      entry = record.chunks.get(index)
+      if entry is not None:
+        entry.pending = (device_count if entry.pending is None
+                         else entry.pending) - 1
+        record.chunks.move_to_end(index)
+        return entry.future, False
+      entry = Entry(concurrent.futures.Future(), device_count - 1)
+      record.chunks[index] = entry
+      self._evict(record)
+      return entry.future, True
+
+  def claim_ahead(self, record: ChainRecord, index: int
+                  ) -> Optional[concurrent.futures.Future]:
+    """A future for producing chunk ``index`` before it is requested, or
+    None if it is stored already."""
+    with self._lock:
+      if index in record.chunks:
+        return None
+      future = concurrent.futures.Future()
+      record.chunks[index] = Entry(future)
+      self._evict(record)
+      return future
+
+  def forget(self, record: ChainRecord, index: int,
+             future: concurrent.futures.Future) -> None:
+    """Drops a failed chunk, so that a later request tries again."""
+    with self._lock:
+      entry = record.chunks.get(index)
+      if entry is not None and entry.future is future:
+        del record.chunks[index]
+
+  def _evict(self, record: ChainRecord) -> None:
+    """Drops served chunks beyond ``keep + 1`` (with ``_lock`` held).
+
+    Chunks that some device has yet to take stay, up to the hard cap.
+    """
+    cap = min(MAX_STORED, self._keep + 1 + 2 * record.devices)
+    while len(record.chunks) > self._keep + 1:
+      indices = list(record.chunks)[:-1]  # never the newest
+      served = [i for i in indices if record.chunks[i].pending is not None
+                and record.chunks[i].pending <= 0]
+      if served:
+        record.chunks.pop(served[0])
+      elif len(record.chunks) > cap:
+        record.chunks.pop(indices[0])
+      else:
+        break
+
+  # -- production ---------------------------------------------------------
+
+  def produce_into(self, record: ChainRecord, index: int,
+                   future: concurrent.futures.Future) -> None:
+    """Produces chunk ``index`` and sets ``future`` to it, or to the
+    failure (named :class:`HostLoaderError`)."""
+    try:
+      future.set_result(self._produce(record, index))
+    except BaseException as e:  # every failure reaches the waiting request
+      future.set_exception(self._wrap(record, index, e))
+
+  def _wrap(self, record: ChainRecord, index: int, e: BaseException):
+    if isinstance(e, (HostLoaderError, PipelineReleasedError)):
+      return e
+    error = HostLoaderError(
+        f"{self.name}, chain {record.number}, chunk {index}: "
+        f"{type(e).__name__}: {e}")
+    error.__cause__ = e
+    return error
+
+  def _produce(self, record: ChainRecord, index: int) -> Chunk:
+    _ = self.loader  # not after release
+    with record.produce_lock:
+      cursor = record.cursor
+      if record.next_index != index:
+        base = max(i for i in record.snapshots if i <= index)
+        if self._verify_calls and record.next_index is not None:
+          warnings.warn(
+              f"{self.name}, chain {record.number}: chunk {index} was "
+              f"requested again after chunk {record.next_index - 1}; "
+              f"replaying from chunk {base}", stacklevel=2)
+        record.next_index = None
+        cursor.seek(record.snapshots[base])
+        record.next_index = base
+      while True:
+        current = record.next_index
+        if current not in record.snapshots:
+          record.snapshots[current] = cursor.position()
+        record.next_index = None  # unknown until the cursor returns
+        chunk = cursor.produce(current, self._buffers_for_chunk())
+        record.next_index = current + 1
+        self._thin(record)
+        if current == index:
+          return self._check(chunk)
+
+  def _buffers_for_chunk(self) -> Chunk:
+    layout = self.layout
+    return Chunk([self._buffers.empty(shape, leaf.dtype) for shape, leaf in
+                  zip(layout.leaf_shapes(), layout.leaves)],
+                 self._buffers.empty(layout.lead, bool))
+
+  def _thin(self, record: ChainRecord) -> None:
+    if len(record.snapshots) <= 2 * record.pruned_size + RECENT_SNAPSHOTS:
+      return
+    newest = max(record.snapshots)
+    record.snapshots = {i: s for i, s in record.snapshots.items()
+                        if keep_snapshot(i, newest)}
+    record.pruned_size = len(record.snapshots)
+
+  def _check(self, chunk: Chunk) -> Chunk:
+    """Checks a chunk against the layout: a loader's error, not a cast."""
+    layout = self.layout
+    if len(chunk.leaves) != len(layout.leaves):
+      raise ValueError(
+          f"the cursor returned {len(chunk.leaves)} arrays, expected "
+          f"{len(layout.leaves)} as in the loader's observation_format")
+    for leaf, shape, fmt in zip(chunk.leaves, layout.leaf_shapes(),
+                                layout.leaves):
+      if not isinstance(leaf, np.ndarray) or leaf.shape != shape or (
+          leaf.dtype != fmt.dtype):
+        raise ValueError(
+            f"the cursor returned an array of shape {np.shape(leaf)} and "
+            f"dtype {getattr(leaf, 'dtype', type(leaf).__name__)}, expected "
+            f"shape {shape} and dtype {fmt.dtype}")
+    mask = chunk.mask
+    if (not isinstance(mask, np.ndarray) or mask.shape != layout.lead
+        or mask.dtype != np.bool_):
+      raise ValueError(
+          f"the cursor returned a mask of shape {np.shape(mask)}, expected "
+          f"{layout.lead} and dtype bool")
+    return chunk
+
+  # -- release ------------------------------------------------------------
+
+  def release(self) -> List[ChainRecord]:
+    """Drops the loader and every chain; returns the chains, whose cursors
+    the caller closes once no production runs."""
+    with self._lock:
+      self._loader = None
+      records, self._records = list(self._records.values()), {}
+    for record in records:
+      record.chunks.clear()
+    return records
+

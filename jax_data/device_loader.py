@@ -1,0 +1,184 @@
+"""Everything about data kept on the device: :class:`DeviceNumpyDataLoader`
+and the pipelines of device-resident loaders.
+
+A :class:`~jax_data.DeviceDataLoader` keeps the whole dataset on the device,
+so its pipelines make no host calls: random batches are drawn with
+``jax.random`` inside compiled code, and full-data passes slice the arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import Dict
+from typing import Optional
+from typing import Tuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_data import pipeline as pl
+from jax_data import states
+from jax_data.errors import PipelineReleasedError
+from jax_data.loader import DataLoader
+from jax_data.loader import DeviceDataLoader
+from jax_data.numpy_loader import ArrayData
+from jax_data.numpy_loader import observation_format_of
+from jax_data.numpy_loader import prepare_arrays
+from jax_data.sampling import ObservationRange
+from jax_data.sampling import ordered_batches
+from jax_data.types import CacheState
+from jax_data.types import MiniBatchInformation
+from jax_data.types import PyTree
+from jax_data.validation import check_bool
+from jax_data.validation import check_int
+from jax_data.validation import check_keywords
+
+
+class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
+  """The same arrays as :class:`NumpyDataLoader`, kept on the device.
+
+  Random batches are independent draws with ``jax.random`` (keyword ``key``
+  of ``init_fn``); no host calls are made.
+
+  Args:
+    copy: Copy the arrays before moving them to the device.
+    **reference_data: The arrays, one per keyword.
+  """
+
+  def __init__(self, copy: bool = True, **reference_data: Any):
+    arrays, self._count = prepare_arrays(type(self).__name__, copy,
+                                         reference_data)
+    self._format = observation_format_of(arrays)
+    self._arrays = {k: jnp.asarray(v, dtype=self._format[k].dtype)
+                    for k, v in arrays.items()}
+
+  def init_random_data(self, **kwargs: Any) -> jax.Array:
+    """A chain's PRNG key: keyword ``key`` (default ``PRNGKey(0)``)."""
+    check_keywords("a random chain of DeviceNumpyDataLoader", kwargs,
+                   ("key",))
+    key = kwargs.get("key")
+    if key is None:
+      return jax.random.PRNGKey(0)
+    if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+      key = jax.random.key_data(key)
+    key = jnp.asarray(key)
+    if key.shape != (2,) or key.dtype != jnp.uint32:
+      raise TypeError(
+          f"key must be a PRNG key (jax.random.PRNGKey or jax.random.key), "
+          f"got key with shape {key.shape} and dtype {key.dtype}")
+    return key
+
+  def get_random_data(self, state: jax.Array, batch_size: int):
+    key, split = jax.random.split(state)
+    indices = jax.random.randint(split, (batch_size,), 0, self._count)
+    batch = jax.tree_util.tree_map(lambda a: jnp.take(a, indices, axis=0),
+                                   self._arrays)
+    info = MiniBatchInformation(observation_count=self._count,
+                                mask=jnp.ones(batch_size, jnp.bool_),
+                                batch_size=batch_size)
+    return key, (batch, info)
+
+  def get_full_data(self) -> Dict[str, jax.Array]:
+    return self._arrays
+
+
+class LoaderRef:
+  """Holds a device loader until the pipeline is released."""
+
+  def __init__(self, loader: DataLoader):
+    self._loader: Optional[DataLoader] = loader
+
+  @property
+  def loader(self) -> DataLoader:
+    if self._loader is None:
+      raise PipelineReleasedError(
+          "this pipeline was released by its release_fn; create a new "
+          "pipeline to draw more data")
+    return self._loader
+
+  def check_open(self) -> None:
+    """Raises :class:`PipelineReleasedError` if the pipeline was released."""
+    _ = self.loader
+
+  def release(self) -> None:
+    self._loader = None
+
+
+class RandomPipeline(pl.Pipeline):
+  """Random batches of a device loader: no host calls."""
+
+  kind = "random"
+
+  def __init__(self, loader: DeviceDataLoader, mb_size: int):
+    self._ref = LoaderRef(loader)
+    self._mb_size = mb_size
+    count = loader.static_information["observation_count"]
+    super().__init__(None, states.new_state(pl.new_id(), -1, mb_size),
+                     loader, 0, mb_size, count)
+    self.functions = (self.init_fn, self.batch_fn, self.release_fn)
+
+  def init_fn(self, **kwargs: Any) -> CacheState:
+    """A chain's state; keywords go to ``init_random_data`` (``key``)."""
+    key = self._ref.loader.init_random_data(**kwargs)
+    return states.new_state(self.id, -1, self._mb_size, key=key)
+
+  def batch_fn(self, state: CacheState, information: bool = False,
+               device_count: int = 1):
+    """The next batch, drawn on the device, and the advanced state."""
+    state = states.check_state(state, self.template, "batch_fn")
+    information = check_bool("information", information)
+    check_int("device_count", device_count, minimum=1)
+    key, (batch, info) = self._ref.loader.get_random_data(state.key,
+                                                          self._mb_size)
+    new_state = state._replace(key=key)
+    if information:
+      return new_state, (batch, info)
+    return new_state, batch
+
+  def release_fn(self) -> None:
+    """Drops the pipeline's reference to the loader."""
+    self._ref.release()
+
+
+class FullChunks:
+  """The chunks of full-data passes over a device loader: slices of its
+  arrays, in the ordered stream's order (``spec/SAMPLING.md``).
+
+  Args:
+    loader: The device loader.
+    observations: The observations a pass visits.
+    cache_size: Batches per chunk.
+    mb_size: Observations per batch.
+  """
+
+  host = None
+
+  def __init__(self, loader: DeviceDataLoader, observations: ObservationRange,
+               cache_size: int, mb_size: int):
+    self._ref = LoaderRef(loader)
+    self._observations = observations
+    self._cache_size = cache_size
+    self._mb_size = mb_size
+    self.id = pl.new_id()
+
+  def init(self, **kwargs: Any) -> CacheState:
+    check_keywords("init_fn of a full-data pipeline", kwargs, ())
+    self._ref.check_open()
+    return states.new_state(self.id, -1, self._mb_size)
+
+  def fetch(self, state: CacheState, chunk: jax.Array, device_count: int
+            ) -> Tuple[PyTree, jax.Array]:
+    del state, device_count
+    data = self._ref.loader.get_full_data()
+    indices, mask = ordered_batches(chunk * self._cache_size,
+                                    self._cache_size, self._mb_size,
+                                    self._observations, xp=jnp)
+    batches = jax.tree_util.tree_map(lambda a: jnp.take(a, indices, axis=0),
+                                     data)
+    return batches, mask
+
+  def check_open(self) -> None:
+    self._ref.check_open()
+
+  def release(self) -> None:
+    self._ref.release()

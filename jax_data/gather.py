@@ -1,0 +1,171 @@
+"""Reading rows by index into chunk buffers: what several host loaders share.
+
+Pure NumPy. A chunk is ``cache_size * mb_size`` rows picked by index from
+arrays in memory or memory-mapped files:
+
+* :func:`is_run` tells when the rows are consecutive, so a slice reads them;
+* :class:`Gatherer` copies rows of an in-memory array into a buffer, in two
+  threads when the chunk is large (NumPy's ``take`` releases the GIL);
+* :func:`read_memmap_rows` reads rows of a memmap in file order, a few at a
+  time, and drops the pages it touched from the process;
+* :func:`digest_rows` digests a fixed sample of rows, so that checkpoints
+  are not restored into other data.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import mmap
+import sys
+import threading
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
+
+import numpy as np
+
+# Random rows of a memmap are read this many at a time, and their pages
+# dropped after each group: a page fault can map a whole large folio of the
+# page cache (up to MiBs) around each row, so a chunk of thousands of random
+# rows read at once would map most of a large file for a moment.
+ROWS_PER_READ = 128
+
+
+def is_run(flat: np.ndarray) -> bool:
+  """Whether the indices are consecutive (rows a slice can read)."""
+  return (int(flat[-1]) - int(flat[0]) == flat.size - 1
+          and bool((np.diff(flat) == 1).all()))
+
+
+class Gatherer:
+  """Copies rows of in-memory arrays into buffers.
+
+  Gathers of more than ``split_bytes`` run in two threads: the caller's and
+  one helper thread, started on first use and ended by :meth:`close`.
+  """
+
+  def __init__(self, split_bytes: int = 4 << 20):
+    self._split_bytes = split_bytes
+    self._lock = threading.Lock()
+    self._helper: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+  def take(self, array: np.ndarray, flat: np.ndarray,
+           out: np.ndarray) -> np.ndarray:
+    """``np.take(array, flat, axis=0)`` written into ``out`` (returned).
+
+    ``out`` has ``flat.size`` rows; its dtype may differ from the array's,
+    then rows are converted as ``astype`` would.
+    """
+    if out.dtype != array.dtype:
+      np.copyto(out, np.take(array, flat, axis=0), casting="unsafe")
+      return out
+    # Indices come from the streams, always in range: no bounds checks.
+    if out.nbytes < self._split_bytes:
+      return np.take(array, flat, axis=0, out=out, mode="clip")
+    with self._lock:
+      if self._helper is None:
+        self._helper = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="jax_data-gather")
+      helper = self._helper
+    half = flat.size // 2
+    other = helper.submit(np.take, array, flat[half:], 0, out[half:], "clip")
+    np.take(array, flat[:half], axis=0, out=out[:half], mode="clip")
+    other.result()
+    return out
+
+  def close(self) -> None:
+    """Ends the helper thread, if one was started."""
+    with self._lock:
+      helper, self._helper = self._helper, None
+    if helper is not None:
+      helper.shutdown(wait=True)
+
+
+class BufferPool:
+  """Chunk buffers used again once nothing else references them.
+
+  Gathering a large chunk into fresh memory costs a page fault per page;
+  a recycled buffer does not. A buffer is free when only the pool holds it
+  (the chunk store dropped the chunk and XLA copied it), which
+  ``sys.getrefcount`` tells exactly.
+  """
+
+  _PER_FORMAT = 4
+
+  def __init__(self):
+    self._free: Dict[Tuple[Tuple[int, ...], np.dtype], List[np.ndarray]] = {}
+    self._lock = threading.Lock()
+
+  def empty(self, shape, dtype) -> np.ndarray:
+    """An array of that shape and dtype, recycled if one is free."""
+    with self._lock:
+      pool = self._free.setdefault((tuple(shape), np.dtype(dtype)), [])
+      for buffer in pool:
+        # References: the pool's list, this loop variable, the argument.
+        if sys.getrefcount(buffer) <= 3:
+          return buffer
+      buffer = np.empty(shape, dtype)
+      if len(pool) < self._PER_FORMAT:
+        pool.append(buffer)
+      return buffer
+
+
+def read_memmap_rows(array: np.memmap, flat: np.ndarray,
+                     out: np.ndarray) -> np.ndarray:
+  """Rows ``flat`` of a memmap written into ``out`` (returned), read in file
+  order in small groups whose pages are dropped after each."""
+  if flat.size and is_run(flat):
+    first = int(flat[0])
+    np.copyto(out, array[first:first + flat.size], casting="unsafe")
+    drop_pages(array)
+    return out
+  order = np.argsort(flat, kind="stable")
+  for start in range(0, flat.size, ROWS_PER_READ):
+    part = order[start:start + ROWS_PER_READ]
+    out[part] = array[flat[part]]
+    drop_pages(array)
+  return out
+
+
+def drop_pages(array: np.memmap) -> None:
+  """Unmaps the pages a memmap read touched from this process.
+
+  They stay in the kernel's page cache, but no longer count in the
+  process's resident memory, so out-of-core data does not fill it up.
+  """
+  if getattr(array, "mode", None) == "c":
+    return  # copy-on-write: dropping pages would discard the user's edits
+  mapped = getattr(array, "_mmap", None)
+  advice = getattr(mmap, "MADV_DONTNEED", None)
+  if mapped is not None and advice is not None:
+    try:
+      mapped.madvise(advice)
+    except (OSError, ValueError):  # not supported here: pages stay mapped
+      pass
+
+
+def digest_rows(count: int, leaves: Sequence[Any],
+                dtypes: Sequence[np.dtype]) -> str:
+  """A digest of the row count and of a fixed sample of rows: O(1) in the
+  number of rows, so memmaps are not read whole.
+
+  The sample is 16 evenly spaced rows and 16 drawn with a seed fixed by the
+  count. ``leaves`` are arrays (or array-likes indexable by a row); each
+  row is taken in the loader's dtype (``dtypes``), so the same data gives
+  the same digest however it is held.
+  """
+  rng = np.random.default_rng(count)
+  rows = np.unique(np.concatenate([
+      np.linspace(0, count - 1, min(count, 16)).astype(np.int64),
+      rng.integers(0, count, min(count, 16))]))
+  digest = hashlib.sha256(f"rows={count}".encode())
+  for leaf, dtype in zip(leaves, dtypes):
+    for row in rows:
+      value = np.ascontiguousarray(leaf[int(row)], dtype=dtype)
+      digest.update(f"{value.dtype.str}{value.shape}".encode())
+      digest.update(value.tobytes())
+  return digest.hexdigest()[:32]

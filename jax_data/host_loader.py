@@ -1,0 +1,202 @@
+"""The host-loader interface: what a loader implements to feed compiled code.
+
+A host loader describes its data (:attr:`~HostDataLoader.static_information`,
+:attr:`~HostDataLoader.observation_format`) and opens *chains* from typed
+specs (``jax_data.chains``). A chain is a stream of chunks, each
+``cache_size`` batches of ``mb_size`` observations; the loader produces them
+through a :class:`~jax_data.chains.ChainCursor`, whose position can be saved
+and restored. That is the whole contract: registering chains, keeping
+chunks, snapshots, prefetching, several devices and checkpoints are the host
+side's work (``jax_data.host``), the same for every loader.
+
+A new loader subclasses :class:`HostDataLoader` and implements
+``static_information``, ``observation_format`` and :meth:`open_chain`
+(optionally :meth:`~HostDataLoader.content_digest`); the methods of the
+predecessor's API (``register_random_pipeline``, ``get_batches``,
+``save_state``, ``load_state``) then come for free. A loader written or
+extended the predecessor's way (its class overrides ``get_batches``) is
+served through those methods instead (``jax_data.legacy_loader``).
+
+Only NumPy runs behind the cursors: the host calls them from its own threads
+while compiled code waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+from typing import Callable
+from typing import ClassVar
+from typing import Dict
+from typing import Optional
+from typing import Tuple
+
+import jax
+import numpy as np
+
+from jax_data.chains import ChainCursor
+from jax_data.chains import ChainSpec
+from jax_data.chains import ChunkLayout
+from jax_data.chains import LeafFormat
+from jax_data.chains import OrderedChain
+from jax_data.chains import RandomChain
+from jax_data.legacy_loader import LegacyCursor
+from jax_data.legacy_loader import OwnChain
+from jax_data.legacy_loader import PredecessorAPI
+from jax_data.loader import DataLoader
+from jax_data.sampling import ObservationRange
+from jax_data.validation import check_bool
+from jax_data.validation import check_int
+from jax_data.validation import check_keywords
+
+
+@dataclasses.dataclass
+class _Numbering:
+  """How many chains a loader has numbered, and the chains registered
+  through the predecessor's API (None once released)."""
+  lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
+  count: int = 0
+  chains: Dict[int, Optional[OwnChain]] = dataclasses.field(
+      default_factory=dict)
+
+
+class HostDataLoader(PredecessorAPI, DataLoader):
+  """Data on the host, served to compiled code in chunks of batches.
+
+  Chains are numbered per loader, from 0, in the order they are added (by a
+  pipeline's ``init_fn`` or by :meth:`register_random_pipeline`); a random
+  chain's seed defaults to its number.
+
+  Subclasses implement ``static_information``, ``observation_format`` and
+  :meth:`open_chain`, and set :attr:`random_keywords` to the options their
+  random chains take.
+  """
+
+  #: Keywords a random chain of this loader takes.
+  random_keywords: ClassVar[Tuple[str, ...]] = (
+      "seed", "shuffle", "in_epochs", "shard_index", "shard_count")
+  #: Keywords an ordered chain of this loader takes.
+  ordered_keywords: ClassVar[Tuple[str, ...]] = ("shard_index", "shard_count")
+
+  # -- the interface ------------------------------------------------------
+
+  def open_chain(self, spec: ChainSpec, layout: ChunkLayout) -> ChainCursor:
+    """A cursor before the first chunk of the chain ``spec``.
+
+    Args:
+      spec: What the chain draws; a random chain's seed is set.
+      layout: The chunks' arrays; its leaves are the loader's
+        ``observation_format``.
+    """
+    raise NotImplementedError(
+        f"{type(self).__name__} implements neither open_chain nor the "
+        "predecessor's get_batches; a host loader needs one of them")
+
+  def content_digest(self) -> Optional[str]:
+    """A cheap digest of the data (a sample of rows and the row count), so
+    that a checkpoint is not restored into other data; None if unknown."""
+    return None
+
+  def check_spec(self, spec: ChainSpec) -> None:
+    """Raises if this loader cannot serve ``spec`` (called before the chain
+    is numbered); the default accepts every spec."""
+    del spec
+
+  # -- what the interface gives -------------------------------------------
+
+  def chunk_layout(self, cache_size: int, mb_size: int) -> ChunkLayout:
+    """The layout of chunks of ``cache_size`` batches of ``mb_size``."""
+    leaves = jax.tree_util.tree_leaves(self.observation_format)
+    return ChunkLayout(cache_size, mb_size, tuple(
+        LeafFormat(tuple(s.shape), np.dtype(s.dtype)) for s in leaves))
+
+  def chain_spec(self, ordered: bool, **keywords: Any) -> ChainSpec:
+    """The spec of a chain from ``init_fn`` keywords.
+
+    Args:
+      ordered: An ordered chain, else a random one.
+      **keywords: ``shard_index``/``shard_count``; for random chains also
+        the options in :attr:`random_keywords`.
+
+    Returns:
+      The spec; a random chain's ``seed`` is None when not given (it becomes
+      the chain's number in :meth:`add_chain`).
+
+    Raises:
+      TypeError, ValueError: an unknown keyword or a bad value, named.
+    """
+    allowed = self.ordered_keywords if ordered else self.random_keywords
+    kind = "an ordered" if ordered else "a random"
+    check_keywords(f"{kind} chain of {type(self).__name__}", keywords,
+                   allowed)
+    observations = ObservationRange.from_arguments(
+        self.static_information["observation_count"],
+        keywords.get("shard_index"), keywords.get("shard_count"))
+    if ordered:
+      return OrderedChain(observations)
+    seed = keywords.get("seed")
+    shuffle = check_bool("shuffle", keywords.get("shuffle", False))
+    in_epochs = check_bool("in_epochs", keywords.get("in_epochs", False))
+    if in_epochs and not shuffle:
+      raise ValueError("in_epochs=True needs shuffle=True, got shuffle=False")
+    return RandomChain(
+        None if seed is None else check_int("seed", seed, minimum=0),
+        observations, shuffle, in_epochs)
+
+  def add_chain(self, spec: ChainSpec, layout: ChunkLayout
+                ) -> Tuple[int, ChainSpec, ChainCursor]:
+    """Numbers a chain and opens the cursor the host serves it through;
+    nothing is numbered if that raises.
+
+    The cursor is :meth:`open_chain`'s, unless the loader's class overrides
+    ``get_batches`` (the predecessor's way to write or extend a loader):
+    then the chain is served through ``get_batches``, ``save_state`` and
+    ``load_state``.
+
+    Returns:
+      ``(number, spec, cursor)``; a random chain's seed, if None, is now
+      the chain's number.
+
+    Raises:
+      ValueError: the batch size exceeds the chain's observations, or the
+        loader cannot serve the spec.
+    """
+    return self._numbered(
+        spec, layout, lambda number, spec: self._host_cursor(number, spec,
+                                                             layout))
+
+  def _numbered(self, spec: ChainSpec, layout: ChunkLayout,
+                open_cursor: Callable[[int, ChainSpec], ChainCursor]
+                ) -> Tuple[int, ChainSpec, ChainCursor]:
+    check_int("mb_size", layout.mb_size, minimum=1,
+              maximum=spec.observations.count, what="the observation count")
+    numbering = self._numbering()
+    with numbering.lock:
+      number = numbering.count
+      if isinstance(spec, RandomChain) and spec.seed is None:
+        spec = dataclasses.replace(spec, seed=number)
+      self.check_spec(spec)
+      cursor = open_cursor(number, spec)
+      numbering.count += 1
+    return number, spec, cursor
+
+  def _host_cursor(self, number: int, spec: ChainSpec, layout: ChunkLayout
+                   ) -> ChainCursor:
+    cls = type(self)
+    if cls.get_batches is HostDataLoader.get_batches:
+      return self.open_chain(spec, layout)
+    if cls.open_chain is HostDataLoader.open_chain:  # the predecessor's API
+      return LegacyCursor.registered(self, spec, layout)
+    # A subclass of a loader of ours that overrides get_batches: its chain
+    # is one of the loader's own, under the same number.
+    self._numbering().chains[number] = OwnChain(
+        self.open_chain(spec, layout), layout, spec)
+    return LegacyCursor(self, number, layout)
+
+  def _numbering(self) -> _Numbering:
+    # Made on first use: subclasses need not call an __init__ of ours.
+    numbering = self.__dict__.get("_chain_numbering")
+    if numbering is None:  # setdefault: one of two racing threads wins
+      numbering = self.__dict__.setdefault("_chain_numbering", _Numbering())
+    return numbering

@@ -1,0 +1,79 @@
+"""Chains of loaders that read rows by index: the index streams of
+``spec/SAMPLING.md`` and a function that reads the rows.
+
+The NumPy loader (arrays and memmaps) and the in-memory TensorFlow loader
+share it: a loader supplies ``read(flat_indices, out_leaves) -> leaves``
+and gets cursors whose streams are exactly the NumPy loader's.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+from typing import List
+from typing import Union
+
+import numpy as np
+
+from jax_data.chains import ChainCursor
+from jax_data.chains import ChainSpec
+from jax_data.chains import Chunk
+from jax_data.chains import ChunkLayout
+from jax_data.chains import OrderedChain
+from jax_data.chains import Position
+from jax_data.sampling import OrderedStream
+from jax_data.sampling import RandomStream
+
+# Reads rows ``flat`` (int64 indices into the loader's observations) and
+# returns one array per leaf with ``flat.size`` rows: the given buffers
+# filled, or read-only views of the data.
+ReadRows = Callable[[np.ndarray, List[np.ndarray]], List[np.ndarray]]
+
+_POSITION_VERSION = 1
+
+
+def stream_of(spec: ChainSpec, mb_size: int
+              ) -> Union[RandomStream, OrderedStream]:
+  """The index stream of a chain (``spec/SAMPLING.md``)."""
+  if isinstance(spec, OrderedChain):
+    return OrderedStream(spec.observations, mb_size)
+  return RandomStream(spec.observations, mb_size, spec.seed, spec.shuffle,
+                      spec.in_epochs)
+
+
+class IndexedCursor(ChainCursor):
+  """A chain whose chunks are rows picked by an index stream.
+
+  Args:
+    spec: The chain.
+    layout: Its chunks.
+    read: Reads rows by index (see :data:`ReadRows`).
+  """
+
+  def __init__(self, spec: ChainSpec, layout: ChunkLayout, read: ReadRows):
+    self._stream = stream_of(spec, layout.mb_size)
+    self._layout = layout
+    self._read = read
+    self._all_valid = np.ones(layout.lead, bool)
+    self._all_valid.setflags(write=False)
+
+  def produce(self, index: int, out: Chunk) -> Chunk:
+    del index
+    indices, mask = self._stream.draw(self._layout.cache_size)
+    rows = indices.size
+    flat_out = [leaf.reshape((rows,) + leaf.shape[2:]) for leaf in out.leaves]
+    leaves = self._read(indices.reshape(-1), flat_out)
+    leaves = [leaf.reshape(shape) for leaf, shape in
+              zip(leaves, self._layout.leaf_shapes())]
+    return Chunk(leaves, self._all_valid if mask is None else mask)
+
+  def position(self) -> Position:
+    return {"version": _POSITION_VERSION, "stream": self._stream.get_state()}
+
+  def seek(self, position: Position) -> None:
+    if not isinstance(position, dict) or position.get(
+        "version") != _POSITION_VERSION or "stream" not in position:
+      raise ValueError(
+          f"position {position!r} is not one of an indexed chain (version "
+          f"{_POSITION_VERSION})")
+    self._stream.set_state(copy.deepcopy(position["stream"]))

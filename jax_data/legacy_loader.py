@@ -1,0 +1,250 @@
+"""The predecessor's loader API, both ways round.
+
+* :class:`PredecessorAPI` gives every host loader the predecessor's methods
+  (``register_random_pipeline``, ``register_ordered_pipeline``,
+  ``get_batches``, ``save_state``, ``load_state``), built on the loader's
+  cursors.
+* :class:`LegacyCursor` serves a chain of a loader written the predecessor's
+  way (it implements those methods itself, with its own chain ids, or
+  extends a loader of ours and overrides ``get_batches``) through those
+  methods, behind the cursor interface the host uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+from typing import Dict
+from typing import Optional
+from typing import Tuple
+
+import jax
+import numpy as np
+
+from jax_data.chains import ChainCursor
+from jax_data.chains import ChainSpec
+from jax_data.chains import Chunk
+from jax_data.chains import ChunkLayout
+from jax_data.chains import OrderedChain
+from jax_data.chains import Position
+from jax_data.types import PyTree
+from jax_data.validation import check_int
+from jax_data.validation import check_saved_state
+from jax_data.validation import check_sizes
+
+
+def _keywords(spec: ChainSpec, count: int) -> dict:
+  """The registration keywords that ask the loader for ``spec``."""
+  observations = spec.observations
+  keywords = {}
+  if observations.count != count:  # a shard: find its index and count
+    keywords = {"shard_index": observations.shard_index,
+                "shard_count": observations.shard_count}
+  if isinstance(spec, OrderedChain):
+    return keywords
+  keywords["seed"] = spec.seed
+  if spec.shuffle:
+    keywords["shuffle"] = True
+  if spec.in_epochs:
+    keywords["in_epochs"] = True
+  return keywords
+
+
+class LegacyCursor(ChainCursor):
+  """A chain served through a loader's ``get_batches``, ``save_state`` and
+  ``load_state``.
+
+  Its chunks are checked against the layout: the wrong number of arrays, a
+  wrong shape or dtype is an error that names what differs.
+
+  Args:
+    loader: The loader.
+    chain: The chain's id for those methods.
+    layout: The chunks' arrays.
+  """
+
+  def __init__(self, loader: Any, chain: int,
+               layout: ChunkLayout):
+    self._loader = loader
+    self._chain = chain
+    self._layout = layout
+
+  @classmethod
+  def registered(cls, loader: Any, spec: ChainSpec,
+                 layout: ChunkLayout) -> "LegacyCursor":
+    """Registers a chain for ``spec`` with the loader's own
+    ``register_*_pipeline`` and serves it."""
+    count = loader.static_information["observation_count"]
+    register = (loader.register_ordered_pipeline
+                if isinstance(spec, OrderedChain)
+                else loader.register_random_pipeline)
+    return cls(loader, register(layout.cache_size, layout.mb_size,
+                                **_keywords(spec, count)), layout)
+
+  def produce(self, index: int, out: Chunk) -> Chunk:
+    del out, index
+    batches, mask = self._loader.get_batches(self._chain)
+    leaves = self._checked_leaves(batches)
+    if mask is None:
+      mask = np.ones(self._layout.lead, bool)
+    mask = np.asarray(mask)
+    if mask.shape != self._layout.lead or mask.dtype != np.bool_:
+      raise ValueError(
+          f"get_batches returned a mask of shape {mask.shape} and dtype "
+          f"{mask.dtype}, expected shape {self._layout.lead} and bool")
+    return Chunk(leaves, mask)
+
+  def _checked_leaves(self, batches: Any):
+    leaves = jax.tree_util.tree_leaves(batches)
+    expected = self._layout
+    if len(leaves) != len(expected.leaves):
+      raise ValueError(
+          f"get_batches returned {len(leaves)} arrays, expected "
+          f"{len(expected.leaves)} as in the loader's observation_format")
+    checked = []
+    for leaf, shape, fmt in zip(leaves, expected.leaf_shapes(),
+                                expected.leaves):
+      leaf = np.asarray(leaf)
+      if leaf.shape != shape or leaf.dtype != fmt.dtype:
+        raise ValueError(
+            f"get_batches returned an array of shape {leaf.shape} and dtype "
+            f"{leaf.dtype}, expected shape {shape} (cache_size, mb_size, "
+            f"...) and dtype {fmt.dtype} as in the loader's "
+            "observation_format")
+      checked.append(leaf)
+    return checked
+
+  def position(self) -> Position:
+    return self._loader.save_state(self._chain)
+
+  def seek(self, position: Position) -> None:
+    self._loader.load_state(self._chain, position)
+
+  def close(self) -> None:
+    self._loader.release_chain(self._chain)
+
+
+@dataclasses.dataclass
+class OwnChain:
+  """A chain registered through the predecessor's API."""
+  cursor: ChainCursor
+  layout: ChunkLayout
+  spec: ChainSpec
+  next_index: int = 0  # of the chunk produced next, for messages
+
+
+class PredecessorAPI:
+  """The predecessor's methods of a host loader, built on its cursors.
+
+  Chain ids are the loader's chain numbers (``HostDataLoader.add_chain``):
+  registrations by pipelines and by these methods count alike.
+  """
+
+  # -- the predecessor's API ----------------------------------------------
+
+  def register_random_pipeline(self, cache_size: int = 1,
+                               mb_size: Optional[int] = None,
+                               **kwargs: Any) -> int:
+    """Registers a chain of random batches and returns its id.
+
+    Args:
+      cache_size: Batches per chunk.
+      mb_size: Observations per batch.
+      **kwargs: The options in :attr:`random_keywords`: ``seed`` (default:
+        the chain id), ``shard_index``/``shard_count`` to draw from one
+        contiguous shard, and for the NumPy loader ``shuffle`` and
+        ``in_epochs`` (``spec/SAMPLING.md``).
+    """
+    return self._register(False, cache_size, mb_size, kwargs)
+
+  def register_ordered_pipeline(self, cache_size: int = 1,
+                                mb_size: Optional[int] = None,
+                                **kwargs: Any) -> int:
+    """Registers a chain that visits every observation in order, pass after
+    pass, the last batch of a pass padded and masked; returns its id.
+
+    Args:
+      cache_size: Batches per chunk.
+      mb_size: Observations per batch.
+      **kwargs: ``shard_index``/``shard_count`` to pass over one shard.
+    """
+    return self._register(True, cache_size, mb_size, kwargs)
+
+  def _register(self, ordered: bool, cache_size: Any, mb_size: Any,
+                keywords: Dict[str, Any]) -> int:
+    spec = self.chain_spec(ordered, **keywords)
+    cache_size, mb_size = check_sizes(cache_size, mb_size,
+                                      spec.observations.count)
+    layout = self.chunk_layout(cache_size, mb_size)
+    numbering = self._numbering()
+    with numbering.lock:
+      number, spec, cursor = self._numbered(
+          spec, layout, lambda _, spec: self.open_chain(spec, layout))
+      numbering.chains[number] = OwnChain(cursor, layout, spec)
+    return number
+
+  def _own_chain(self, chain_id: Any) -> OwnChain:
+    chain_id = check_int("chain_id", chain_id, minimum=0)
+    numbering = self._numbering()
+    chain = numbering.chains.get(chain_id)
+    if chain is None:
+      state = ("was released" if chain_id in numbering.chains else
+               f"does not exist ({len(numbering.chains)} chains registered)")
+      raise ValueError(f"chain_id={chain_id} of {self!r} {state}")
+    return chain
+
+  def get_batches(self, chain_id: int) -> Tuple[PyTree, np.ndarray]:
+    """The chain's next chunk, and advances it.
+
+    Returns:
+      Arrays with leading axes ``(cache_size, mb_size)`` in the loader's
+      ``observation_format``, and a bool mask of shape ``(cache_size,
+      mb_size)``.
+    """
+    chain = self._own_chain(chain_id)
+    layout = chain.layout
+    out = Chunk([np.empty(shape, leaf.dtype) for shape, leaf in
+                 zip(layout.leaf_shapes(), layout.leaves)],
+                np.empty(layout.lead, bool))
+    chunk = chain.cursor.produce(chain.next_index, out)
+    chain.next_index += 1
+    treedef = jax.tree_util.tree_structure(self.observation_format)
+    return treedef.unflatten(chunk.leaves), chunk.mask
+
+  def save_state(self, chain_id: int) -> Dict[str, Any]:
+    """The chain's position: a small dict, restorable by
+    :meth:`load_state`: the chain's kind and sizes, and the fields of its
+    cursor's position."""
+    chain = self._own_chain(chain_id)
+    return {**chain.cursor.position(), **self._state_fields(chain)}
+
+  def _state_fields(self, chain: OwnChain) -> Dict[str, Any]:
+    return {"kind": ("ordered" if isinstance(chain.spec, OrderedChain)
+                     else "random"),
+            "cache_size": chain.layout.cache_size,
+            "mb_size": chain.layout.mb_size,
+            "observation_count": self.static_information["observation_count"]}
+
+  def load_state(self, chain_id: int, data: Dict[str, Any]) -> None:
+    """Moves the chain to a position from :meth:`save_state`; ``data`` is
+    not changed.
+
+    Raises:
+      TypeError: ``data`` is not a dict.
+      ValueError: it belongs to a chain of another kind or size; the message
+        shows both sides.
+    """
+    chain = self._own_chain(chain_id)
+    here = self._state_fields(chain)
+    check_saved_state(data, here, f"chain {chain_id} of {self!r}")
+    chain.cursor.seek({k: v for k, v in data.items() if k not in here})
+
+  def release_chain(self, chain_id: int) -> None:
+    """Frees what the loader holds for a chain; its id is not reused."""
+    numbering = self._numbering()
+    with numbering.lock:
+      chain = numbering.chains.get(int(chain_id))
+      if chain is not None:
+        numbering.chains[int(chain_id)] = None
+    if chain is not None:
+      chain.cursor.close()

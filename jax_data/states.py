@@ -1,0 +1,97 @@
+"""Data states: making them, checking them before tracing, and reading a
+batch out of their cache inside compiled code."""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_data.types import CacheState
+from jax_data.types import PyTree
+
+
+def new_state(pipeline: int, chain: int, mb_size: int, cache_size: int = 0,
+              batch_format: Optional[PyTree] = None,
+              key: Optional[jax.Array] = None) -> CacheState:
+  """A state positioned before a chain's first batch.
+
+  Args:
+    pipeline: The pipeline's identity.
+    chain: The chain's number; -1 for device-resident pipelines.
+    mb_size: Observations per batch.
+    cache_size: Batches in the device cache; 0 for pipelines that keep no
+      cache in the state (full-data passes, device-resident loaders).
+    batch_format: The cache's format (leading axes ``(cache_size,
+      mb_size)``); None when ``cache_size`` is 0.
+    key: The PRNG key of a device-resident random chain; zeros otherwise.
+  """
+  if batch_format is None:
+    batches = {}
+  else:
+    batches = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                     batch_format)
+  if key is None:
+    key = jnp.zeros((2,), jnp.uint32)
+  return CacheState(pipeline=jnp.int32(pipeline), chain=jnp.int32(chain),
+                    chunk=jnp.int32(0), position=jnp.int32(0),
+                    cached_chunk=jnp.int32(-1), batches=batches,
+                    mask=jnp.zeros((cache_size, mb_size), jnp.bool_),
+                    key=key)
+
+
+def check_state(state: Any, expected: CacheState, where: str) -> CacheState:
+  """Checks that ``state`` is a state of the pipeline whose template is
+  ``expected``, before anything is traced.
+
+  Structure, shapes and dtypes must match; a state whose ``pipeline``
+  field is known (not traced) must carry the pipeline's identity.
+
+  Raises:
+    TypeError: not a state of this pipeline's shapes.
+    ValueError: a state of another pipeline of the same shapes.
+  """
+  if not isinstance(state, CacheState):
+    raise TypeError(
+        f"{where} expects a CacheState from this pipeline's init_fn, got "
+        f"state of type {type(state).__name__}")
+  got = jax.tree_util.tree_structure(state)
+  want = jax.tree_util.tree_structure(expected)
+  if got != want:
+    raise TypeError(
+        f"state does not belong to this pipeline: its structure is {got}, "
+        f"expected {want}")
+  for g, w in zip(jax.tree_util.tree_leaves(state),
+                  jax.tree_util.tree_leaves(expected)):
+    # Inside vmap/pmap a state has its unbatched shapes again.
+    if np.shape(g) != np.shape(w) or jnp.result_type(g) != jnp.result_type(w):
+      raise TypeError(
+          f"state does not belong to this pipeline: a field has shape "
+          f"{np.shape(g)} and dtype {jnp.result_type(g)}, expected "
+          f"{np.shape(w)} and {jnp.result_type(w)}")
+  check_identity(state.pipeline, int(expected.pipeline), where)
+  return state
+
+
+def check_identity(field: Any, pipeline: int, where: str) -> None:
+  """Raises if a known ``pipeline`` field (of stacked states too) is not
+  ``pipeline``; traced fields are checked on the host instead."""
+  try:
+    ids = np.asarray(field)
+  except jax.errors.TracerArrayConversionError:
+    return
+  foreign = sorted(set(ids[ids != pipeline].tolist()))
+  if foreign:
+    raise ValueError(
+        f"{where} got a state of another pipeline (id {foreign[0]}; this "
+        f"pipeline's id is {pipeline}); use the states of this pipeline's "
+        "init_fn")
+
+
+def batch_at(batches: PyTree, mask: jax.Array, position: jax.Array):
+  """Batch ``position`` of a cache: (batch, mask)."""
+  pick = lambda x: jax.lax.dynamic_index_in_dim(x, position, keepdims=False)
+  return jax.tree_util.tree_map(pick, batches), pick(mask)
