@@ -23,8 +23,8 @@ import concurrent.futures
 import dataclasses
 import threading
 import warnings
+from typing import Any
 from typing import Dict
-from typing import List
 from typing import Optional
 from typing import Tuple
 
@@ -93,6 +93,7 @@ class ChainRecord:
       default_factory=threading.Lock)
   pruned_size: int = 0
   devices: int = 1
+  closed: bool = False
 
 
 class ChainStore:
@@ -249,11 +250,14 @@ class ChainStore:
   def produce_into(self, record: ChainRecord, index: int,
                    future: concurrent.futures.Future) -> None:
     """Produces chunk ``index`` and sets ``future`` to it, or to the
-    failure (named :class:`HostLoaderError`)."""
+    failure (named :class:`HostLoaderError`); a future that release failed
+    meanwhile keeps its answer."""
     try:
-      future.set_result(self._produce(record, index))
+      chunk = self._produce(record, index)
     except BaseException as e:  # every failure reaches the waiting request
-      future.set_exception(self._wrap(record, index, e))
+      settle(future, error=self._wrap(record, index, e))
+    else:
+      settle(future, chunk)
 
   def _wrap(self, record: ChainRecord, index: int, e: BaseException):
     if isinstance(e, (HostLoaderError, PipelineReleasedError)):
@@ -266,28 +270,37 @@ class ChainStore:
 
   def _produce(self, record: ChainRecord, index: int) -> Chunk:
     _ = self.loader  # not after release
-    with record.produce_lock:
-      cursor = record.cursor
-      if record.next_index != index:
-        base = max(i for i in record.snapshots if i <= index)
-        if self._verify_calls and record.next_index is not None:
-          warnings.warn(
-              f"{self.name}, chain {record.number}: chunk {index} was "
-              f"requested again after chunk {record.next_index - 1}; "
-              f"replaying from chunk {base}", stacklevel=2)
-        record.next_index = None
-        cursor.seek(record.snapshots[base])
-        record.next_index = base
-      while True:
-        current = record.next_index
-        if current not in record.snapshots:
-          record.snapshots[current] = cursor.position()
-        record.next_index = None  # unknown until the cursor returns
-        chunk = cursor.produce(current, self._buffers_for_chunk())
-        record.next_index = current + 1
-        self._thin(record)
-        if current == index:
-          return self._check(chunk)
+    try:
+      with record.produce_lock:
+        return self._produce_locked(record, index)
+    finally:
+      if self._loader is None:  # released while producing
+        _close(record, blocking=True)
+
+  def _produce_locked(self, record: ChainRecord, index: int) -> Chunk:
+    """Produces chunk ``index`` (with the chain's ``produce_lock`` held),
+    moving the cursor back to a snapshot first if it stands elsewhere."""
+    cursor = record.cursor
+    if record.next_index != index:
+      base = max(i for i in record.snapshots if i <= index)
+      if self._verify_calls and record.next_index is not None:
+        warnings.warn(
+            f"{self.name}, chain {record.number}: chunk {index} was "
+            f"requested again after chunk {record.next_index - 1}; "
+            f"replaying from chunk {base}", stacklevel=2)
+      record.next_index = None
+      cursor.seek(record.snapshots[base])
+      record.next_index = base
+    while True:
+      current = record.next_index
+      if current not in record.snapshots:
+        record.snapshots[current] = cursor.position()
+      record.next_index = None  # unknown until the cursor returns
+      chunk = cursor.produce(current, self._buffers_for_chunk())
+      record.next_index = current + 1
+      self._thin(record)
+      if current == index:
+        return self._check(chunk)
 
   def _buffers_for_chunk(self) -> Chunk:
     layout = self.layout
@@ -328,13 +341,44 @@ class ChainStore:
 
   # -- release ------------------------------------------------------------
 
-  def release(self) -> List[ChainRecord]:
-    """Drops the loader and every chain; returns the chains, whose cursors
-    the caller closes once no production runs."""
+  def release(self, error: BaseException) -> None:
+    """Drops the loader and every chain: requests still waiting for a chunk
+    get ``error``, and cursors are closed (a cursor that is producing closes
+    when it is done). Idempotent."""
     with self._lock:
       self._loader = None
       records, self._records = list(self._records.values()), {}
+      waiting = [entry.future for record in records
+                 for entry in record.chunks.values()]
+      for record in records:
+        record.chunks.clear()
+    for future in waiting:
+      settle(future, error=error)
     for record in records:
-      record.chunks.clear()
-    return records
+      _close(record, blocking=False)  # if producing, it closes when done
+
+
+def _close(record: ChainRecord, blocking: bool) -> None:
+  """Closes a chain's cursor once, unless it is producing and ``blocking``
+  is False."""
+  if not record.produce_lock.acquire(blocking=blocking):
+    return
+  try:
+    if not record.closed:
+      record.closed = True
+      record.cursor.close()
+  finally:
+    record.produce_lock.release()
+
+
+def settle(future: concurrent.futures.Future, result: Any = None,
+           error: Optional[BaseException] = None) -> None:
+  """Sets a future's result or error, unless it has one already."""
+  try:
+    if error is not None:
+      future.set_exception(error)
+    else:
+      future.set_result(result)
+  except concurrent.futures.InvalidStateError:
+    pass
 

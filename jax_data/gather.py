@@ -131,6 +131,34 @@ def read_memmap_rows(array: np.memmap, flat: np.ndarray,
   return out
 
 
+def file_bytes_needed(array: np.memmap) -> Optional[int]:
+  """The size a memmap's file must have for every byte the array (or view
+  of a memmap: a slice, a strided or reversed view) touches; None if it is
+  not mapped from a file.
+
+  Reading past the end of a mapped file kills the process with SIGBUS, so
+  this is checked before each read, against the size of the mapped file
+  itself (not its path, which may have been unlinked or replaced).
+  """
+  mapped = getattr(array, "_mmap", None)
+  if mapped is None or array.size == 0:
+    return None
+  base = np.frombuffer(mapped, np.uint8).ctypes.data  # where the map starts
+  start = array.ctypes.data
+  high = start + array.itemsize + sum(
+      max(0, stride * (dim - 1)) for stride, dim in
+      zip(array.strides, array.shape))
+  # numpy maps from the allocation boundary at or before the offset.
+  first = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
+  return first + (high - base)
+
+
+def mapped_file_size(array: np.memmap) -> int:
+  """The current size of the file a memmap maps (``fstat`` of the
+  mapping's own descriptor)."""
+  return array._mmap.size()  # pylint: disable=protected-access
+
+
 def drop_pages(array: np.memmap) -> None:
   """Unmaps the pages a memmap read touched from this process.
 

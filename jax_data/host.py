@@ -13,9 +13,14 @@ Only NumPy runs here; nothing calls JAX.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+import weakref
 from typing import Any
 from typing import Callable
 from typing import Dict
+from typing import Iterator
 from typing import List
 from typing import Optional
 from typing import Sequence
@@ -30,6 +35,7 @@ from jax_data.chains import spec_from_json
 from jax_data.chains import spec_to_json
 from jax_data.chunk_store import ChainRecord
 from jax_data.chunk_store import ChainStore
+from jax_data.chunk_store import settle
 from jax_data.errors import HostLoaderError
 from jax_data.errors import PipelineReleasedError
 from jax_data.host_loader import HostDataLoader
@@ -39,6 +45,68 @@ from jax_data.validation import check_int
 
 # Chunks whose production follows the copy of a served one: (chain, index).
 Deferred = List[Tuple[ChainRecord, int]]
+
+
+class LiveHosts:
+  """The hosts of this process, held weakly, and when compiled code last
+  called one: what jax_data's exit hook needs (``bridge``).
+
+  Compiled work can outlive a script's last line. JAX waits at exit for the
+  computations it keeps runtime tokens of, but not for every one that calls
+  back into Python; a callback that runs while the interpreter finalizes
+  aborts the process. So the exit hook waits until no host has been called
+  for a moment, then stops every prefetch thread.
+  """
+
+  def __init__(self):
+    self._hosts: "weakref.WeakSet[Host]" = weakref.WeakSet()
+    self._changed = threading.Condition()
+    self._busy = 0
+    self._last: Optional[float] = None  # when a request last started/ended
+    self.callback_failed = False  # a callback raised (see bridge)
+
+  @property
+  def called(self) -> bool:
+    """Whether compiled code ever called a host of this process."""
+    return self._last is not None
+
+  def add(self, host: "Host") -> None:
+    self._hosts.add(host)
+
+  @contextlib.contextmanager
+  def request(self) -> Iterator[None]:
+    """Marks the time spent answering one callback."""
+    with self._changed:
+      self._busy += 1
+      self._last = time.monotonic()
+    try:
+      yield
+    finally:
+      with self._changed:
+        self._busy -= 1
+        self._last = time.monotonic()
+        self._changed.notify_all()
+
+  def wait_until_quiet(self, quiet: float) -> None:
+    """Returns once no request has run for ``quiet`` seconds."""
+    with self._changed:
+      while True:
+        if self._busy:
+          self._changed.wait()
+          continue
+        idle = time.monotonic() - (self._last or 0.0)
+        if idle >= quiet:
+          return
+        self._changed.wait(quiet - idle)
+
+  def stop_prefetching(self) -> None:
+    """Ends every host's prefetch thread (after its running job)."""
+    for host in list(self._hosts):
+      host.stop_prefetching()
+
+
+#: The hosts of this process (see :class:`LiveHosts`).
+LIVE_HOSTS = LiveHosts()
 
 
 class Host:
@@ -76,6 +144,7 @@ class Host:
     self.rendezvous = Rendezvous(self.name)
     self._zeros: Optional[Chunk] = None
     self.requests = 0
+    LIVE_HOSTS.add(self)
 
   # -- chains -------------------------------------------------------------
 
@@ -134,12 +203,22 @@ class Host:
     """
     store = self._store
     record = store.record(chain)
+    if index < 0:
+      raise ValueError(
+          f"chunk={index} of chain {chain} requested: a state's chunk "
+          "counter is never negative; was the state built by hand?")
     if self._progress is not None:
       self._progress(index)
     future, produce = store.claim(record, index, device_count)
     ready = future.done()
     if produce:
       store.produce_into(record, index, future)
+    elif not ready:
+      # Still queued behind other chains' chunks: produce it here.
+      prefetcher = self._prefetcher
+      run = prefetcher and prefetcher.take((record.number, index))
+      if run is not None:
+        run()
     try:
       result = future.result()
     except HostLoaderError:
@@ -153,15 +232,17 @@ class Host:
 
   def schedule_next(self, record: ChainRecord, index: int) -> None:
     """Starts producing the chunk after ``index`` in the background."""
-    if self._prefetcher is None:
+    prefetcher = self._prefetcher
+    if prefetcher is None:
       return
     following = self._store.following(index)
     future = self._store.claim_ahead(record, following)
     if future is None:
       return
     run = lambda: self._store.produce_into(record, following, future)
-    if not self._prefetcher.submit(run, future.set_exception):
-      future.set_exception(self._released())
+    cancel = lambda error: settle(future, error=error)
+    if not prefetcher.submit((record.number, following), run, cancel):
+      settle(future, error=self._released())
 
   def _released(self) -> PipelineReleasedError:
     try:
@@ -185,6 +266,12 @@ class Host:
     Raises:
       ValueError: a lane's state belongs to another pipeline.
     """
+    with LIVE_HOSTS.request():
+      return self._lanes(pipelines, chains, chunks, need, device_count,
+                         participants, defer)
+
+  def _lanes(self, pipelines, chains, chunks, need, device_count,
+             participants, defer) -> List[Chunk]:
     pipelines = np.asarray(pipelines).reshape(-1)
     chains = np.asarray(chains).reshape(-1)
     chunks = np.asarray(chunks).reshape(-1)
@@ -257,13 +344,23 @@ class Host:
 
   # -- release ------------------------------------------------------------
 
+  def stop_prefetching(self) -> None:
+    """Ends the prefetch thread after its running job; chunks are then
+    produced when asked for."""
+    prefetcher, self._prefetcher = self._prefetcher, None
+    if prefetcher is not None:
+      prefetcher.close(PipelineReleasedError(
+          f"the prefetch thread of the pipeline over {self.name} stopped"))
+
   def release(self) -> None:
-    """Drops the loader and every stored chunk; idempotent. Requests that
-    wait for a chunk not yet started get :class:`PipelineReleasedError`."""
-    records = self._store.release()
-    if self._prefetcher is not None:
-      self._prefetcher.close(self._released())
-    for record in records:
-      with record.produce_lock:
-        record.cursor.close()
+    """Drops the loader, every chain and stored chunk, and ends the
+    prefetch thread; idempotent, and it does not wait for a chunk being
+    produced. Requests still waiting for a chunk get
+    :class:`PipelineReleasedError` at once."""
+    self._store.release(PipelineReleasedError(
+        f"this pipeline over {self.name} was released by its release_fn "
+        "while compiled code waited for a chunk"))
+    prefetcher, self._prefetcher = self._prefetcher, None
+    if prefetcher is not None:
+      prefetcher.close(self._released())
     self._zeros = None

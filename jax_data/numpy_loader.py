@@ -6,7 +6,6 @@ gather of rows (a slice for runs of consecutive rows).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 from typing import Dict
 from typing import List
@@ -21,7 +20,9 @@ from jax_data.chains import ChainSpec
 from jax_data.chains import ChunkLayout
 from jax_data.gather import Gatherer
 from jax_data.gather import digest_rows
+from jax_data.gather import file_bytes_needed
 from jax_data.gather import is_run
+from jax_data.gather import mapped_file_size
 from jax_data.gather import read_memmap_rows
 from jax_data.host_loader import HostDataLoader
 from jax_data.indexed import IndexedCursor
@@ -139,6 +140,10 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
                     jax.tree_util.tree_leaves({k: k for k in self._arrays})]
     self._gatherer = Gatherer()
     self._digest: Optional[str] = None
+    self._file_bytes = {k: needed for k, v in self._arrays.items()
+                        if isinstance(v, np.memmap)
+                        and (needed := file_bytes_needed(v)) is not None}
+    self._check_files()
 
   def open_chain(self, spec: ChainSpec, layout: ChunkLayout) -> ChainCursor:
     """A cursor over the chain's rows (``spec/SAMPLING.md``)."""
@@ -146,18 +151,18 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
 
   def content_digest(self) -> str:
     if self._digest is None:
+      self._check_files()
       dtypes = [leaf.dtype for leaf in self.chunk_layout(1, 1).leaves]
       self._digest = digest_rows(self._count, self._leaves, dtypes)
     return self._digest
 
   def _check_files(self) -> None:
-    """Raises if a memmap's file shrank: reading past its end would kill
-    the process with SIGBUS instead of raising."""
-    for key, array in self._arrays.items():
-      if not isinstance(array, np.memmap) or array.filename is None:
-        continue
-      needed = array.offset + array.nbytes
-      size = os.stat(array.filename).st_size
+    """Raises if a memmap's file is now shorter than the bytes the array
+    touches: reading past its end would kill the process with SIGBUS
+    instead of raising."""
+    for key, needed in self._file_bytes.items():
+      array = self._arrays[key]
+      size = mapped_file_size(array)
       if size < needed:
         raise OSError(
             f"the file of array {key!r} ({array.filename}) was truncated to "

@@ -2,9 +2,11 @@
 
 While the device works through a chunk, the host produces the chain's next
 one, so the next request finds it ready. Jobs run one at a time, in the
-order they came. :meth:`Prefetcher.close` ends the thread: jobs not started
-yet are cancelled with an error, so that no request waits on a chunk that
-will never be produced; the running job finishes first.
+order they came; a request that finds its chunk still queued takes the job
+(:meth:`Prefetcher.take`) and runs it itself rather than wait behind other
+chains. :meth:`Prefetcher.close` ends the thread: jobs not started yet are
+cancelled with an error, so that no request waits on a chunk that will
+never be produced; the running job finishes on its own.
 
 Pure Python; nothing calls JAX.
 """
@@ -16,11 +18,13 @@ import dataclasses
 import threading
 from typing import Callable
 from typing import Deque
+from typing import Hashable
 from typing import Optional
 
 
 @dataclasses.dataclass
 class _Job:
+  key: Hashable
   run: Callable[[], None]
   cancel: Callable[[BaseException], None]
 
@@ -39,10 +43,10 @@ class Prefetcher:
     self._thread: Optional[threading.Thread] = None
     self._closed = False
 
-  def submit(self, run: Callable[[], None],
+  def submit(self, key: Hashable, run: Callable[[], None],
              cancel: Callable[[BaseException], None]) -> bool:
-    """Queues ``run()``; if the prefetcher closes before it starts,
-    ``cancel(error)`` is called instead.
+    """Queues ``run()`` under ``key``; if the prefetcher closes before it
+    starts, ``cancel(error)`` is called instead.
 
     Returns:
       False, and nothing is queued, if the prefetcher is closed.
@@ -50,7 +54,7 @@ class Prefetcher:
     with self._changed:
       if self._closed:
         return False
-      self._jobs.append(_Job(run, cancel))
+      self._jobs.append(_Job(key, run, cancel))
       if self._thread is None:
         # A daemon: the interpreter's exit does not wait for it.
         self._thread = threading.Thread(target=self._work, name=self._name,
@@ -58,6 +62,16 @@ class Prefetcher:
         self._thread.start()
       self._changed.notify()
     return True
+
+  def take(self, key: Hashable) -> Optional[Callable[[], None]]:
+    """Removes the queued job ``key`` and returns its ``run``, for the
+    caller to run now; None if it is not queued (running or done)."""
+    with self._changed:
+      for job in self._jobs:
+        if job.key == key:
+          self._jobs.remove(job)
+          return job.run
+    return None
 
   def _work(self) -> None:
     while True:
@@ -70,14 +84,11 @@ class Prefetcher:
       job.run()
 
   def close(self, error: BaseException) -> None:
-    """Cancels the jobs not started with ``error``, and waits until the
-    running one has finished. Idempotent."""
+    """Cancels the jobs not started with ``error``; the thread ends after
+    the running one. Idempotent; does not wait."""
     with self._changed:
       self._closed = True
       jobs, self._jobs = list(self._jobs), collections.deque()
-      thread = self._thread
       self._changed.notify_all()
     for job in jobs:
       job.cancel(error)
-    if thread is not None and thread is not threading.current_thread():
-      thread.join()

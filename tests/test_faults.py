@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import jax
 import numpy as np
@@ -194,3 +196,165 @@ def test_tf_data_map_that_raises(pipelines):
           {"x": np.arange(20, dtype=np.int64)})), 2, 4)
   values, _ = healthy(lambda b, c: (b["x"], c), None)
   assert values.tolist() == list(range(20))
+
+
+class SlowLoader(NumpyDataLoader):
+  """The chain with seed 99 waits for ``gate`` before each chunk after the
+  first."""
+
+  def __init__(self, **arrays):
+    super().__init__(**arrays)
+    self.gate = threading.Event()
+
+  def open_chain(self, spec, layout):
+    cursor = super().open_chain(spec, layout)
+    if getattr(spec, "seed", None) == 99:
+      produce = cursor.produce
+
+      def slow(index, out):
+        if index > 0:
+          self.gate.wait(60)
+        return produce(index, out)
+
+      cursor.produce = slow
+    return cursor
+
+
+def test_release_answers_every_waiting_request():
+  loader = SlowLoader(x=np.arange(100))
+  pipeline = jax_data.random_reference_data(loader, 2, 3)
+  init_fn, _, release_fn = pipeline
+  host = pipeline.host
+  slow, fast = int(init_fn(seed=99).chain), int(init_fn(seed=1).chain)
+  host.chunk(slow, 0)  # the prefetch thread now waits in slow's chunk 1
+  host.chunk(fast, 0)  # fast's chunk 1 is queued behind it
+  # A request for the queued chunk does not wait behind the slow one.
+  served = threading.Thread(target=host.chunk, args=(fast, 1))
+  served.start()
+  served.join(30)
+  assert not served.is_alive()
+  results = {}
+
+  def wait_for_slow():
+    try:
+      host.chunk(slow, 1)
+      results["slow"] = "served"
+    except Exception as e:  # pylint: disable=broad-except
+      results["slow"] = e
+
+  waiter = threading.Thread(target=wait_for_slow)
+  waiter.start()
+  time.sleep(0.2)  # it waits on the running production (or, if later,
+  # it finds the pipeline released: the same answer)
+  release_fn()  # answers the waiter at once, the slow chunk still running
+  waiter.join(30)
+  assert not waiter.is_alive()
+  assert isinstance(results["slow"], jax_data.PipelineReleasedError)
+  loader.gate.set()  # the production ends; the prefetch thread with it
+
+
+_EXIT_IN_FLIGHT = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax import lax
+    import jax_data
+    from tests.test_faults import FlakyLoader
+
+    loader = FlakyLoader(fail_chain=0, fail_at=1, x=np.arange(1000.0))
+    init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+        loader, 2, 8, callback=CALLBACK)
+    stack = lambda states: jax.tree_util.tree_map(
+        lambda *x: jnp.stack(x), *states)
+
+    def per_device(state):
+      def body(state, _):
+        state, batch = batch_fn(state)
+        return state, lax.psum(batch["x"].sum(), "d")
+      return lax.scan(body, state, None, length=3000)
+
+    run = jax.pmap(per_device, axis_name="d")
+    try:  # chain 0 fails at its chunk 1
+      jax.block_until_ready(run(stack([init_fn(seed=i) for i in range(4)])))
+    except Exception:
+      print("failed as planned")
+    KEEP run(stack([init_fn(seed=i) for i in range(4, 8)]))  # not waited
+    if RELEASE:
+      release_fn()
+    print("exiting", flush=True)
+    """)
+
+
+@pytest.mark.parametrize("run", range(10))
+def test_exit_with_work_in_flight_is_clean(run):
+  """Ten exits of a process whose pmapped scan still draws from jax_data
+  (after a loader failure, on both callback paths, its outputs kept or
+  dropped, with and without a release): no abort, no traceback at exit."""
+  callback, keep, release = [
+      ("auto", True, False), ("pure", True, False), ("auto", False, False),
+      ("pure", False, False), ("auto", True, True), ("pure", False, True),
+  ][run % 6]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
+  script = _EXIT_IN_FLIGHT.replace("CALLBACK", repr(callback)).replace(
+      "RELEASE", str(release)).replace("KEEP ", "out = " if keep else "")
+  done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "failed as planned" in done.stdout and "exiting" in done.stdout
+  for sign in ("Exception ignored", "terminate called", "PyGILState",
+               "Fatal Python error", "Aborted"):
+    assert sign not in done.stderr, done.stderr[-3000:]
+
+
+_SHRUNK_VIEW = textwrap.dedent("""
+    import sys
+    import jax, numpy as np
+    import jax_data
+    path, view = sys.argv[1], sys.argv[2]
+    np.save(path, np.ones((100_000, 4), np.float32))
+    mm = np.load(path, mmap_mode="r")
+    array = {"slice": mm[50_000:], "strided": mm[::2],
+             "reversed": mm[::-1]}[view]
+    loader = jax_data.NumpyDataLoader(copy=False, x=array)
+    mapper_fn, _ = jax_data.full_data_mapper(loader, 2, 1000)
+    total = lambda: float(mapper_fn(
+        lambda b, m, c: ((b["x"].sum(1) * m).sum(), c), None,
+        masking=True)[0].sum())
+    assert total() == 4 * len(array)
+    with open(path, "r+b") as f:
+      f.truncate(128 + 75_000 * 16)  # three quarters of the rows remain
+    try:
+      total()
+      print("read past the end")
+    except Exception as e:
+      print(str(e).splitlines()[-1])
+    """)
+
+
+@pytest.mark.parametrize("view", ["slice", "strided", "reversed"])
+def test_memmap_view_whose_file_shrank_raises(tmp_path, view):
+  """In a subprocess: reading past the file's end would be SIGBUS."""
+  done = subprocess.run(
+      [sys.executable, "-c", _SHRUNK_VIEW, str(tmp_path / "x.npy"), view],
+      capture_output=True, text=True, timeout=180,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "OSError: the file of array 'x'" in done.stdout, done.stdout
+  assert "was truncated to 1200128 bytes" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("change", ["unlink", "replace"])
+def test_memmap_keeps_working_when_its_path_changes(tmp_path, change):
+  path = tmp_path / "x.npy"
+  np.save(path, np.arange(4000.0).reshape(1000, 4))
+  loader = NumpyDataLoader(copy=False, x=np.load(path, mmap_mode="r"))
+  mapper_fn, _ = jax_data.full_data_mapper(loader, 2, 100)
+  total = lambda: float(mapper_fn(
+      lambda b, m, c: ((b["x"].sum(1) * m).sum(), c), None,
+      masking=True)[0].sum())
+  before = total()
+  os.unlink(path)
+  if change == "replace":
+    np.save(path, np.zeros((10, 4)))  # a shorter file at the same path
+  assert total() == before == sum(range(4000))
