@@ -167,3 +167,7 @@ class ChainCursor(abc.ABC):
 
   def close(self) -> None:  # noqa: B027 (optional, unlike the others)
     """Frees what the cursor holds; it is not used afterwards."""
+
+  def trim(self) -> None:  # noqa: B027 (optional, unlike the others)
+    """Frees what the cursor can rebuild from its position (caches, read
+    blocks): the host calls it when the chain has gone idle."""

@@ -9,6 +9,9 @@ with bounded memory:
 * a few recent chunks per chain are kept, as futures, so that concurrent
   requests for one chunk wait for a single production; a chunk asked for
   with ``device_count=N`` stays until N requests took it, within a hard cap;
+  the chunks of all chains together stay within a byte budget, least
+  recently used first out, so memory does not grow with the number of
+  chains created;
 * the loader cursor's position is saved before each chunk, and the
   snapshots thin out logarithmically with age; a chunk no longer kept is
   produced again from the nearest earlier snapshot.
@@ -25,6 +28,7 @@ import threading
 import warnings
 from typing import Any
 from typing import Dict
+from typing import List
 from typing import Optional
 from typing import Tuple
 
@@ -45,6 +49,10 @@ from jax_data.host_loader import HostDataLoader
 RECENT_SNAPSHOTS = 16
 # Hard limit of stored chunks per chain, whatever device_count says.
 MAX_STORED = 32
+# Stored chunks of all of a pipeline's chains together stay within this many
+# bytes, or within three chunks per lane of the largest request if that is
+# more; the least recently used go first.
+STORE_BYTES = 128 << 20
 
 
 def keep_snapshot(index: int, newest: int) -> bool:
@@ -124,6 +132,11 @@ class ChainStore:
     self._records: Dict[int, ChainRecord] = {}
     self._lock = threading.Lock()
     self._buffers = BufferPool()
+    # Every stored chunk, least recently used first: (chain, index) -> chain.
+    self._stored: "collections.OrderedDict[Tuple[int, int], ChainRecord]" = (
+        collections.OrderedDict())
+    self._lanes = 1
+    self._idle: List[ChainRecord] = []
 
   # -- chains -------------------------------------------------------------
 
@@ -202,11 +215,11 @@ class ChainStore:
         entry.pending = (device_count if entry.pending is None
                          else entry.pending) - 1
         record.chunks.move_to_end(index)
+        self._stored.move_to_end((record.number, index))
         return entry.future, False
-      entry = Entry(concurrent.futures.Future(), device_count - 1)
-      record.chunks[index] = entry
-      self._evict(record)
-      return entry.future, True
+      self._store(record, index, Entry(concurrent.futures.Future(),
+                                       device_count - 1))
+      return record.chunks[index].future, True
 
   def claim_ahead(self, record: ChainRecord, index: int
                   ) -> Optional[concurrent.futures.Future]:
@@ -215,10 +228,8 @@ class ChainStore:
     with self._lock:
       if index in record.chunks:
         return None
-      future = concurrent.futures.Future()
-      record.chunks[index] = Entry(future)
-      self._evict(record)
-      return future
+      self._store(record, index, Entry(concurrent.futures.Future()))
+      return record.chunks[index].future
 
   def forget(self, record: ChainRecord, index: int,
              future: concurrent.futures.Future) -> None:
@@ -226,24 +237,72 @@ class ChainStore:
     with self._lock:
       entry = record.chunks.get(index)
       if entry is not None and entry.future is future:
-        del record.chunks[index]
+        self._drop(record, index)
+
+  def note_lanes(self, lanes: int) -> None:
+    """A request asked for ``lanes`` chunks at once: the store keeps room
+    for three chunks per lane of the largest such request."""
+    self._lanes = max(self._lanes, lanes)
+
+  def _store(self, record: ChainRecord, index: int, entry: Entry) -> None:
+    """Stores an entry, then drops chunks beyond the bounds (with ``_lock``
+    held)."""
+    record.chunks[index] = entry
+    self._stored[(record.number, index)] = record
+    self._evict(record)
+    self._evict_across_chains()
+
+  def _drop(self, record: ChainRecord, index: int) -> None:
+    del record.chunks[index]
+    del self._stored[(record.number, index)]
 
   def _evict(self, record: ChainRecord) -> None:
-    """Drops served chunks beyond ``keep + 1`` (with ``_lock`` held).
-
-    Chunks that some device has yet to take stay, up to the hard cap.
-    """
+    """Drops a chain's served chunks beyond ``keep + 1`` (with ``_lock``
+    held). Chunks that some device has yet to take stay, up to the hard
+    cap."""
     cap = min(MAX_STORED, self._keep + 1 + 2 * record.devices)
     while len(record.chunks) > self._keep + 1:
       indices = list(record.chunks)[:-1]  # never the newest
       served = [i for i in indices if record.chunks[i].pending is not None
                 and record.chunks[i].pending <= 0]
       if served:
-        record.chunks.pop(served[0])
+        self._drop(record, served[0])
       elif len(record.chunks) > cap:
-        record.chunks.pop(indices[0])
+        self._drop(record, indices[0])
       else:
         break
+
+  def _evict_across_chains(self) -> None:
+    """Drops the least recently used chunks of any chain while the store
+    holds more than ``STORE_BYTES``, or three chunks per lane of the largest
+    request if that is more (with ``_lock`` held). Chunks still being
+    produced stay; a dropped chunk is produced again if asked for. A chain
+    left with no chunk trims its cursor's caches."""
+    limit = max(STORE_BYTES // max(self.layout.nbytes, 1), 3 * self._lanes)
+    if len(self._stored) <= limit:
+      return
+    for number, index in list(self._stored):
+      if len(self._stored) <= limit:
+        break
+      record = self._stored[(number, index)]
+      if not record.chunks[index].future.done():
+        continue
+      self._drop(record, index)
+      if not record.chunks:
+        self._idle.append(record)
+
+  def trim_idle(self) -> None:
+    """Trims the cursors of chains whose chunks were all dropped for room
+    (outside ``_lock``: a cursor may be busy)."""
+    with self._lock:
+      idle, self._idle = self._idle, []
+    for record in idle:
+      if record.produce_lock.acquire(blocking=False):
+        try:
+          if not record.chunks and not record.closed:
+            record.cursor.trim()
+        finally:
+          record.produce_lock.release()
 
   # -- production ---------------------------------------------------------
 
@@ -352,6 +411,7 @@ class ChainStore:
                  for entry in record.chunks.values()]
       for record in records:
         record.chunks.clear()
+      self._stored.clear()
     for future in waiting:
       settle(future, error=error)
     for record in records:

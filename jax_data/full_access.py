@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 import sys
 import threading
@@ -33,6 +35,37 @@ from jax_data.validation import check_int
 from jax_data.validation import check_keywords
 
 Progress = Union[None, bool, Callable[[int, int], None]]
+
+# Compiled passes a full-data pipeline keeps, one per function mapped.
+MAX_COMPILED = 16
+
+
+class Recent:
+  """The values of the ``size`` most recently used keys; an older one is
+  dropped, and with it whatever only it references (a compiled pass and
+  its executable)."""
+
+  def __init__(self, size: int):
+    self._size = size
+    self._values: "collections.OrderedDict[Any, Any]" = (
+        collections.OrderedDict())
+    self._lock = threading.Lock()
+
+  def get(self, key: Any, make: Callable[[], Any]) -> Any:
+    """The value of ``key``, made by ``make()`` if it is not kept."""
+    with self._lock:
+      if key in self._values:
+        self._values.move_to_end(key)
+        return self._values[key]
+    value = make()
+    with self._lock:
+      self._values[key] = value
+      while len(self._values) > self._size:
+        self._values.popitem(last=False)
+    return value
+
+  def __len__(self) -> int:
+    return len(self._values)
 
 
 def _progress_reporter(progress: Progress, plan: "_PassPlan"
@@ -241,6 +274,8 @@ class FullPipeline(pl.Pipeline):
   """Full-data passes; see :func:`full_reference_data`."""
 
   kind = "full"
+  #: Compiled passes kept, one per ``fun`` (the least recently used goes).
+  max_compiled = MAX_COMPILED
 
   def __init__(self, chunks: Any, plan: _PassPlan, loader: DataLoader):
     self._chunks = chunks
@@ -249,12 +284,18 @@ class FullPipeline(pl.Pipeline):
                                                    plan.mb_size),
                      loader, plan.cache_size, plan.mb_size, plan.count)
     self.sizes = (plan.cache_size, plan.mb_size, plan.count)
-    self._one_pass = jax.jit(self._pass, static_argnums=(0, 3, 4, 5))
+    self._compiled = Recent(self.max_compiled)
     self.functions = (self.init_fn, self.map_fn, self.release_fn)
 
   def init_fn(self, **kwargs: Any) -> CacheState:
     """The state of a new ordered chain (no keywords)."""
     return self._chunks.init(**kwargs)
+
+  def _compiled_pass(self, fun: Callable) -> Callable:
+    """The jitted pass of ``fun``, compiled once per ``fun`` while it is
+    among the ``max_compiled`` most recently used."""
+    return self._compiled.get(fun, lambda: jax.jit(
+        functools.partial(self._pass, fun), static_argnums=(2, 3, 4)))
 
   def _pass(self, fun, data_state, carry, masking, information,
             device_count):
@@ -274,8 +315,8 @@ class FullPipeline(pl.Pipeline):
     information = check_bool("information", information)
     device_count = check_int("device_count", device_count, minimum=1)
     self._chunks.check_open()
-    return self._one_pass(fun, data_state, carry, masking, information,
-                          device_count)
+    return self._compiled_pass(fun)(data_state, carry, masking, information,
+                                    device_count)
 
   def release_fn(self) -> None:
     """Drops every reference the pipeline holds to the loader."""
@@ -329,6 +370,7 @@ class MapperPipeline(pl.Pipeline):
   def __init__(self, full: FullPipeline, loader: DataLoader):
     self._full = full
     self._state = full.init_fn()
+    self._batched = Recent(full.max_compiled)
     super().__init__(full.host, full.template, loader, *full.sizes)
     self.functions = (self.mapper_fn, self.release_fn)
 
@@ -347,7 +389,8 @@ class MapperPipeline(pl.Pipeline):
         raise ValueError(
             "information=True needs a batched fun (batched=True), got "
             "batched=False")
-      fun = _batched(fun)
+      # The same wrapper for the same fun: no new compilation.
+      fun = self._batched.get(fun, lambda: _batched(fun))
     _, (results, carry) = self._full.map_fn(
         fun, self._state, carry, masking=masking, information=information,
         device_count=device_count)

@@ -277,6 +277,7 @@ class Host:
     chunks = np.asarray(chunks).reshape(-1)
     need = np.asarray(need).reshape(-1)
     self.requests += 1
+    self._store.note_lanes(int(need.sum()))
     lanes, error = [], None
     try:
       for pipeline, chain, index, wanted in zip(pipelines, chains, chunks,
@@ -295,6 +296,7 @@ class Host:
     if participants > 1 and need.any():
       error = self.rendezvous.meet(int(chunks[need].min()), participants,
                                    error)
+    self._store.trim_idle()
     if error is not None:
       raise error
     return lanes

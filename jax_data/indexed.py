@@ -67,6 +67,9 @@ class IndexedCursor(ChainCursor):
               zip(leaves, self._layout.leaf_shapes())]
     return Chunk(leaves, self._all_valid if mask is None else mask)
 
+  def trim(self) -> None:
+    self._stream.trim()
+
   def position(self) -> Position:
     return {"version": _POSITION_VERSION, "stream": self._stream.get_state()}
 

@@ -145,6 +145,11 @@ class RandomStream:
     else:
       self._rng.bit_generator.state = copy.deepcopy(state["rng"])
 
+  def trim(self) -> None:
+    """Drops the permutations kept for reuse (O(n) each); they are drawn
+    again when needed."""
+    self._permutations.clear()
+
   def _permutation(self, rng_state: Dict) -> Tuple[np.ndarray, Dict]:
     """The permutation drawn from ``rng_state`` and the state after it."""
     key = _state_key(rng_state)
@@ -221,6 +226,9 @@ class OrderedStream:
     self.mb_size = mb_size
     self.batches_per_pass = math.ceil(observations.count / mb_size)
     self._batch = 0
+
+  def trim(self) -> None:
+    """Nothing is kept: every batch is computed from its index."""
 
   def get_state(self) -> Dict[str, Any]:
     return {"mode": "ordered", "batch": self._batch}

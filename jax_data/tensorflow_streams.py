@@ -264,6 +264,12 @@ class ShuffleCursor(ChainCursor):
     self._batch += self._layout.cache_size
     return Chunk(_shaped(rows, self._layout), self._all_valid)
 
+  def trim(self) -> None:
+    """Drops the pipeline iterator and the rows held; the next chunk seeks
+    again from the start of its pass."""
+    self._shuffle.position = None
+    self._source.restart(0)
+
   def position(self) -> Position:
     return {"version": POSITION_VERSION, "shuffle_cache": self._shuffle_cache,
             "shard": list(self._shard), "seed": self._shuffle.seed,
@@ -346,6 +352,10 @@ class OrderedPipelineCursor(_OrderedCursor):
     self._pass = data.concatenate(data.take(padding)) if padding else data
     self._iterator: Optional[Iterator] = None
     self._next_batch: Optional[int] = None  # where the iterator stands
+
+  def trim(self) -> None:
+    """Drops the pipeline iterator."""
+    self._iterator, self._next_batch = None, None
 
   def _rows(self, batch: int, flat: np.ndarray, out: Rows) -> Rows:
     del flat, out  # a tf.data batch is fresh memory: served as it is

@@ -12,6 +12,8 @@ import psutil
 from jax import lax
 
 import jax_data
+import jax_data.chunk_store
+import jax_data.full_access
 from jax_data import NumpyDataLoader
 
 
@@ -109,3 +111,74 @@ def test_eight_threads_each_get_their_solo_stream():
                            solo_init(seed=100 + i, **modes[i % 3]), None,
                            length=steps)
     assert results[i][0] == results[i][1] == solo["x"].tolist(), i
+
+
+def test_mapper_compiles_once_per_function_and_keeps_a_bounded_set():
+  mapper = jax_data.full_data_mapper(NumpyDataLoader(x=np.arange(100.0)),
+                                     2, 10)
+  mapper_fn, _ = mapper
+  traces = []
+
+  def fun(observation, carry):
+    traces.append(1)
+    return observation["x"] * 2, carry
+
+  for _ in range(10):
+    values, _ = mapper_fn(fun, None, batched=False)
+  assert values.tolist() == [2.0 * i for i in range(100)]
+  assert len(traces) == 1  # one compilation, not one per call
+  # A new function on every call (the user guide's lambdas): compiled each
+  # time, but only the most recent passes are kept.
+  client = jax.devices()[0].client
+  mapper_fn(lambda o, c: (o["x"], c), None, batched=False)
+  gc.collect()
+  before = len(client.live_executables())
+  limit = jax_data.full_access.MAX_COMPILED
+  for _ in range(3 * limit):
+    mapper_fn(lambda o, c: (o["x"], c), None, batched=False)
+  gc.collect()
+  assert len(client.live_executables()) - before <= limit
+
+
+def test_a_new_chain_per_epoch_keeps_host_memory_flat():
+  """Stored chunks of all chains stay within the store's budget (4.8 MB
+  chunks, 120 chains)."""
+  loader = NumpyDataLoader(x=np.ones((20_000, 187), np.float32))
+  pipeline = jax_data.random_reference_data(loader, 100, 64)
+  init_fn, batch_fn, _ = pipeline
+  run = jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
+                                   length=300)[0])
+  chunk_bytes = pipeline.host.layout.nbytes
+  budget = max(jax_data.chunk_store.STORE_BYTES, 3 * chunk_bytes)
+  chains = []
+  for epoch in range(120):
+    state = jax.block_until_ready(run(init_fn(seed=epoch, shuffle=True)))
+    chains.append(int(state.chain))
+    if epoch == 40:
+      start = _rss()
+    stored = sum(len(pipeline.host.chain(c).chunks) for c in chains)
+    assert stored * chunk_bytes <= budget + chunk_bytes
+  grown = _rss() - start
+  assert grown < 40 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB"
+
+
+def test_a_chain_whose_chunks_were_dropped_continues_exactly():
+  rows = np.arange(20_000, dtype=np.float32)[:, None]
+  loader = NumpyDataLoader(x=rows + np.zeros((1, 187), np.float32))
+  pipeline = jax_data.random_reference_data(loader, 100, 64)  # 4.8 MB
+  init_fn, batch_fn, _ = pipeline
+  run = jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
+                                   length=250))
+  first = init_fn(seed=3, shuffle=True)
+  middle, _ = run(first)
+  _, expected = run(middle)
+  # Many other chains push the first one's chunks out of the store, and its
+  # cursor drops its permutations; the same state continues exactly.
+  host = pipeline.host
+  for seed in range(200):
+    run(init_fn(seed=100 + seed, shuffle=True))
+    if not host.chain(int(first.chain)).chunks:
+      break
+  assert not host.chain(int(first.chain)).chunks
+  _, again = run(middle)
+  np.testing.assert_array_equal(again["x"], expected["x"])

@@ -217,3 +217,16 @@ def test_buffer_shuffle_needs_a_seek_after_a_failure():
   stream = sampling.BufferShuffle(10, 3, 0)
   with pytest.raises(RuntimeError, match="seek first"):
     stream.take(2)
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(shuffle=True),
+                                  dict(shuffle=True, in_epochs=True)])
+def test_trimming_never_changes_the_stream(mode):
+  """An idle chain's cursor drops its permutations; they are drawn again."""
+  expected, _ = _batches(_random(23, 4, seed=9, **mode), 40)
+  stream = _random(23, 4, seed=9, **mode)
+  rows = []
+  for _ in range(40):
+    stream.trim()
+    rows.extend(stream.draw(1)[0])
+  np.testing.assert_array_equal(np.array(rows), expected)
