@@ -10,6 +10,7 @@ from jax_data.checkpoint import state_from_pytree
 from jax_data.checkpoint import state_to_pytree
 from jax_data.device_loader import DeviceNumpyDataLoader
 from jax_data.distributed import process_shard
+from jax_data.errors import CheckpointError
 from jax_data.errors import HostLoaderError
 from jax_data.errors import PipelineReleasedError
 from jax_data.full_access import full_data_mapper
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CacheState",
+    "CheckpointError",
     "DataLoader",
     "DeviceDataLoader",
     "DeviceNumpyDataLoader",

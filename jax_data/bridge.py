@@ -195,11 +195,11 @@ class _Ops:
 
   def _refresh_lanes_flat(self, pipelines, chains, chunks, cached_chunks,
                           mask, *leaves):
-    need = cached_chunks != chunks
+    need = _needs(cached_chunks, chunks)
 
     def fetch(ops):
       pipelines, chains, chunks, cached_chunks, mask, *leaves = ops
-      need = cached_chunks != chunks
+      need = _needs(cached_chunks, chunks)
       new = self._fetch_lanes(pipelines, chains, chunks, need)
       old = list(leaves) + [mask]
       merged = [jnp.where(need.reshape(need.shape + (1,) * (n.ndim - 1)), n, o)
@@ -240,7 +240,7 @@ class _Ops:
     def refresh(pipeline, chain, chunk, cached_chunk, mask, *leaves):
       def fetch(ops):
         pipeline, chain, chunk, cached_chunk, mask, *leaves = ops
-        need = cached_chunk != chunk
+        need = _needs(cached_chunk, chunk)
         new = [n[0] for n in self._fetch_lanes(
             pipeline[None], chain[None], chunk[None], need[None])]
         if _participants() == 1:  # no manual axes: no varying types
@@ -256,7 +256,7 @@ class _Ops:
         return [cached_chunk] + list(leaves) + [mask]
 
       ops = [pipeline, chain, chunk, cached_chunk, mask] + list(leaves)
-      return lax.cond(cached_chunk != chunk, fetch, keep, ops)
+      return lax.cond(_needs(cached_chunk, chunk), fetch, keep, ops)
 
     @refresh.def_vmap
     def _rule(axis_size, in_batched, *args):
@@ -360,6 +360,13 @@ def _settle_at_exit() -> None:
         jax.block_until_ready(noop(jax.device_put(np.int32(0), device)))
   except Exception:  # pylint: disable=broad-except
     pass  # at exit, nothing is left to tell
+
+
+def _needs(cached_chunk: jax.Array, chunk: jax.Array) -> jax.Array:
+  """Whether a cache must be fetched: it holds another chunk, or the chunk
+  counter is negative (a state built by hand; the host refuses it, where
+  the -1 of an empty cache would match it)."""
+  return (cached_chunk != chunk) | (chunk < 0)
 
 
 def _varying_like(outs, predicate, axes) -> List[jax.Array]:

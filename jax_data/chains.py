@@ -24,6 +24,9 @@ from typing import Union
 import numpy as np
 
 from jax_data.sampling import ObservationRange
+from jax_data.validation import check_bool
+from jax_data.validation import check_int
+from jax_data.validation import check_keywords
 
 # A chain's position: a small JSON-compatible dict (of dicts, lists, ints,
 # strings, bools).
@@ -66,17 +69,32 @@ def spec_to_json(spec: ChainSpec) -> Dict[str, Any]:
 
 
 def spec_from_json(data: Mapping[str, Any]) -> ChainSpec:
-  """The spec that :func:`spec_to_json` wrote.
+  """The spec that :func:`spec_to_json` wrote, with every field checked.
 
   Raises:
-    ValueError: ``data`` is not such a dict.
+    ValueError: ``data`` is not such a dict; the message names the field.
   """
   kinds = {"RandomChain": RandomChain, "OrderedChain": OrderedChain}
   try:
     fields = dict(data)
     kind = kinds[fields.pop("kind")]
-    observations = ObservationRange(*map(int, fields.pop("observations")))
-    return kind(observations=observations, **fields)
+    start, count, index, shards = (
+        check_int(name, value, minimum=minimum) for name, value, minimum in
+        zip(("start", "count", "shard_index", "shard_count"),
+            fields.pop("observations"), (0, 1, 0, 1)))
+    check_int("shard_index", index, maximum=shards - 1)
+    observations = ObservationRange(start, count, index, shards)
+    if kind is OrderedChain:
+      check_keywords("an ordered chain's spec", fields, ())
+      return OrderedChain(observations)
+    check_keywords("a random chain's spec", fields,
+                   ("seed", "shuffle", "in_epochs"))
+    shuffle = check_bool("shuffle", fields.get("shuffle", False))
+    in_epochs = check_bool("in_epochs", fields.get("in_epochs", False))
+    if in_epochs and not shuffle:
+      raise ValueError("in_epochs=True needs shuffle=True")
+    return RandomChain(check_int("seed", fields.get("seed"), minimum=0),
+                       observations, shuffle, in_epochs)
   except (KeyError, TypeError, ValueError) as e:
     raise ValueError(f"not a chain spec: {data!r} ({type(e).__name__}: {e})"
                      ) from e

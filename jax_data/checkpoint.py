@@ -1,9 +1,9 @@
 """Checkpoints of the data position: device-side state and host-side chains.
 
-A chain's stream is a pure function of how it was registered and of the
-chunk index, so a checkpoint holds, per chain, the keywords that re-create
-it, its fingerprint, the nearest snapshot of the loader's position, and the
-``(chunk, position)`` counters of the state. The device cache is not saved:
+A chain's stream is a pure function of its spec and of the chunk index, so
+a checkpoint holds the pipeline's fingerprint, per chain its spec and the
+nearest snapshot of the loader cursor's position, and the ``(chunk,
+position)`` counters of the state. The device cache is not saved:
 a restored state fetches its chunk again, and continues with exactly the
 batches the original would have served.
 
@@ -15,9 +15,14 @@ arrays to save alongside model parameters with any pytree checkpointer.
 from __future__ import annotations
 
 import json
+import math
 import os
+import zipfile
+import zlib
 from typing import Any
 from typing import Dict
+from typing import Mapping
+from typing import Tuple
 from typing import Union
 
 import jax
@@ -25,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_data import pipeline as pl
+from jax_data import states
+from jax_data.errors import CheckpointError
 from jax_data.types import CacheState
 
 FORMAT_VERSION = 2
@@ -56,6 +63,7 @@ def state_to_pytree(pipeline: Any, state: CacheState) -> Dict[str, np.ndarray]:
   """
   pipeline = pl.of(pipeline)
   lanes = _lanes(state, pipeline.template)
+  states.check_identity(state.pipeline, pipeline.id, "state_to_pytree")
   arrays = {f: np.asarray(getattr(state, f)) for f in _FIELDS}
   chains = []
   if pipeline.host is not None:
@@ -87,27 +95,29 @@ def state_from_pytree(pipeline: Any, tree: Dict[str, Any]) -> CacheState:
 
   The chains are registered anew on the pipeline's loader; the pipeline's
   fingerprint (loader, observation count, batch and cache size, a digest of
-  the data) must match the saved one.
+  the data) must match the saved one, and every field is checked before a
+  chain is registered.
 
   Raises:
-    ValueError: a version or fingerprint differs; the message shows both.
+    CheckpointError: a field is missing or malformed, a counter is out of
+      range, or the version or fingerprint differs (the message shows both
+      sides); no chain is left registered then.
   """
   pipeline = pl.of(pipeline)
-  try:
-    host = json.loads(np.asarray(tree["host"], np.uint8).tobytes().decode())
-  except (KeyError, TypeError, ValueError) as e:
-    raise ValueError(f"tree is not a jax_data checkpoint: {e}") from e
-  _check("format version", host.get("version"), FORMAT_VERSION)
-  _check("pipeline", host.get("fingerprint"), pipeline.fingerprint)
+  host, arrays = _read_tree(tree, pipeline)
   lanes = tuple(host["lanes"])
-  chunk = np.asarray(tree["chunk"], np.int32).reshape(lanes)
-  position = np.asarray(tree["position"], np.int32).reshape(lanes)
-  key = np.asarray(tree["key"], np.uint32).reshape(
-      lanes + np.shape(pipeline.template.key))
   chain = np.full(lanes, -1, np.int32)
   if pipeline.host is not None:
-    for lane, saved in zip(np.ndindex(*lanes), host["chains"]):
-      chain[lane] = pipeline.host.restore_chain(saved)
+    restored = []
+    try:
+      for lane, saved in zip(np.ndindex(*lanes), host["chains"]):
+        chain[lane] = pipeline.host.restore_chain(
+            saved, int(arrays["chunk"][lane]))
+        restored.append(int(chain[lane]))
+    except BaseException:
+      for number in restored:
+        pipeline.host.remove_chain(number)
+      raise
   template = pipeline.template
 
   def build(lane_chain, lane_chunk, lane_position, lane_key):
@@ -116,13 +126,82 @@ def state_from_pytree(pipeline: Any, tree: Dict[str, Any]) -> CacheState:
         position=jnp.int32(lane_position), cached_chunk=jnp.int32(-1),
         key=jnp.asarray(lane_key, jnp.uint32))
 
+  chunk, position, key = arrays["chunk"], arrays["position"], arrays["key"]
   if not lanes:
     return build(chain, chunk, position, key)
-  states = [build(chain[i], chunk[i], position[i], key[i])
-            for i in np.ndindex(*lanes)]
-  stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *states)
+  built = [build(chain[i], chunk[i], position[i], key[i])
+           for i in np.ndindex(*lanes)]
+  stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *built)
   return jax.tree_util.tree_map(
       lambda x: x.reshape(lanes + x.shape[1:]), stacked)
+
+
+def _read_tree(tree: Any, pipeline: pl.Pipeline
+               ) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
+  """The host part and the counters of a checkpoint pytree, every field
+  checked against the pipeline."""
+  if not isinstance(tree, Mapping):
+    raise CheckpointError(
+        "tree must be the dict state_to_pytree returned, got "
+        f"{type(tree).__name__}")
+  missing = sorted({"host", "chunk", "position", "key"} - set(tree))
+  if missing:
+    raise CheckpointError(
+        f"checkpoint has no field {', '.join(map(repr, missing))}: it is not "
+        "a jax_data checkpoint, or was cut short")
+  try:
+    host = json.loads(np.asarray(tree["host"], np.uint8).tobytes().decode())
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(
+        f"the checkpoint's host field is not jax_data's JSON: {e}") from e
+  if not isinstance(host, dict):
+    raise CheckpointError(f"the checkpoint's host field is {host!r}, not a "
+                          "dict")
+  _check("format version", host.get("version"), FORMAT_VERSION)
+  _check("pipeline", host.get("fingerprint"), pipeline.fingerprint)
+  lanes = host.get("lanes")
+  if not isinstance(lanes, list) or not all(
+      isinstance(n, int) and not isinstance(n, bool) and n >= 0
+      for n in lanes):
+    raise CheckpointError(
+        f"the checkpoint's lanes are {lanes!r}, not a list of sizes")
+  lanes = tuple(lanes)
+  chains = host.get("chains")
+  expected = math.prod(lanes) if pipeline.host is not None else 0
+  if not isinstance(chains, list) or len(chains) != expected:
+    raise CheckpointError(
+        f"the checkpoint holds {chains!r} as its chains, expected a list of "
+        f"{expected} (one per lane of {lanes})")
+  key_shape = lanes + np.shape(pipeline.template.key)
+  arrays = {"chunk": _counters(tree, "chunk", lanes, np.int32),
+            "position": _counters(tree, "position", lanes, np.int32),
+            "key": _counters(tree, "key", key_shape, np.uint32)}
+  cache_size = np.shape(pipeline.template.mask)[0]
+  positions = arrays["position"]
+  if ((positions < 0) | (positions >= max(cache_size, 1))).any():
+    raise CheckpointError(
+        f"the checkpoint's positions {positions.tolist()} are outside "
+        f"0 .. {max(cache_size, 1) - 1}, the batches of this pipeline's cache")
+  if (arrays["chunk"] < 0).any():
+    raise CheckpointError(
+        f"the checkpoint's chunks {arrays['chunk'].tolist()} must not be "
+        "negative")
+  return host, arrays
+
+
+def _counters(tree: Mapping[str, Any], name: str, shape: Tuple[int, ...],
+              dtype: Any) -> np.ndarray:
+  """A field of integers of ``shape``, as ``dtype``."""
+  value = np.asarray(tree[name])
+  if value.dtype.kind not in "iu" or value.shape != shape:
+    raise CheckpointError(
+        f"the checkpoint's {name} has shape {value.shape} and dtype "
+        f"{value.dtype}, expected integers of shape {shape}")
+  if not np.array_equal(value.astype(dtype).astype(np.int64),
+                        value.astype(np.int64)):
+    raise CheckpointError(
+        f"the checkpoint's {name} {value.tolist()} does not fit {dtype}")
+  return value.astype(dtype)
 
 
 def _check(what: str, saved: Any, here: Any) -> None:
@@ -136,7 +215,7 @@ def _check(what: str, saved: Any, here: Any) -> None:
         f"{k} is {saved.get(k)!r} in the checkpoint but {here.get(k)!r} here"
         for k in sorted(set(saved) | set(here), key=str)
         if saved.get(k) != here.get(k)) + "; "
-  raise ValueError(
+  raise CheckpointError(
       f"checkpoint does not fit: {differ}its {what} is {saved!r}, but here "
       f"it is {here!r}")
 
@@ -179,9 +258,25 @@ def restore_checkpoint(path: Union[str, os.PathLike], pipeline: Any
   cache sizes); its chains are registered anew.
 
   Raises:
-    ValueError: the checkpoint's version or fingerprints differ from this
-      pipeline's; the message shows both sides.
+    CheckpointError: the file is corrupt, truncated or not a checkpoint of
+      :func:`save_checkpoint`, or it does not fit this pipeline (the message
+      shows both sides).
+    OSError: the file cannot be opened.
   """
-  with np.load(os.fspath(path)) as data:
-    tree = {k: data[k] for k in data.files}
+  path = os.fspath(path)
+  try:
+    with open(path, "rb") as f:
+      loaded = np.load(f, allow_pickle=False)
+      if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise CheckpointError(
+            f"{path} holds one array of shape {np.shape(loaded)}, not a "
+            "jax_data checkpoint: save_checkpoint writes a .npz archive")
+      with loaded as data:
+        tree = {k: data[k] for k in data.files}
+  except (EOFError, ValueError, zipfile.BadZipFile, zlib.error) as e:
+    if isinstance(e, CheckpointError):
+      raise
+    raise CheckpointError(
+        f"{path} is not a readable jax_data checkpoint (corrupt, truncated, "
+        f"or another kind of file): {type(e).__name__}: {e}") from e
   return state_from_pytree(pipeline, tree)

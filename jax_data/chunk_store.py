@@ -49,6 +49,11 @@ from jax_data.host_loader import HostDataLoader
 RECENT_SNAPSHOTS = 16
 # Hard limit of stored chunks per chain, whatever device_count says.
 MAX_STORED = 32
+# The most chunks a request may make a chain replay from a snapshot: a
+# state far beyond anything its chain produced (a crafted checkpoint) is
+# refused rather than replayed for hours. Snapshots thin out to one per
+# 1/16 of a chunk's age, so honest replays stay far below this.
+MAX_REPLAY = 1 << 20
 # Stored chunks of all of a pipeline's chains together stay within this many
 # bytes, or within three chunks per lane of the largest request if that is
 # more; the least recently used go first.
@@ -178,6 +183,11 @@ class ChainStore:
       self._records[number] = record
     return record
 
+  def numbers(self) -> List[int]:
+    """The numbers of the chains in the store."""
+    with self._lock:
+      return sorted(self._records)
+
   def record(self, number: int) -> ChainRecord:
     """The chain ``number``; a clear error if this pipeline has none."""
     with self._lock:
@@ -188,6 +198,16 @@ class ChainStore:
           f"chain {int(number)} was not created by this pipeline's init_fn "
           f"(chains of this pipeline: {sorted(self._records)})")
     return record
+
+  def remove(self, number: int) -> None:
+    """Takes a chain out of the store and closes its cursor."""
+    with self._lock:
+      record = self._records.pop(int(number), None)
+      if record is None:
+        return
+      for index in list(record.chunks):
+        self._drop(record, index)
+    _close(record, blocking=True)
 
   def snapshot_before(self, record: ChainRecord, index: int
                       ) -> Tuple[int, Position]:
@@ -342,6 +362,12 @@ class ChainStore:
     cursor = record.cursor
     if record.next_index != index:
       base = max(i for i in record.snapshots if i <= index)
+      if index - base > MAX_REPLAY:
+        raise ValueError(
+            f"chunk {index} of chain {record.number} is {index - base} "
+            f"chunks past its nearest snapshot (chunk {base}), more than "
+            f"the {MAX_REPLAY} a request may replay; the state's chunk "
+            "counter does not come from this chain")
       if self._verify_calls and record.next_index is not None:
         warnings.warn(
             f"{self.name}, chain {record.number}: chunk {index} was "

@@ -7,3 +7,9 @@ class HostLoaderError(RuntimeError):
 
 class PipelineReleasedError(RuntimeError):
   """A released pipeline was used."""
+
+
+class CheckpointError(ValueError):
+  """A checkpoint could not be restored: the file is corrupt, truncated or
+  not a jax_data checkpoint, a field is missing or malformed, or it does not
+  fit the pipeline. The message names the field or what differs."""

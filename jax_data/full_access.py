@@ -220,6 +220,7 @@ def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
   cache_size, mb_size = pl.check_sizes(loader, cached_batches_count, mb_size,
                                        observations.count)
   plan = _PassPlan(observations.count, cache_size, mb_size)
+  pl.check_cache_bytes(loader, plan.cache_size, mb_size)
   if isinstance(loader, DeviceDataLoader):
     if progress is not None:
       raise ValueError(

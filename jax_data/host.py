@@ -33,9 +33,11 @@ from jax_data.chains import Chunk
 from jax_data.chains import ChunkLayout
 from jax_data.chains import spec_from_json
 from jax_data.chains import spec_to_json
+from jax_data.chunk_store import MAX_REPLAY
 from jax_data.chunk_store import ChainRecord
 from jax_data.chunk_store import ChainStore
 from jax_data.chunk_store import settle
+from jax_data.errors import CheckpointError
 from jax_data.errors import HostLoaderError
 from jax_data.errors import PipelineReleasedError
 from jax_data.host_loader import HostDataLoader
@@ -157,6 +159,10 @@ class Host:
     """Raises :class:`PipelineReleasedError` if the pipeline was released."""
     _ = self._store.loader
 
+  def chains(self) -> List[int]:
+    """The numbers of this pipeline's chains (for tests and diagnostics)."""
+    return self._store.numbers()
+
   def chain(self, number: int) -> ChainRecord:
     """The bookkeeping of chain ``number`` (for tests and diagnostics)."""
     return self._store.record(number)
@@ -173,19 +179,37 @@ class Host:
     return {"spec": spec_to_json(record.spec), "snapshot_index": index,
             "snapshot": position}
 
-  def restore_chain(self, saved: Dict[str, Any]) -> int:
-    """Adds a chain from :meth:`save_chain`'s dict; returns its number.
+  def restore_chain(self, saved: Dict[str, Any], chunk: int) -> int:
+    """Adds a chain from :meth:`save_chain`'s dict, for a state at chunk
+    ``chunk``; returns the chain's number.
 
     Raises:
-      ValueError: the dict is not one of :meth:`save_chain`, or the
-        loader refuses it; no chain is added then.
+      CheckpointError: the dict is not one of :meth:`save_chain`, ``chunk``
+        is not at or after its snapshot (within ``MAX_REPLAY`` chunks), or
+        the loader refuses the spec or position; no chain is added then.
     """
-    if not isinstance(saved, dict):
-      raise ValueError(f"a saved chain is a dict, got {saved!r}")
-    spec = spec_from_json(saved.get("spec", {}))
-    index = check_int("snapshot_index", saved.get("snapshot_index"),
-                      minimum=0)
-    return self._store.add(spec, (index, saved.get("snapshot"))).number
+    if not isinstance(saved, dict) or not {"spec", "snapshot_index",
+                                            "snapshot"} <= set(saved):
+      raise CheckpointError(
+          "a saved chain is a dict with spec, snapshot_index and snapshot, "
+          f"got {saved!r}")
+    try:
+      spec = spec_from_json(saved["spec"])
+      index = check_int("snapshot_index", saved["snapshot_index"],
+                        minimum=0)
+      if not index <= chunk <= index + MAX_REPLAY:
+        raise ValueError(
+            f"the state's chunk={chunk} must be between the chain's "
+            f"snapshot_index={index} and {index + MAX_REPLAY} (the snapshot "
+            f"plus MAX_REPLAY={MAX_REPLAY} chunks)")
+      return self._store.add(spec, (index, saved["snapshot"])).number
+    except (TypeError, ValueError) as e:
+      raise CheckpointError(f"saved chain does not fit {self.name}: {e}"
+                            ) from e
+
+  def remove_chain(self, chain: int) -> None:
+    """Takes a chain out of this pipeline (a restore that failed later)."""
+    self._store.remove(chain)
 
   # -- serving ------------------------------------------------------------
 

@@ -21,6 +21,9 @@ from typing import Dict
 from typing import Optional
 from typing import Tuple
 
+import jax
+import numpy as np
+
 from jax_data.bridge import Bridge
 from jax_data.host import Host
 from jax_data.host_loader import HostDataLoader
@@ -154,6 +157,28 @@ def check_sizes(data_loader: DataLoader, cache_size: Any, mb_size: Any,
     observation_count = data_loader.static_information["observation_count"]
   return _check_sizes(cache_size, mb_size, observation_count,
                       cache_name="cached_batches_count")
+
+
+#: The most bytes a pipeline's device cache may take per chain (batches,
+#: their masks): larger caches buy no speed, and a mistyped size would
+#: exhaust memory before anything runs.
+MAX_CACHE_BYTES = 256 << 20
+
+
+def check_cache_bytes(data_loader: DataLoader, cache_size: int,
+                      mb_size: int) -> None:
+  """Raises, before anything is allocated, if a cache of ``cache_size``
+  batches of ``mb_size`` takes more than :data:`MAX_CACHE_BYTES`."""
+  row = 1 + sum(int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype)
+                .itemsize for s in
+                jax.tree_util.tree_leaves(data_loader.observation_format))
+  size = cache_size * mb_size * row
+  if size > MAX_CACHE_BYTES:
+    raise ValueError(
+        f"cached_batches_count={cache_size} batches of mb_size={mb_size} "
+        f"observations of {row} bytes make a cache of {size / 2**20:,.0f} "
+        f"MiB per chain, over the limit of {MAX_CACHE_BYTES >> 20} MiB "
+        "(jax_data.pipeline.MAX_CACHE_BYTES); use fewer cached batches")
 
 
 def warn_large_cache(cache_size: int, mb_size: int, observation_count: int,

@@ -70,6 +70,7 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
   cache_size, mb_size = pl.check_sizes(loader, cached_batches_count, mb_size)
   if isinstance(loader, DeviceDataLoader):
     return device_loader.RandomPipeline(loader, mb_size)
+  pl.check_cache_bytes(loader, cache_size, mb_size)
   pl.warn_large_cache(cache_size, mb_size, count)
   return RandomPipeline(loader, cache_size, mb_size, verify_calls, callback)
 

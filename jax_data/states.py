@@ -73,6 +73,7 @@ def check_state(state: Any, expected: CacheState, where: str) -> CacheState:
           f"{np.shape(g)} and dtype {jnp.result_type(g)}, expected "
           f"{np.shape(w)} and {jnp.result_type(w)}")
   check_identity(state.pipeline, int(expected.pipeline), where)
+  _check_counters(state, np.shape(expected.mask)[0], where)
   return state
 
 
@@ -89,6 +90,27 @@ def check_identity(field: Any, pipeline: int, where: str) -> None:
         f"{where} got a state of another pipeline (id {foreign[0]}; this "
         f"pipeline's id is {pipeline}); use the states of this pipeline's "
         "init_fn")
+
+
+def _check_counters(state: CacheState, cache_size: int, where: str) -> None:
+  """Raises if known counters of a state are out of range (a state built by
+  hand, or from a crafted checkpoint)."""
+  try:
+    chunk, position, cached = (np.asarray(state.chunk),
+                               np.asarray(state.position),
+                               np.asarray(state.cached_chunk))
+  except jax.errors.TracerArrayConversionError:
+    return
+  top = max(cache_size, 1) - 1
+  for name, value, low, high in (("chunk", chunk, 0, None),
+                                 ("position", position, 0, top),
+                                 ("cached_chunk", cached, -1, None)):
+    if (value < low).any() or (high is not None and (value > high).any()):
+      bound = f"at least {low}" if high is None else f"in {low} .. {high}"
+      raise ValueError(
+          f"{where} got a state with {name}={value.tolist()}, which must be "
+          f"{bound}; use the states of this pipeline's init_fn, batch_fn or "
+          "restore_checkpoint")
 
 
 def batch_at(batches: PyTree, mask: jax.Array, position: jax.Array):

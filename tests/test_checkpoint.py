@@ -225,3 +225,74 @@ def test_data_digest_reads_a_fixed_sample_of_rows(tmp_path):
   changed[0, 0] = -1.0  # row 0 is always in the sample
   assert NumpyDataLoader(x=changed).content_digest() != (
       in_memory.content_digest())
+
+
+def test_a_failed_restore_leaves_no_chain_registered():
+  pipeline = _pipeline()
+  init_fn, batch_fn, _ = pipeline
+  states = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs),
+                                  *[init_fn(seed=s) for s in range(3)])
+  tree = jax_data.state_to_pytree(pipeline, states)
+  host = json.loads(tree["host"].tobytes())
+  host["chains"][2]["snapshot"] = {"version": 1, "stream": {"mode": "x"}}
+  bad = dict(tree, host=np.frombuffer(json.dumps(host).encode(), np.uint8))
+  fresh = _pipeline()
+  with pytest.raises(jax_data.CheckpointError, match="mode 'x'"):
+    jax_data.state_from_pytree(fresh, bad)
+  assert fresh.host.chains() == []
+  # A fingerprint that does not fit fails before any chain is added.
+  other = jax_data.random_reference_data(NumpyDataLoader(x=np.arange(N)),
+                                         CACHE + 1, MB)
+  with pytest.raises(jax_data.CheckpointError, match="cache_size is 4"):
+    jax_data.state_from_pytree(other, tree)
+  assert other.host.chains() == []
+
+
+def test_an_array_flag_is_saved_as_a_bool():
+  pipeline = _pipeline()
+  init_fn, batch_fn, _ = pipeline
+  state = init_fn(seed=2, shuffle=jnp.array(True), in_epochs=np.bool_(True))
+  state, _ = _run(batch_fn, 6)(state)
+  tree = jax_data.state_to_pytree(pipeline, state)
+  spec = json.loads(tree["host"].tobytes())["chains"][0]["spec"]
+  assert spec["shuffle"] is True and spec["in_epochs"] is True
+  fresh = _pipeline()
+  _, expected = _run(batch_fn, 8)(state)
+  _, got = _run(fresh[1], 8)(jax_data.state_from_pytree(fresh, tree))
+  assert got[0].tolist() == expected[0].tolist()
+  assert got[1].tolist() == expected[1].tolist()
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("chunk", -1, "chunks -1 must not be negative"),
+    ("position", -3, "positions -3 are outside 0 .. 3"),
+    ("position", CACHE, "positions 4 are outside"),
+    ("chunk", 2**31 - 1, "chunk=2147483647 must be between the chain's "
+     "snapshot_index=1 and 1048577"),
+])
+def test_counters_out_of_range_are_refused(field, value, match):
+  pipeline = _pipeline()
+  state, _ = _run(pipeline[1], 5)(pipeline[0](seed=1))
+  tree = jax_data.state_to_pytree(pipeline, state)
+  with pytest.raises(jax_data.CheckpointError, match=match):
+    jax_data.state_from_pytree(pipeline, dict(tree, **{field: np.int32(
+        value)}))
+  # Eagerly, a state built by hand is refused too.
+  if value < 0 or field == "position":
+    with pytest.raises(ValueError, match=f"{field}={value}"):
+      pipeline[1](state._replace(**{field: jnp.int32(value)}))
+
+
+def test_counters_out_of_range_inside_jit_are_refused_by_the_host():
+  init_fn, batch_fn, _ = _pipeline()
+  state = init_fn(seed=1)
+  with pytest.raises(Exception, match="chunk=-1 of chain .* requested"):
+    jax.block_until_ready(jax.jit(batch_fn)(state._replace(
+        chunk=jnp.int32(-1))))
+  with pytest.raises(Exception, match="more than the 1048576 a request may "
+                     "replay"):
+    jax.block_until_ready(jax.jit(batch_fn)(state._replace(
+        chunk=jnp.int32(2**30))))
+  # The chain is still usable.
+  _, batch = jax.jit(batch_fn)(state)
+  assert batch["x"].shape == (MB,)

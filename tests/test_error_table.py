@@ -25,28 +25,43 @@ def _rows():
   return rows
 
 
-def _namespace():
+def _namespace(tmp_path):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     loader = NumpyDataLoader(x=np.arange(10))
-    init_fn, batch_fn, _ = random_reference_data(loader, 2, 3)
+    pipeline = random_reference_data(loader, 2, 3)
+    init_fn, batch_fn, _ = pipeline
     map_init, map_fn, _ = full_reference_data(loader, 2, 3)
+    other = random_reference_data(NumpyDataLoader(x=np.arange(10)), 2, 3)
+    other_data = random_reference_data(NumpyDataLoader(x=np.arange(10) + 1),
+                                       2, 3)
+  state, _ = batch_fn(init_fn())
+  tree = jax_data.state_to_pytree(pipeline, state)
+  checkpoint = tmp_path / "state.npz"
+  jax_data.save_checkpoint(checkpoint, pipeline, state)
+  truncated_file = tmp_path / "truncated.npz"
+  truncated_file.write_bytes(checkpoint.read_bytes()[:200])
+  npy_file = tmp_path / "array.npy"
+  np.save(npy_file, np.arange(3))
   return dict(np=np, jax_data=jax_data, NumpyDataLoader=NumpyDataLoader,
               random_reference_data=random_reference_data,
               full_reference_data=full_reference_data,
               full_data_mapper=full_data_mapper, loader=loader,
-              init_fn=init_fn, batch_fn=batch_fn, map_init=map_init,
-              map_fn=map_fn)
+              pipeline=pipeline, init_fn=init_fn, batch_fn=batch_fn,
+              map_init=map_init, map_fn=map_fn, other_state=other[0](),
+              tree=tree, other_data=other_data,
+              truncated_file=truncated_file, npy_file=npy_file)
 
 
 @pytest.mark.parametrize("expression,raised,message", _rows())
-def test_documented_error(expression, raised, message):
-  namespace = _namespace()
+def test_documented_error(expression, raised, message, tmp_path):
+  namespace = _namespace(tmp_path)
   if raised == "UserWarning":
     with pytest.warns(UserWarning, match=re.escape(message)):
       eval(expression, namespace)  # pylint: disable=eval-used
     return
-  errors = {"TypeError": TypeError, "ValueError": ValueError}
+  errors = {"TypeError": TypeError, "ValueError": ValueError,
+            "CheckpointError": jax_data.CheckpointError}
   with pytest.raises(errors[raised]) as info:
     eval(expression, namespace)  # pylint: disable=eval-used
   assert message in str(info.value)

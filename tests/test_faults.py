@@ -358,3 +358,19 @@ def test_memmap_keeps_working_when_its_path_changes(tmp_path, change):
   if change == "replace":
     np.save(path, np.zeros((10, 4)))  # a shorter file at the same path
   assert total() == before == sum(range(4000))
+
+
+class WrongDtypeLoader(BrokenHostLoader):
+  """Says float32, serves float64."""
+
+  def get_batches(self, chain_id):
+    return {"x": np.zeros((2, 2), np.float64)}, None
+
+
+def test_a_custom_loader_of_the_wrong_dtype_is_an_error_not_a_cast():
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      WrongDtypeLoader(), 2, 2)
+  with pytest.raises(Exception, match=r"get_batches returned an array of "
+                     r"shape \(2, 2\) and dtype float64, expected shape "
+                     r"\(2, 2\) .* and dtype float32"):
+    jax.block_until_ready(_scan(batch_fn, 3)(init_fn()))
