@@ -10,6 +10,9 @@ import pytest
 # Set before JAX is imported anywhere: several devices for pmap/shard_map.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Nothing downloads in tests: Hugging Face stays offline.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # Not test modules: Sphinx configuration, scripts with their own entry points.
 collect_ignore = ["docs/conf.py", "examples", "benchmarks", "setup.py"]
@@ -17,7 +20,13 @@ collect_ignore = ["docs/conf.py", "examples", "benchmarks", "setup.py"]
 # Without TensorFlow (it is optional) its module and page are not collected;
 # tests/test_tensorflow_loader.py skips itself.
 if importlib.util.find_spec("tensorflow") is None:
-  collect_ignore += ["jax_data/tensorflow_loader.py", "docs/tensorflow.rst"]
+  collect_ignore += ["jax_data/tensorflow_loader.py",
+                     "jax_data/tensorflow_streams.py", "docs/tensorflow.rst"]
+# The sources page runs every kind of source (the sources extra).
+if any(importlib.util.find_spec(m) is None for m in (
+    "grain", "array_record", "datasets", "h5py", "PIL",
+    "tensorflow_datasets")):
+  collect_ignore += ["docs/sources.rst"]
 
 
 @pytest.fixture(params=["auto", "pure"], ids=["in_place", "copied"])

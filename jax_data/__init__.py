@@ -20,6 +20,7 @@ from jax_data.loader import DataLoader
 from jax_data.loader import DeviceDataLoader
 from jax_data.numpy_loader import NumpyDataLoader
 from jax_data.random_access import random_reference_data
+from jax_data.source_loader import SourceDataLoader
 from jax_data.types import CacheState
 from jax_data.types import MiniBatchInformation
 
@@ -36,6 +37,7 @@ __all__ = [
     "MiniBatchInformation",
     "NumpyDataLoader",
     "PipelineReleasedError",
+    "SourceDataLoader",
     "TensorflowDataLoader",
     "full_data_mapper",
     "full_reference_data",

@@ -20,6 +20,7 @@ import mmap
 import sys
 import threading
 from typing import Any
+from typing import Callable
 from typing import Dict
 from typing import List
 from typing import Optional
@@ -131,6 +132,25 @@ def read_memmap_rows(array: np.memmap, flat: np.ndarray,
   return out
 
 
+def read_sliced_rows(array: Any, flat: np.ndarray, out: np.ndarray
+                     ) -> np.ndarray:
+  """Rows ``flat`` of an array read by slicing (an h5py dataset) written
+  into ``out``: in file order, each run of consecutive rows one slice.
+
+  h5py reads a list of indices far more slowly than the same rows one
+  slice at a time (640 ms against 30 ms for 6,400 random rows of a float32
+  (1e6, 32) dataset, measured here).
+  """
+  order = np.argsort(flat, kind="stable")
+  ordered = flat[order]
+  starts = np.flatnonzero(np.diff(ordered) > 1) + 1
+  for run in np.split(np.arange(flat.size), starts):
+    low, high = int(ordered[run[0]]), int(ordered[run[-1]]) + 1
+    block = np.asarray(array[low:high])
+    out[order[run]] = block[ordered[run] - low]
+  return out
+
+
 def file_bytes_needed(array: np.memmap) -> Optional[int]:
   """The size a memmap's file must have for every byte the array (or view
   of a memmap: a slice, a strided or reversed view) touches; None if it is
@@ -176,24 +196,29 @@ def drop_pages(array: np.memmap) -> None:
       pass
 
 
-def digest_rows(count: int, leaves: Sequence[Any],
-                dtypes: Sequence[np.dtype]) -> str:
-  """A digest of the row count and of a fixed sample of rows: O(1) in the
-  number of rows, so memmaps are not read whole.
-
-  The sample is 16 evenly spaced rows and 16 drawn with a seed fixed by the
-  count. ``leaves`` are arrays (or array-likes indexable by a row); each
-  row is taken in the loader's dtype (``dtypes``), so the same data gives
-  the same digest however it is held.
-  """
+def sample_rows(count: int) -> np.ndarray:
+  """The rows :func:`digest_rows` reads of ``count``: 16 evenly spaced and
+  16 drawn with a seed fixed by the count."""
   rng = np.random.default_rng(count)
-  rows = np.unique(np.concatenate([
+  return np.unique(np.concatenate([
       np.linspace(0, count - 1, min(count, 16)).astype(np.int64),
       rng.integers(0, count, min(count, 16))]))
+
+
+def digest_rows(count: int, read_row: Callable[[int], Sequence[Any]],
+                dtypes: Sequence[np.dtype]) -> str:
+  """A digest of the row count and of a fixed sample of rows
+  (:func:`sample_rows`): O(1) in the number of rows, so memmaps and sources
+  are not read whole.
+
+  ``read_row(i)`` returns the leaves of row ``i``; each is taken in the
+  loader's dtype (``dtypes``), so the same data gives the same digest
+  however it is held.
+  """
   digest = hashlib.sha256(f"rows={count}".encode())
-  for leaf, dtype in zip(leaves, dtypes):
-    for row in rows:
-      value = np.ascontiguousarray(leaf[int(row)], dtype=dtype)
+  for row in sample_rows(count):
+    for leaf, dtype in zip(read_row(int(row)), dtypes):
+      value = np.ascontiguousarray(leaf, dtype=dtype)
       digest.update(f"{value.dtype.str}{value.shape}".encode())
       digest.update(value.tobytes())
   return digest.hexdigest()[:32]

@@ -24,16 +24,29 @@ from jax_data.gather import file_bytes_needed
 from jax_data.gather import is_run
 from jax_data.gather import mapped_file_size
 from jax_data.gather import read_memmap_rows
+from jax_data.gather import read_sliced_rows
 from jax_data.host_loader import HostDataLoader
 from jax_data.indexed import IndexedCursor
 from jax_data.types import PyTree
 from jax_data.validation import check_bool
 
 
+def is_lazy_array(value: Any) -> bool:
+  """Whether ``value`` is an array on disk read by slicing, as an h5py or
+  zarr dataset: it has ``shape``, ``dtype`` and ``__getitem__`` but is not
+  a NumPy or JAX array."""
+  return (not isinstance(value, (np.ndarray, jax.Array))
+          and all(hasattr(value, a) for a in ("shape", "dtype",
+                                              "__getitem__")))
+
+
 def _as_host_array(name: str, value: Any, copy: bool) -> np.ndarray:
-  """One keyword argument as a NumPy array, checked and with JAX's dtype."""
+  """One keyword argument as a NumPy array, checked and with JAX's dtype;
+  with ``copy=False`` memmaps and lazy arrays (h5py) stay on disk."""
   if isinstance(value, np.memmap) and not copy:
     array = value  # stays on disk; rows are read per chunk
+  elif is_lazy_array(value) and not copy:
+    array = value  # read by slices per chunk
   elif isinstance(value, jax.Array):
     array = np.asarray(value)
   else:
@@ -108,8 +121,10 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
   """Host loader over arrays with equal first axes.
 
   Each keyword becomes a key of the batch dict. Arrays may be lists, NumPy
-  or JAX arrays, or ``numpy.memmap`` files; with ``copy=False`` a memmap is
-  not read into memory: each chunk reads only its rows.
+  or JAX arrays, ``numpy.memmap`` files, or datasets of an HDF5 file
+  (``h5py``) or other arrays read by slicing; with ``copy=False`` a memmap
+  or dataset is not read into memory: each chunk reads only its rows (an
+  HDF5 dataset a run of consecutive rows at a time).
 
   >>> import numpy as np
   >>> from jax_data import NumpyDataLoader
@@ -153,7 +168,9 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
     if self._digest is None:
       self._check_files()
       dtypes = [leaf.dtype for leaf in self.chunk_layout(1, 1).leaves]
-      self._digest = digest_rows(self._count, self._leaves, dtypes)
+      self._digest = digest_rows(
+          self._count, lambda row: [leaf[row] for leaf in self._leaves],
+          dtypes)
     return self._digest
 
   def _check_files(self) -> None:
@@ -179,6 +196,8 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
     for array, buffer in zip(self._leaves, out):
       if isinstance(array, np.memmap):
         leaves.append(read_memmap_rows(array, flat, buffer))
+      elif not isinstance(array, np.ndarray):
+        leaves.append(read_sliced_rows(array, flat, buffer))
       elif run and array.dtype == buffer.dtype:
         leaves.append(array[first:first + flat.size])
       else:

@@ -327,6 +327,7 @@ class TensorflowDataLoader(HostDataLoader):
         leaves = self._reading.next_rows(
             in_order(self._pipeline.take(first).batch(first)))
       dtypes = [fmt.dtype for fmt in self._reading.formats]
-      self._digest = (digest_rows(first, leaves, dtypes)
-                      + f"/{self._count}")
+      self._digest = digest_rows(
+          first, lambda row: [leaf[row] for leaf in leaves], dtypes) + (
+              f"/{self._count}")
     return self._digest

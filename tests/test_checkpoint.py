@@ -212,7 +212,8 @@ def test_data_digest_reads_a_fixed_sample_of_rows(tmp_path):
 
   for n in (1, 10, 10_000, 1_000_000):
     leaf = Counting(np.arange(n))
-    digest = jax_data.gather.digest_rows(n, [leaf], [np.dtype(np.int32)])
+    digest = jax_data.gather.digest_rows(
+        n, lambda row, leaf=leaf: [leaf[row]], [np.dtype(np.int32)])
     assert len(leaf.rows) <= 32 and len(digest) == 32
   # A memmap is not read whole, and its digest is that of the same data
   # in memory.

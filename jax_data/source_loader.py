@@ -1,0 +1,463 @@
+"""Host loader over random-access sources: :class:`SourceDataLoader`.
+
+A random-access source has ``len(source)`` and ``source[i]``: Grain's
+protocol, met by Grain data sources and ``MapDataset``, ArrayRecord files,
+``tfds.data_source``, Hugging Face ``datasets.Dataset`` and PyTorch-style
+map datasets. Its chains are the NumPy loader's index streams
+(``spec/SAMPLING.md``), so a source gives exactly the batches a
+``NumpyDataLoader`` over the stacked records gives; a chunk's records are
+read, transformed and checked by a pool of worker threads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import pickle
+import threading
+import time
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
+
+import jax
+import numpy as np
+
+from jax_data.chains import ChainCursor
+from jax_data.chains import ChainSpec
+from jax_data.chains import ChunkLayout
+from jax_data.gather import digest_rows
+from jax_data.host_loader import HostDataLoader
+from jax_data.indexed import IndexedCursor
+from jax_data.types import PyTree
+from jax_data.validation import check_bool
+from jax_data.validation import check_int
+
+# Chunks read with each candidate number of workers before choosing one.
+_TRIALS = 2
+
+
+class RecordError(ValueError):
+  """A record of a source could not be read, or does not fit the format of
+  the first record."""
+
+
+def default_workers() -> int:
+  """Worker threads by default: the cores this process may use, at most 8."""
+  try:
+    cores = len(os.sched_getaffinity(0))
+  except AttributeError:  # not Linux
+    cores = os.cpu_count() or 1
+  return max(1, min(8, cores))
+
+
+class _WorkerChoice:
+  """How many workers read a chunk: one, or the whole pool.
+
+  Threads speed up records whose work releases the GIL (decompression,
+  NumPy, reading files) and slow down records whose work is Python code,
+  which they fight over the GIL for (two threads decoding small PNG images
+  with PIL read 0.59x as many as one, measured on 2 cores). So the first
+  chunks alternate between one worker and the pool, timed, and the faster
+  is kept. The records and their order do not depend on the choice.
+  """
+
+  def __init__(self, pool_size: int):
+    self._candidates = [1, pool_size] if pool_size > 1 else [1]
+    self._rates: Dict[int, List[float]] = {k: [] for k in self._candidates}
+    self._chosen: Optional[int] = (None if len(self._candidates) > 1
+                                   else self._candidates[0])
+    self._lock = threading.Lock()
+
+  def next(self) -> int:
+    """The number of workers for the next chunk."""
+    with self._lock:
+      if self._chosen is not None:
+        return self._chosen
+      return min(self._candidates, key=lambda k: len(self._rates[k]))
+
+  def observe(self, workers: int, records: int, seconds: float) -> None:
+    """Notes how fast ``workers`` read ``records``."""
+    with self._lock:
+      if self._chosen is not None:
+        return
+      self._rates[workers].append(records / max(seconds, 1e-9))
+      if all(len(r) >= _TRIALS for r in self._rates.values()):
+        self._chosen = max(self._candidates,
+                           key=lambda k: float(np.median(self._rates[k])))
+
+  @property
+  def chosen(self) -> Optional[int]:
+    return self._chosen
+
+
+class _Format:
+  """The structure, key paths, shapes and dtypes of the first record."""
+
+  def __init__(self, treedef, paths: List[str], leaves: List[np.ndarray]):
+    self.treedef = treedef
+    self.paths = paths
+    self.shapes = [leaf.shape for leaf in leaves]
+    self.dtypes = [leaf.dtype for leaf in leaves]
+
+  def describe(self) -> str:
+    return "{" + ", ".join(
+        f"{path}: {dtype}{list(shape)}" for path, shape, dtype in
+        zip(self.paths, self.shapes, self.dtypes)) + "}"
+
+
+def _flatten(record: Any) -> Tuple[List[str], List[Any], Any]:
+  """Key paths, leaves and treedef of a record."""
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(record)
+  paths = [jax.tree_util.keystr(path) or "record" for path, _ in with_paths]
+  return paths, [leaf for _, leaf in with_paths], treedef
+
+
+class SourceDataLoader(HostDataLoader):
+  """Host loader over a random-access source: ``len(source)`` and
+  ``source[i]``.
+
+  A record is a dict (or any pytree) of array-likes, or what
+  ``transform(record)`` turns into one; its format comes from the first
+  record, and every record read is checked against it. The streams are
+  exactly those of a :class:`~jax_data.NumpyDataLoader` over the stacked
+  records, for the same seeds and options.
+
+  Records are read, transformed and checked by up to ``workers`` threads,
+  each writing its records into fixed rows of the chunk, so the order never
+  depends on the threads' timing. Work that releases the GIL (decompression,
+  NumPy, reading files) runs in parallel; Python code does not, and threads
+  fighting over the GIL are slower than one, so the first chunks are read
+  with one worker and with all of them, and the faster is kept. A chunk is
+  produced by the pipeline's prefetch thread while the device works (or by
+  the request itself when it is not ready), and that thread hands the
+  chunk's records to the workers. A source with ``__getitems__(indices)``
+  is read a batch of indices at a time. Each distinct record of a chunk is
+  read once.
+
+  >>> import numpy as np
+  >>> import jax_data
+  >>> records = [{"x": np.full(2, i, np.float32), "y": i % 3}
+  ...            for i in range(10)]
+  >>> loader = jax_data.SourceDataLoader(records)
+  >>> loader
+  SourceDataLoader(list of 10 records; {['x']: float32[2], ['y']: int64[]})
+  >>> init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+  ...     loader, cached_batches_count=2, mb_size=4)
+  >>> _, batch = batch_fn(init_fn(seed=0))
+  >>> batch["x"].shape, str(batch["y"].dtype)
+  ((4, 2), 'int32')
+  >>> release_fn()
+
+  Args:
+    source: Has ``__len__`` and ``__getitem__(int)``.
+    transform: Turns a record into a pytree of array-likes (e.g. decodes an
+      image); None takes records as they are.
+    workers: Threads that may read and transform records: the first
+      chunks are read with one and with all of them, and the faster is
+      kept; 0 or 1 reads in the thread that produces the chunk. Default:
+      the usable cores, at most 8.
+    processes: The workers are processes instead (started with ``spawn``
+      when the first chain opens), for transforms whose Python work holds
+      the GIL; ``source`` and ``transform`` must pickle, and each worker
+      receives them once. The streams are the same.
+
+  Raises:
+    TypeError: ``source`` lacks ``len`` or indexing, ``transform`` is not
+      callable, or the first record has a leaf that is not numeric (a
+      string: drop or transform it).
+    ValueError: the source is empty.
+    RecordError: the first record cannot be read.
+  """
+
+  def __init__(self, source: Any, transform: Optional[Callable] = None, *,
+               workers: Optional[int] = None, processes: bool = False):
+    if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+      raise TypeError(
+          "source must have len(source) and source[i] (a random-access "
+          f"source), got source={source!r} of type {type(source).__name__}")
+    if transform is not None and not callable(transform):
+      raise TypeError(
+          f"transform must be callable or None, got transform={transform!r}")
+    self._source = source
+    self._transform = transform
+    self._count = check_int("len(source)", len(source), minimum=0)
+    if self._count == 0:
+      raise ValueError(f"source {source!r} is empty (len(source) == 0)")
+    self._workers = default_workers() if workers is None else check_int(
+        "workers", workers, minimum=0)
+    self._processes = check_bool("processes", processes)
+    if self._processes:
+      try:
+        self._pickled = pickle.dumps((source, transform))
+      except Exception as e:  # pylint: disable=broad-except
+        raise TypeError(
+            "processes=True sends source and transform to worker processes, "
+            f"but they do not pickle: {type(e).__name__}: {e}; define the "
+            "transform at module level, or use threads") from e
+    self._batched = self._batched_read(source)
+    # Read as chunks read (sources may type a batched read differently).
+    paths, leaves, treedef = _flatten(self._records(np.zeros(1, int))[0])
+    self._first = _Format(treedef, paths, self._check_first(paths, leaves))
+    self._format = treedef.unflatten([
+        jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype))
+        for shape, dtype in zip(self._first.shapes, self._first.dtypes)])
+    self._lock = threading.Lock()
+    self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+    self._choice = _WorkerChoice(1 if processes else self._workers)
+    self._open_cursors = 0
+    self._digest: Optional[str] = None
+
+  def __repr__(self) -> str:
+    return (f"{type(self).__name__}({type(self._source).__name__} of "
+            f"{self._count} records; {self._first.describe()})")
+
+  @property
+  def static_information(self) -> Dict[str, int]:
+    return {"observation_count": self._count}
+
+  @property
+  def observation_format(self) -> PyTree:
+    return self._format
+
+  # -- records ------------------------------------------------------------
+
+  @staticmethod
+  def _batched_read(source: Any) -> Optional[Callable[[List[int]], Any]]:
+    """The source's ``__getitems__``, if it has one that works: a list of
+    indices gives a list of as many records (PyTorch's convention, met by
+    Hugging Face, ArrayRecord and TFDS sources). One that raises on a probe
+    (a mocked TFDS source binds it wrongly) is not used."""
+    batched = getattr(source, "__getitems__", None)
+    if not callable(batched):
+      return None
+    try:
+      probe = batched([0])
+      if len(probe) != 1:
+        return None
+    except Exception:  # pylint: disable=broad-except
+      return None
+    return batched
+
+  def _load(self, index: int) -> Any:
+    """Record ``index``, transformed; a failure names the index."""
+    try:
+      record = self._source[index]
+      return record if self._transform is None else self._transform(record)
+    except Exception as e:  # pylint: disable=broad-except
+      raise RecordError(
+          f"{type(self).__name__} over {type(self._source).__name__}: "
+          f"record {index}: {type(e).__name__}: {e}") from e
+
+  def _check_first(self, paths: List[str], leaves: List[Any]
+                   ) -> List[np.ndarray]:
+    arrays = []
+    for path, leaf in zip(paths, leaves):
+      array = np.asarray(leaf)
+      if array.dtype.kind not in "biufc":
+        raise TypeError(
+            f"record 0 has {path} of dtype {array.dtype} ({type(leaf).__name__}"
+            "), which cannot become a JAX array; drop it or turn it into "
+            "numbers with transform=")
+      arrays.append(array)
+    if not arrays:
+      raise TypeError("record 0 has no array leaves: " + repr(leaves))
+    return arrays
+
+  def _leaves(self, index: int, record: Any) -> List[np.ndarray]:
+    """The leaves of record ``index``, checked against the first record
+    (key paths are computed only for a message)."""
+    first = self._first
+    leaves, treedef = jax.tree_util.tree_flatten(record)
+    if treedef != first.treedef:
+      paths, _, _ = _flatten(record)
+      raise RecordError(
+          f"record {index} has the keys {', '.join(paths)}, but record 0 "
+          f"has {', '.join(first.paths)}: records must share one format; "
+          f"record 0 is {first.describe()}")
+    arrays = []
+    for leaf, shape, dtype in zip(leaves, first.shapes, first.dtypes):
+      array = leaf if type(leaf) is np.ndarray else np.asarray(leaf)
+      if array.shape != shape or array.dtype != dtype:
+        self._wrong_leaf(index, record)
+      arrays.append(array)
+    return arrays
+
+  def _wrong_leaf(self, index: int, record: Any) -> None:
+    """Raises the error that names a leaf of another shape or dtype."""
+    first = self._first
+    paths, leaves, _ = _flatten(record)
+    for path, leaf, shape, dtype in zip(paths, leaves, first.shapes,
+                                        first.dtypes):
+      array = np.asarray(leaf)
+      if array.shape != shape or array.dtype != dtype:
+        raise RecordError(
+            f"record {index} has {path} of dtype {array.dtype} and shape "
+            f"{list(array.shape)}, but record 0 has {dtype}{list(shape)}: "
+            f"records must share one format; record 0 is "
+            f"{first.describe()}")
+
+  def _records(self, indices: np.ndarray) -> List[Any]:
+    """The transformed records of ``indices``, batched where the source
+    reads batches."""
+    if self._batched is None:
+      return [self._load(int(i)) for i in indices]
+    try:
+      records = list(self._batched([int(i) for i in indices]))
+    except Exception as e:  # pylint: disable=broad-except
+      raise RecordError(
+          f"{type(self).__name__} over {type(self._source).__name__}: "
+          f"records {indices.tolist()[:8]}{'...' if indices.size > 8 else ''}"
+          f": {type(e).__name__}: {e}") from e
+    if len(records) != indices.size:
+      raise RecordError(
+          f"__getitems__ of {type(self._source).__name__} returned "
+          f"{len(records)} records for {indices.size} indices")
+    if self._transform is None:
+      return records
+    out = []
+    for index, record in zip(indices, records):
+      try:
+        out.append(self._transform(record))
+      except Exception as e:  # pylint: disable=broad-except
+        raise RecordError(
+            f"{type(self).__name__} over {type(self._source).__name__}: "
+            f"record {int(index)}: {type(e).__name__}: {e}") from e
+    return out
+
+  def _fill(self, indices: np.ndarray, rows: np.ndarray,
+            out: Sequence[np.ndarray]) -> None:
+    """Reads records ``indices`` into rows ``rows`` of ``out``."""
+    for index, row, record in zip(indices, rows, self._records(indices)):
+      for leaf, array in zip(out, self._leaves(int(index), record)):
+        leaf[row] = array
+
+  def _read(self, flat: np.ndarray, out: List[np.ndarray]
+            ) -> List[np.ndarray]:
+    """Records ``flat`` into ``out``: each distinct record read once, at
+    fixed rows, by one worker or the pool (:class:`_WorkerChoice`); then the
+    rows of repeated indices."""
+    unique, first, inverse = np.unique(flat, return_index=True,
+                                       return_inverse=True)
+    pool = self._pool
+    if self._processes and pool is not None:
+      self._read_in_processes(pool, unique, first, out)
+      workers = 0  # not timed: processes are always used
+    else:
+      workers = 1 if pool is None else min(self._choice.next(), unique.size)
+    start = time.perf_counter()
+    if workers == 1:
+      self._fill(unique, first, out)
+    elif workers > 1:
+      parts = np.array_split(np.arange(unique.size), workers)
+      futures = [pool.submit(self._fill, unique[part], first[part], out)
+                 for part in parts]
+      concurrent.futures.wait(futures)
+      for future in futures:
+        future.result()  # the first failure, by row order
+    if pool is not None and workers:
+      self._choice.observe(workers, unique.size, time.perf_counter() - start)
+    repeated = first[inverse] != np.arange(flat.size)
+    if repeated.any():
+      rows = np.flatnonzero(repeated)
+      for leaf in out:
+        leaf[rows] = leaf[first[inverse[rows]]]
+    return out
+
+  def _read_in_processes(self, pool, unique: np.ndarray, first: np.ndarray,
+                         out: Sequence[np.ndarray]) -> None:
+    """Reads records in the worker processes, a block per task; each block
+    comes back stacked per leaf and is written at its rows."""
+    parts = np.array_split(np.arange(unique.size),
+                           max(1, min(unique.size, 4 * self._workers)))
+    futures = [pool.submit(_read_block, unique[part]) for part in parts]
+    concurrent.futures.wait(futures)
+    for part, future in zip(parts, futures):
+      for leaf, block in zip(out, future.result()):
+        leaf[first[part]] = block
+
+  @property
+  def workers_used(self) -> Optional[int]:
+    """How many workers read a chunk, once the first chunks have chosen
+    (None before)."""
+    if self._processes:
+      return self._workers
+    return self._choice.chosen if self._workers > 1 else self._workers
+
+  # -- chains -------------------------------------------------------------
+
+  def open_chain(self, spec: ChainSpec, layout: ChunkLayout) -> ChainCursor:
+    """A cursor with the NumPy loader's streams over the records; the
+    worker threads run while any cursor is open."""
+    with self._lock:
+      if self._pool is None and self._processes and self._workers > 0:
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            self._workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start_worker, initargs=(self._pickled,
+                                                 self._first))
+      elif self._pool is None and self._workers > 1:
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            self._workers, thread_name_prefix="jax_data-source")
+      self._open_cursors += 1
+    return _SourceCursor(spec, layout, self)
+
+  def _cursor_closed(self) -> None:
+    with self._lock:
+      self._open_cursors -= 1
+      pool = self._pool if self._open_cursors == 0 else None
+      if pool is not None:
+        self._pool = None
+    if pool is not None:
+      pool.shutdown(wait=False, cancel_futures=True)
+
+  def content_digest(self) -> str:
+    """A digest of the record count and a fixed sample of 32 records."""
+    if self._digest is None:
+      self._digest = digest_rows(
+          self._count, lambda row: self._leaves(
+              row, self._records(np.array([row]))[0]), self._first.dtypes)
+    return self._digest
+
+
+# In a worker process (processes=True) only: the loader's source, transform
+# and first record's format, set once by the pool's initializer.
+_WORKER: Dict[str, Any] = {}
+
+
+def _start_worker(pickled: bytes, first: _Format) -> None:
+  """The initializer of a worker process: a loader that reads records."""
+  source, transform = pickle.loads(pickled)
+  loader = SourceDataLoader.__new__(SourceDataLoader)
+  loader._source, loader._transform = source, transform  # pylint: disable=protected-access
+  loader._batched = SourceDataLoader._batched_read(source)  # pylint: disable=protected-access
+  loader._first = first  # pylint: disable=protected-access
+  _WORKER["loader"] = loader
+
+
+def _read_block(indices: np.ndarray) -> List[np.ndarray]:
+  """Records ``indices``, read and checked in a worker process, stacked per
+  leaf."""
+  loader = _WORKER["loader"]
+  columns = [np.empty((indices.size,) + shape, dtype) for shape, dtype in
+             zip(loader._first.shapes, loader._first.dtypes)]  # pylint: disable=protected-access
+  loader._fill(indices, np.arange(indices.size), columns)  # pylint: disable=protected-access
+  return columns
+
+
+class _SourceCursor(IndexedCursor):
+  """An indexed cursor that tells its loader when it closes."""
+
+  def __init__(self, spec: ChainSpec, layout: ChunkLayout,
+               loader: SourceDataLoader):
+    super().__init__(spec, layout, loader._read)  # pylint: disable=protected-access
+    self._loader: Optional[SourceDataLoader] = loader
+
+  def close(self) -> None:
+    loader, self._loader = self._loader, None
+    if loader is not None:
+      loader._cursor_closed()  # pylint: disable=protected-access
