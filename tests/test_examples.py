@@ -32,3 +32,14 @@ def test_tfds_example_quick(tmp_path):
   done = _run("examples/tfds_example.py", "--quick")
   assert done.returncode == 0, done.stderr[-3000:]
   assert "accuracy" in done.stdout.lower()
+
+
+def test_sources_example_quick():
+  for module in ("grain", "array_record", "datasets", "h5py", "PIL"):
+    pytest.importorskip(module)
+  done = _run("examples/sources_mnist.py", "--quick")
+  assert done.returncode == 0, done.stderr[-3000:]
+  lines = [line for line in done.stdout.splitlines() if "test accuracy" in line]
+  assert len(lines) == 5, done.stdout
+  assert ("every source gave the same batches and the same accuracy: yes"
+          in done.stdout), done.stdout
