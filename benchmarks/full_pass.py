@@ -1,6 +1,9 @@
 """Case (c): the full-data log-likelihood of logistic regression, one pass
 over every observation per call, with ``full_data_mapper``.
 
+* fused op: the dataset on the device, the log-likelihood of all of it in
+  one jitted expression (the reference: one read of the data plus the
+  compute);
 * device-resident: the (padded) dataset on the device, a jitted
   ``lax.scan`` over batches cut with ``lax.dynamic_slice``;
 * jax_data: ``full_data_mapper(NumpyDataLoader(x=..., y=...), cache, mb)``
@@ -8,7 +11,7 @@ over every observation per call, with ``full_data_mapper``.
 * jax-sgmc 0.1.5: its ``full_data_mapper`` inside ``jit``;
 * Python loop: one jitted call per batch of host slices.
 
-All four evaluate the same masked per-batch log-likelihood.
+All evaluate the same log-likelihood.
 """
 
 from __future__ import annotations
@@ -98,6 +101,15 @@ def _device_pass(data: dict[str, np.ndarray], mb: int) -> Callable:
   return log_likelihood
 
 
+FUSED = "fused op"
+
+
+def _fused_pass(data: dict[str, np.ndarray]) -> Callable:
+  arrays = {k: jnp.asarray(v) for k, v in data.items()}
+  mask = jnp.ones(len(data["y"]), bool)
+  return jax.jit(lambda theta: masked_log_likelihood(theta, arrays, mask))
+
+
 def _mapper_pass(mapper_fn: Callable) -> Callable:
   """A jitted full-data log-likelihood through a ``full_data_mapper``."""
 
@@ -160,6 +172,7 @@ def run(config: Config, repeats: int) -> Section:
   rows: list[list[str]] = []
   notes: list[str] = []
   ratios: dict[int, float] = {}
+  fused: dict[int, float] = {}
   obs_bytes = 0
   for n in config.sizes:
     data = logistic_data(n, config.features)
@@ -170,7 +183,8 @@ def run(config: Config, repeats: int) -> Section:
         jax_data.NumpyDataLoader(**data), config.cache, config.mb)
     sgmc_mapper, sgmc_release = sgmc_data.full_data_mapper(
         SgmcLoader(**data), config.cache, config.mb)
-    fns = {DEVICE: _device_pass(data, config.mb),
+    fns = {FUSED: _fused_pass(data),
+           DEVICE: _device_pass(data, config.mb),
            JAX_DATA: _mapper_pass(mapper_fn),
            JAX_SGMC: _mapper_pass(sgmc_mapper),
            PYTHON_LOOP: _python_pass(data, config.mb)}
@@ -180,7 +194,7 @@ def run(config: Config, repeats: int) -> Section:
     calibrated = functools.partial(calibrate, min_seconds=config.min_seconds,
                                    quantum=1, maximum=config.max_passes)
     same = calibrated(min(pilot[DEVICE], pilot[JAX_DATA]))
-    passes = {DEVICE: same, JAX_DATA: same,
+    passes = {FUSED: same, DEVICE: same, JAX_DATA: same,
               JAX_SGMC: calibrated(pilot[JAX_SGMC]),
               PYTHON_LOOP: calibrated(pilot[PYTHON_LOOP])}
     contenders = [_contender(name, fn, theta, passes[name])
@@ -191,9 +205,10 @@ def run(config: Config, repeats: int) -> Section:
     del fns, data
 
     ratios[n] = paired_ratio(timings, JAX_DATA, DEVICE)
+    fused[n] = paired_ratio(timings, JAX_DATA, FUSED)
     rows.append([format_count(n)]
                 + [format_timing(timings[c.name], "ms") for c in contenders]
-                + [format_ratio(ratios[n]),
+                + [format_ratio(fused[n]), format_ratio(ratios[n]),
                    format_ratio(paired_ratio(timings, JAX_SGMC, JAX_DATA)),
                    format_ratio(paired_ratio(timings, PYTHON_LOOP,
                                              JAX_DATA))])
@@ -212,14 +227,20 @@ def run(config: Config, repeats: int) -> Section:
           f"mb={config.mb}, cache={config.cache} batches per host call; "
           "every pass is one call of a jitted function (the Python loop: "
           "one jitted call per batch). All contenders agree on the value."),
-      headers=["N", DEVICE, JAX_DATA, JAX_SGMC, PYTHON_LOOP,
-               "jax_data / device", "jax-sgmc / jax_data",
-               "Python loop / jax_data"],
+      headers=["N", FUSED, DEVICE, JAX_DATA, JAX_SGMC, PYTHON_LOOP,
+               "jax_data / fused op", "jax_data / device",
+               "jax-sgmc / jax_data", "Python loop / jax_data"],
       rows=rows, notes=notes,
-      targets=[Target(f"(c) full pass: jax_data / device-resident at "
-                      f"N={format_count(large)}", "<= 2x",
-                      format_ratio(ratios[large]),
-                      ratios[large] <= 2 if config == FULL else None)],
+      targets=[Target(f"(c) full pass: jax_data / fused op at "
+                      f"N={format_count(large)}", "<= 1.5x",
+                      format_ratio(fused[large]),
+                      fused[large] <= 1.5 if config == FULL else None),
+               Target("(c) full pass: jax_data / fused op, smaller N",
+                      "<= 2x", ", ".join(
+                          f"{format_count(n)}: {format_ratio(fused[n])}"
+                          for n in sorted(fused) if n != large) or "-",
+                      all(fused[n] <= 2 for n in fused if n != large)
+                      if config == FULL else None)],
       memory=[memory_row("(c) full_data_mapper", config.cache, config.mb,
                          obs_bytes, max(config.sizes))])
 

@@ -20,6 +20,7 @@ from jax_data.loader import DataLoader
 from jax_data.loader import DeviceDataLoader
 from jax_data.numpy_loader import NumpyDataLoader
 from jax_data.random_access import random_reference_data
+from jax_data.scan import scan
 from jax_data.source_loader import SourceDataLoader
 from jax_data.types import CacheState
 from jax_data.types import MiniBatchInformation
@@ -45,6 +46,7 @@ __all__ = [
     "random_reference_data",
     "restore_checkpoint",
     "save_checkpoint",
+    "scan",
     "state_from_pytree",
     "state_to_pytree",
 ]

@@ -135,6 +135,9 @@ class RandomPipeline(pl.Pipeline):
       return new_state, (batch, info)
     return new_state, batch
 
+  def check_open(self) -> None:
+    self._ref.check_open()
+
   def release_fn(self) -> None:
     """Drops the pipeline's reference to the loader."""
     self._ref.release()

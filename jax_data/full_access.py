@@ -129,8 +129,17 @@ def _map_pass(fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]],
       result, carry = fun(batch, carry)
     return carry, result
 
-  def over_chunk(carry, batches, mask):
+  def scan_chunk(carry, batches, mask):
     return lax.scan(apply, carry, (batches, mask))
+
+  def map_chunk(carry, batches, mask):
+    # The carry comes back unchanged: the batches of a chunk are
+    # independent, and one vectorised call maps them all.
+    results = jax.vmap(lambda b, m: apply(carry, (b, m))[1])(batches, mask)
+    return carry, results
+
+  over_chunk = (scan_chunk if _threads_carry(apply, carry, fetch_chunk)
+                else map_chunk)
 
   def outer(carry, chunk):
     batches, mask = fetch_chunk(chunk)
@@ -157,6 +166,28 @@ def _map_pass(fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]],
         lambda r: r.reshape((plan.batches * plan.mb_size,) + r.shape[2:])[
             :plan.count], results)
   return results, carry
+
+
+def _threads_carry(apply: Callable, carry: PyTree,
+                   fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]]
+                   ) -> bool:
+  """Whether ``apply(carry, (batch, mask))`` returns a carry that is not
+  the one it was given (traced once, abstractly)."""
+  leaves = jax.tree_util.tree_leaves(carry)
+  if not leaves:
+    return False
+  batches, mask = jax.eval_shape(fetch_chunk, jnp.int32(0))
+  one = lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype)
+  batch = jax.tree_util.tree_map(one, batches)
+
+  def step(carry, batch, mask):
+    return jax.tree_util.tree_leaves(apply(carry, (batch, mask))[0])
+
+  traced = jax.make_jaxpr(step)(carry, batch, one(mask)).jaxpr
+  given = traced.invars[:len(leaves)]
+  returned = traced.outvars
+  return len(returned) != len(given) or any(
+      r is not g for r, g in zip(returned, given))
 
 
 def full_reference_data(data_loader: DataLoader,

@@ -4,8 +4,9 @@ Pure NumPy. A chunk is ``cache_size * mb_size`` rows picked by index from
 arrays in memory or memory-mapped files:
 
 * :func:`is_run` tells when the rows are consecutive, so a slice reads them;
-* :class:`Gatherer` copies rows of an in-memory array into a buffer, in two
-  threads when the chunk is large (NumPy's ``take`` releases the GIL);
+* :class:`Gatherer` copies rows of an in-memory array, or a whole chunk,
+  into a buffer, in two threads when the chunk is large (NumPy's ``take``
+  and ``copyto`` release the GIL);
 * :func:`read_memmap_rows` reads rows of a memmap in file order, a few at a
   time, and drops the pages it touched from the process;
 * :func:`digest_rows` digests a fixed sample of rows, so that checkpoints
@@ -67,16 +68,32 @@ class Gatherer:
     # Indices come from the streams, always in range: no bounds checks.
     if out.nbytes < self._split_bytes:
       return np.take(array, flat, axis=0, out=out, mode="clip")
+    half = flat.size // 2
+    other = self._helper_pool().submit(np.take, array, flat[half:], 0,
+                                       out[half:], "clip")
+    np.take(array, flat[:half], axis=0, out=out[:half], mode="clip")
+    other.result()
+    return out
+
+  def copy(self, out: np.ndarray, source: np.ndarray) -> None:
+    """``np.copyto(out, source)``, in two threads when ``out`` has more
+    than ``split_bytes`` (a copy from memory that is not in a core's cache
+    runs at about 1.6 times the bytes/s in two threads than in one)."""
+    if (out.nbytes < self._split_bytes or out.ndim == 0 or out.shape[0] < 2
+        or np.shape(source) != out.shape):
+      np.copyto(out, source)
+      return
+    half = out.shape[0] // 2
+    other = self._helper_pool().submit(np.copyto, out[half:], source[half:])
+    np.copyto(out[:half], source[:half])
+    other.result()
+
+  def _helper_pool(self) -> concurrent.futures.ThreadPoolExecutor:
     with self._lock:
       if self._helper is None:
         self._helper = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="jax_data-gather")
-      helper = self._helper
-    half = flat.size // 2
-    other = helper.submit(np.take, array, flat[half:], 0, out[half:], "clip")
-    np.take(array, flat[:half], axis=0, out=out[:half], mode="clip")
-    other.result()
-    return out
+      return self._helper
 
   def close(self) -> None:
     """Ends the helper thread, if one was started."""

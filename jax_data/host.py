@@ -40,6 +40,7 @@ from jax_data.chunk_store import settle
 from jax_data.errors import CheckpointError
 from jax_data.errors import HostLoaderError
 from jax_data.errors import PipelineReleasedError
+from jax_data.gather import Gatherer
 from jax_data.host_loader import HostDataLoader
 from jax_data.prefetch import Prefetcher
 from jax_data.rendezvous import Rendezvous
@@ -47,6 +48,11 @@ from jax_data.validation import check_int
 
 # Chunks whose production follows the copy of a served one: (chain, index).
 Deferred = List[Tuple[ChainRecord, int]]
+
+
+#: Chunks of more bytes than this are copied into compiled code's buffers in
+#: two threads.
+COPY_SPLIT_BYTES = 512 << 10
 
 
 class LiveHosts:
@@ -145,6 +151,8 @@ class Host:
     self._prefetcher = Prefetcher() if prefetch else None
     self.rendezvous = Rendezvous(self.name)
     self._zeros: Optional[Chunk] = None
+    # Copies chunks into compiled code's buffers, large ones in two threads.
+    self._copier = Gatherer(split_bytes=COPY_SPLIT_BYTES)
     self.requests = 0
     LIVE_HOSTS.add(self)
 
@@ -355,7 +363,7 @@ class Host:
                          participants, deferred)
       for lane, chunk in enumerate(lanes):
         for out, leaf in zip(outs, list(chunk.leaves) + [chunk.mask]):
-          np.copyto(out[lane], leaf)
+          self._copier.copy(out[lane], leaf)
     finally:
       for record, index in deferred:
         self.schedule_next(record, index)
@@ -377,6 +385,7 @@ class Host:
     if prefetcher is not None:
       prefetcher.close(PipelineReleasedError(
           f"the prefetch thread of the pipeline over {self.name} stopped"))
+    self._copier.close()
 
   def release(self) -> None:
     """Drops the loader, every chain and stored chunk, and ends the
@@ -389,4 +398,5 @@ class Host:
     prefetcher, self._prefetcher = self._prefetcher, None
     if prefetcher is not None:
       prefetcher.close(self._released())
+    self._copier.close()
     self._zeros = None

@@ -73,6 +73,11 @@ class Pipeline(collections.abc.Sequence):
       self._digest = self.host.loader.content_digest()
     return fingerprint(self.kind, *self._shape, self._digest)
 
+  def check_open(self) -> None:
+    """Raises :class:`~jax_data.PipelineReleasedError` once released."""
+    if self.host is not None:
+      self.host.check_open()
+
   def __getitem__(self, index):
     return self.functions[index]
 

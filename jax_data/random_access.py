@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jax_data import device_loader
 from jax_data import pipeline as pl
+from jax_data import scan as scan_lib
 from jax_data import states
 from jax_data.bridge import check_callback
 from jax_data.host_loader import HostDataLoader
@@ -130,6 +131,23 @@ class RandomPipeline(pl.Pipeline):
           observation_count=self._count, mask=batch_mask,
           batch_size=self._mb_size))
     return new_state, batch
+
+  def chunked_scan(self, f, init, state: CacheState, xs, length: int,
+                   information: bool, device_count: int):
+    """The loop of :func:`jax_data.scan` over this pipeline's chunks."""
+    def fetch(state, chunk):
+      return self._bridge.fetch(state.pipeline, state.chain, chunk,
+                                device_count)
+
+    def refresh(state):
+      cached, batches, mask = self._bridge.refresh(
+          state.pipeline, state.chain, state.chunk, state.cached_chunk,
+          state.batches, state.mask, device_count)
+      return state._replace(cached_chunk=cached, batches=batches, mask=mask)
+
+    return scan_lib.chunked_scan(
+        f, init, state, xs, length, information, device_count, fetch=fetch,
+        refresh=refresh, observation_count=self._count, mb_size=self._mb_size)
 
   def release_fn(self) -> None:
     """Drops every reference the pipeline holds to the loader."""

@@ -163,3 +163,37 @@ def test_progress_true_prints_to_stderr(capsys, pipelines):
       NumpyDataLoader(x=np.arange(10.0)), 5, 2, progress=True)
   mapper_fn(lambda b, c: (b["x"], c), None)
   assert "full-data pass: 5/5 batches" in capsys.readouterr().err
+
+
+def test_untouched_carry_maps_chunks_at_once_with_the_same_results():
+  """A fun that returns its carry unchanged is mapped over each chunk's
+  batches in one vectorised call; the per-batch results are those of the
+  batch-by-batch scan (exactly for integers, to rounding for floats)."""
+  from jax_data import full_access
+  x = np.random.default_rng(0).normal(size=(103, 3)).astype(np.float32)
+  ints = np.arange(103 * 2).reshape(103, 2)
+  loader = jax_data.NumpyDataLoader(x=x, i=ints)
+  mapper_fn, release_fn = jax_data.full_data_mapper(loader, 4, 10)
+  w = jnp.asarray([0.5, -1.0, 2.0])
+
+  def untouched(batch, mask, carry):
+    return (jnp.sum(jnp.where(mask, batch["x"] @ carry, 0.0)),
+            jnp.sum(jnp.where(mask[:, None], batch["i"], 0))), carry
+
+  def threaded(batch, mask, carry):
+    result, _ = untouched(batch, mask, carry)
+    return result, carry * 1.0 + 0.0 * jnp.sum(result[0])
+
+  assert not full_access._threads_carry(
+      lambda c, bm: untouched(*bm, c)[::-1], w, lambda k: (
+          {"x": jnp.zeros((4, 10, 3)), "i": jnp.zeros((4, 10, 2), int)},
+          jnp.zeros((4, 10), bool)))
+  fast, _ = jax.jit(lambda w: mapper_fn(untouched, w, masking=True))(w)
+  slow, _ = jax.jit(lambda w: mapper_fn(threaded, w, masking=True))(w)
+  np.testing.assert_array_equal(np.asarray(fast[1]), np.asarray(slow[1]))
+  np.testing.assert_allclose(np.asarray(fast[0]), np.asarray(slow[0]),
+                             rtol=1e-6, atol=1e-5)
+  assert int(np.asarray(fast[1]).sum()) == int(ints.sum())
+  np.testing.assert_allclose(float(np.asarray(fast[0]).sum()),
+                             float(np.sum(x @ np.asarray(w))), rtol=1e-5)
+  release_fn()

@@ -1,0 +1,239 @@
+"""A sampler loop over random mini-batches: :func:`scan`.
+
+``lax.scan`` with ``batch_fn`` in its body checks at every step whether the
+cache must be refreshed and slices the step's batch out of the cache that
+the scan carries. :func:`scan` gives the same batches and the same final
+state, but runs an outer loop over chunks and an inner ``lax.scan`` over
+each chunk's batches: the inner steps take their batch as the scanned
+element, with no test, no slice and no cache in their carry. Only the
+batches before the state's first chunk boundary and after the last one
+are served step by step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import Callable
+from typing import Optional
+from typing import Tuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_data import pipeline as pl
+from jax_data import states
+from jax_data.types import CacheState
+from jax_data.types import MiniBatchInformation
+from jax_data.types import PyTree
+from jax_data.validation import check_bool
+from jax_data.validation import check_int
+
+
+def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
+         state: CacheState, *, batch_fn: Callable, xs: Optional[PyTree] = None,
+         length: Optional[int] = None, information: bool = False,
+         device_count: int = 1) -> Tuple[Tuple[PyTree, CacheState], PyTree]:
+  """``lax.scan`` over the next ``length`` mini-batches of a data state.
+
+  The same as a ``lax.scan`` whose body calls ``batch_fn`` once per step,
+  batch for batch and state for state, but faster: the batches of each
+  cached chunk are scanned over as the scan's elements, so a step pays
+  neither the refresh test nor a slice out of the cache.
+
+  >>> import numpy as np
+  >>> import jax
+  >>> import jax.numpy as jnp
+  >>> import jax_data
+  >>> loader = jax_data.NumpyDataLoader(x=np.arange(100.0))
+  >>> init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+  ...     loader, cached_batches_count=10, mb_size=4)
+  >>> def step(total, batch):
+  ...   return total + jnp.sum(batch["x"]), jnp.max(batch["x"])
+  >>> @jax.jit
+  ... def run(total, state):
+  ...   return jax_data.scan(step, total, state, batch_fn=batch_fn,
+  ...                        length=25)
+  >>> (total, state), maxima = run(0.0, init_fn(seed=0))
+  >>> maxima.shape, int(state.chunk), int(state.position)
+  ((25,), 2, 5)
+  >>> release_fn()
+
+  Args:
+    f: ``f(carry, batch) -> (carry, y)``; with ``xs``,
+      ``f(carry, (batch, x))``. With ``information=True`` the batch is
+      ``(batch, MiniBatchInformation)``, as ``batch_fn`` returns it.
+    init: The initial carry.
+    state: The data state (from ``init_fn``, ``batch_fn`` or a checkpoint).
+    batch_fn: The ``batch_fn`` of a :func:`random_reference_data` pipeline.
+    xs: Optional per-step inputs with leading axis ``length``.
+    length: Steps; taken from ``xs`` when omitted.
+    information: Pass ``MiniBatchInformation`` (with the validity mask of
+      epoch-ending batches) along with each batch.
+    device_count: As for ``batch_fn``, inside ``pmap`` over several devices.
+
+  Returns:
+    ``((carry, state), ys)``: the final carry, the data state after the
+    last step, and the stacked ``y`` of each step. The state is at the
+    position ``length`` calls of ``batch_fn`` leave, and gives the same
+    batches from there on; when it ends on a chunk boundary its cache is
+    marked empty (``cached_chunk=-1``) instead of holding the last chunk.
+
+  Raises:
+    TypeError, ValueError: bad arguments, named with their values.
+  """
+  pipeline = getattr(batch_fn, "__self__", None)
+  if not isinstance(pipeline, pl.Pipeline):
+    raise TypeError(
+        "batch_fn must be the batch_fn of a random_reference_data pipeline, "
+        f"got batch_fn={batch_fn!r}")
+  if pipeline.kind != "random":
+    raise TypeError(
+        "batch_fn must be the batch_fn of a random_reference_data pipeline, "
+        f"got the functions of a {pipeline.kind!r} pipeline: "
+        f"batch_fn={batch_fn!r}")
+  if not callable(f):
+    raise TypeError(f"f must be callable, got f={f!r}")
+  information = check_bool("information", information)
+  device_count = check_int("device_count", device_count, minimum=1)
+  length = _check_length(xs, length)
+  state = states.check_state(state, pipeline.template, "scan")
+  pipeline.check_open()
+  chunked = getattr(pipeline, "chunked_scan", None)
+  if chunked is None:  # device-resident data: no cache to scan over
+    return _plain_scan(f, init, state, pipeline.batch_fn, xs, length,
+                       information, device_count)
+  return chunked(f, init, state, xs, length, information, device_count)
+
+
+def _check_length(xs: Optional[PyTree], length: Any) -> int:
+  """The number of steps, from ``length`` or the leading axis of ``xs``."""
+  leading = {jnp.shape(x)[0] if jnp.ndim(x) else None
+             for x in jax.tree_util.tree_leaves(xs)}
+  if None in leading or len(leading) > 1:
+    raise ValueError(
+        "xs must be arrays with one common leading axis, got leading axes "
+        f"{sorted(leading, key=str)}")
+  if length is None:
+    if not leading:
+      raise ValueError("scan needs length when xs is None, got length=None")
+    return leading.pop()
+  length = check_int("length", length, minimum=0)
+  if leading and leading != {length}:
+    raise ValueError(
+        f"length={length} differs from the leading axis {leading.pop()} of xs")
+  return length
+
+
+def _plain_scan(f, init, state, batch_fn, xs, length, information,
+                device_count):
+  def body(carry, x):
+    carry, state = carry
+    state, batch = batch_fn(state, information, device_count)
+    carry, y = f(carry, batch if xs is None else (batch, x))
+    return (carry, state), y
+
+  return lax.scan(body, (init, state), xs, length=length)
+
+
+def chunked_scan(f, init, state: CacheState, xs, length: int,
+                 information: bool, device_count: int, *, fetch, refresh,
+                 observation_count: int, mb_size: int):
+  """The scan of :func:`scan` over a pipeline with a device cache.
+
+  The steps fall in three parts: the rest of the chunk the state is inside
+  (when its position is not 0), whole chunks, and the first batches of one
+  more chunk. Whole chunks are scanned over; the other steps read their
+  batch out of the cache, as ``batch_fn`` does.
+
+  Args:
+    fetch: ``fetch(state, chunk) -> (batches, mask)``: chunk ``chunk`` of
+      the state's chain.
+    refresh: ``refresh(state) -> state`` whose cache holds
+      ``state.chunk``.
+    observation_count, mb_size: For ``MiniBatchInformation``.
+  """
+  cache_size = jnp.shape(state.mask)[0]
+
+  def item(batch, mask, x):
+    if information:
+      batch = (batch, MiniBatchInformation(
+          observation_count=observation_count, mask=mask, batch_size=mb_size))
+    return batch if xs is None else (batch, x)
+
+  def x_at(step):
+    return jax.tree_util.tree_map(
+        lambda a: lax.dynamic_index_in_dim(a, step, keepdims=False), xs)
+
+  batch0, mask0 = states.batch_at(state.batches, state.mask, 0)
+  _, y_format = jax.eval_shape(f, init, item(batch0, mask0, x_at(0)))
+  ys = jax.tree_util.tree_map(
+      lambda s: jnp.zeros((length,) + s.shape, s.dtype), y_format)
+  if length == 0:
+    return (init, state), ys
+
+  def put(ys, y, step):
+    return jax.tree_util.tree_map(
+        lambda a, v: lax.dynamic_update_index_in_dim(a, v, step, 0), ys, y)
+
+  def one_by_one(carry, ys, batches, mask, first, step, count):
+    """``count`` steps from cache position ``first``, from scan step
+    ``step`` on."""
+    def body(i, loop):
+      carry, ys = loop
+      batch, batch_mask = states.batch_at(batches, mask, first + i)
+      carry, y = f(carry, item(batch, batch_mask, x_at(step + i)))
+      return carry, put(ys, y, step + i)
+
+    return lax.fori_loop(0, count, body, (carry, ys))
+
+  position = state.position
+  head = jnp.where(position > 0, jnp.minimum(cache_size - position, length), 0)
+  # The rest of the current chunk (a state inside one).
+  state = lax.cond(head > 0, refresh, lambda s: s, state)
+  carry, ys = one_by_one(init, ys, state.batches, state.mask, position, 0,
+                         head)
+  chunk = jnp.where(head > 0, state.chunk + 1, state.chunk)
+  rest = length - head
+  whole, tail = rest // cache_size, rest % cache_size
+
+  def over_chunk(j, loop):
+    carry, ys = loop
+    batches, mask = fetch(state, chunk + j)
+    step = head + j * cache_size
+    # The mask only goes along when f is given it.
+    scanned = (batches, mask if information else None)
+    if xs is not None:
+      scanned += (jax.tree_util.tree_map(
+          lambda a: lax.dynamic_slice_in_dim(a, step, cache_size), xs),)
+
+    def inner(carry, scanned):
+      return f(carry, item(*scanned[:2], scanned[2] if xs is not None
+                           else None))
+
+    carry, chunk_ys = lax.scan(inner, carry, scanned)
+    ys = jax.tree_util.tree_map(
+        lambda a, v: lax.dynamic_update_slice_in_dim(a, v, step, 0), ys,
+        chunk_ys)
+    return carry, ys
+
+  # The cache goes on holding the chunk of the head; after whole chunks
+  # (whose batches are not kept: the next step starts a new chunk, which
+  # batch_fn fetches anyway) it holds none.
+  last = jnp.where(head > 0, state.chunk, state.cached_chunk)
+  if length >= cache_size:  # else no whole chunk fits
+    carry, ys = lax.fori_loop(0, whole, over_chunk, (carry, ys))
+    last = jnp.where(whole > 0, -1, last)
+
+  # The first batches of one more chunk.
+  tail_state = state._replace(chunk=chunk + whole, position=jnp.int32(0),
+                              cached_chunk=last)
+  tail_state = lax.cond(tail > 0, refresh, lambda s: s, tail_state)
+  carry, ys = one_by_one(carry, ys, tail_state.batches, tail_state.mask, 0,
+                         head + whole * cache_size, tail)
+  final = tail_state._replace(position=tail.astype(jnp.int32))
+  end = position + length
+  final = final._replace(
+      chunk=(state.chunk + end // cache_size).astype(jnp.int32),
+      position=(end % cache_size).astype(jnp.int32))
+  return (carry, final), ys

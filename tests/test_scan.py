@@ -1,0 +1,125 @@
+"""jax_data.scan: the batches and states of a batch_fn loop, faster."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jax_data
+
+
+def _loop(batch_fn, f, init, state, xs, length, information=False):
+  """The reference: lax.scan with batch_fn in its body."""
+  def body(carry, x):
+    carry, state = carry
+    state, batch = batch_fn(state, information)
+    carry, y = f(carry, batch if xs is None else (batch, x))
+    return (carry, state), y
+  return lax.scan(body, (init, state), xs, length=length)
+
+
+def _step(total, batch):
+  return total + jnp.sum(batch["x"]), batch["x"]
+
+
+def _same(a, b):
+  for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def _same_run(got, want):
+  """Equal carries, batches and counters; the cache is equal too, or
+  marked empty where the state ends on a chunk boundary."""
+  (carry, state), ys = got
+  (want_carry, want_state), want_ys = want
+  _same((carry, ys), (want_carry, want_ys))
+  for name in ("pipeline", "chain", "chunk", "position"):
+    _same(getattr(state, name), getattr(want_state, name))
+  empty = np.asarray(state.cached_chunk) == -1
+  assert (empty <= (np.asarray(state.position) == 0)).all()
+  if not empty.any():
+    _same(state, want_state)
+
+
+@pytest.fixture
+def pipeline():
+  loader = jax_data.NumpyDataLoader(x=np.arange(103), y=np.arange(103) % 7)
+  pipeline = jax_data.random_reference_data(loader, 5, 4)
+  yield pipeline
+  pipeline.release_fn()
+
+
+@pytest.mark.parametrize("skip", [0, 1, 4, 5, 7])
+@pytest.mark.parametrize("length", [0, 1, 3, 5, 6, 13, 25])
+def test_same_batches_and_state_as_batch_fn(pipeline, skip, length):
+  init_fn, batch_fn, _ = pipeline
+  state = init_fn(seed=3, shuffle=True)
+  for _ in range(skip):
+    state, _ = batch_fn(state)
+  want = jax.jit(lambda s: _loop(batch_fn, _step, 0, s, None, length))(state)
+  got = jax.jit(lambda s: jax_data.scan(_step, 0, s, batch_fn=batch_fn,
+                                        length=length))(state)
+  _same_run(got, want)
+  # The state goes on exactly where the loop's would.
+  _same(batch_fn(got[0][1]), batch_fn(want[0][1]))
+
+
+def test_xs_information_and_epoch_masks(pipeline):
+  init_fn, batch_fn, _ = pipeline
+  state = init_fn(seed=1, shuffle=True, in_epochs=True)
+  state, _ = batch_fn(state)
+  xs = jnp.arange(60.0)
+
+  def f(carry, item):
+    (batch, info), x = item
+    return carry + jnp.sum(batch["x"] * info.mask) * x, info.mask
+
+  want = _loop(batch_fn, f, 0.0, state, xs, None, information=True)
+  got = jax.jit(lambda s, xs: jax_data.scan(
+      f, 0.0, s, batch_fn=batch_fn, xs=xs, information=True))(state, xs)
+  _same_run(got, want)
+  # Epochs of 103 observations in batches of 4 end with masked fillers.
+  assert not np.asarray(got[1]).all()
+
+
+def test_without_jit_and_under_vmap(pipeline):
+  init_fn, batch_fn, _ = pipeline
+  chains = [init_fn(seed=s) for s in range(3)]
+  stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *chains)
+  run = lambda s: jax_data.scan(_step, 0, s, batch_fn=batch_fn, length=12)
+  got = jax.jit(jax.vmap(run))(stacked)
+  for i, state in enumerate(chains):
+    _same(jax.tree_util.tree_map(lambda a, i=i: a[i], got), run(state))
+    _same_run(run(state), _loop(batch_fn, _step, 0, state, None, 12))
+
+
+def test_device_loader_falls_back_to_batch_fn():
+  loader = jax_data.DeviceNumpyDataLoader(x=np.arange(20))
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 1, 3)
+  state = init_fn(key=jax.random.PRNGKey(0))
+  _same(jax_data.scan(_step, 0, state, batch_fn=batch_fn, length=7),
+        _loop(batch_fn, _step, 0, state, None, 7))
+  release_fn()
+
+
+def test_bad_arguments_are_named(pipeline):
+  init_fn, batch_fn, release_fn = pipeline
+  state = init_fn(seed=0)
+  with pytest.raises(ValueError, match="length"):
+    jax_data.scan(_step, 0, state, batch_fn=batch_fn)
+  with pytest.raises(ValueError, match="length=3 differs"):
+    jax_data.scan(_step, 0, state, batch_fn=batch_fn, xs=jnp.zeros(4),
+                  length=3)
+  with pytest.raises(TypeError, match="f must be callable"):
+    jax_data.scan(None, 0, state, batch_fn=batch_fn, length=3)
+  with pytest.raises(TypeError, match="batch_fn must be"):
+    jax_data.scan(_step, 0, state, batch_fn=lambda s: s, length=3)
+  mapper = jax_data.full_data_mapper(
+      jax_data.NumpyDataLoader(x=np.arange(8)), 1, 2)
+  with pytest.raises(TypeError, match="random_reference_data"):
+    jax_data.scan(_step, 0, state, batch_fn=mapper.mapper_fn, length=3)
+  mapper.release_fn()
+  release_fn()
+  with pytest.raises(jax_data.PipelineReleasedError):
+    jax_data.scan(_step, 0, state, batch_fn=batch_fn, length=3)
