@@ -40,6 +40,19 @@ callback's result next to the old chunk for one step, so the transient peak
 is twice that; a device-resident loader holds the whole dataset instead."""
 
 
+def _gpu_note(env: dict[str, str]) -> str:
+  """What the report says of GPUs: the tables above are the GPU table when
+  the run had one; otherwise the GPU table is not measured."""
+  import jax
+  if jax.default_backend() == "gpu":
+    return (f"This run used {jax.devices()[0].device_kind}: the tables "
+            "above are the GPU tables (chunks reach the device through "
+            "`jax.pure_callback`; TensorFlow is kept off the GPU).")
+  return ("Not measured: this run had no GPU (platform "
+          f"{jax.default_backend()}). `benchmarks/run.py` runs unchanged on "
+          "a CUDA machine, where its tables are the GPU tables.")
+
+
 def markdown(env: dict[str, str], mode: str, repeats: int,
              sections: list[Section], durations: dict[str, float],
              total: float) -> str:
@@ -88,6 +101,10 @@ def markdown(env: dict[str, str], mode: str, repeats: int,
   for section in sections:
     parts += [section.markdown(), ""]
   parts += [
+      "## GPU",
+      "",
+      _gpu_note(env),
+      "",
       "## Device memory of the pipelines",
       "",
       _MEMORY,
