@@ -50,11 +50,6 @@ from jax_data.validation import check_int
 Deferred = List[Tuple[ChainRecord, int]]
 
 
-#: Chunks of more bytes than this are copied into compiled code's buffers in
-#: two threads.
-COPY_SPLIT_BYTES = 512 << 10
-
-
 class LiveHosts:
   """The hosts of this process, held weakly, and when compiled code last
   called one: what jax_data's exit hook needs (``bridge``).
@@ -151,8 +146,9 @@ class Host:
     self._prefetcher = Prefetcher() if prefetch else None
     self.rendezvous = Rendezvous(self.name)
     self._zeros: Optional[Chunk] = None
-    # Copies chunks into compiled code's buffers, large ones in two threads.
-    self._copier = Gatherer(split_bytes=COPY_SPLIT_BYTES)
+    # Copies chunks into compiled code's buffers, large ones (the chunks of
+    # full-data passes, not a random chain's few batches) in two threads.
+    self._copier = Gatherer()
     self.requests = 0
     LIVE_HOSTS.add(self)
 
