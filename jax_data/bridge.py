@@ -12,8 +12,14 @@ Every fetch goes through one host callback that takes a *lane* axis:
   cache refresh, not on every step.
 
 Callback inputs are small int32 arrays with gradients stopped (per lane:
-the pipeline a state belongs to, its chain and the chunk index); outputs are
-made device-varying inside ``shard_map`` by a select against a varying value.
+the pipeline that asks, the pipeline the state belongs to, its chain and the
+chunk index); outputs are made device-varying inside ``shard_map`` by a
+select against a varying value.
+
+A bridge holds no host: the callback finds the asking pipeline's host by
+its identity (``LIVE_HOSTS.host``), an operand of the compiled code, so
+pipelines of the same formats share one bridge (:func:`shared`), and with it
+their compiled steps.
 
 With ``callback="auto"`` the callback on CPU is
 ``jax.experimental.buffer_callback``: the host copies each chunk straight
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 import atexit
 import math
-import weakref
+import threading
 from typing import Any
 from typing import Callable
 from typing import Dict
@@ -42,9 +48,7 @@ import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
 
-from jax_data.errors import PipelineReleasedError
 from jax_data.host import LIVE_HOSTS
-from jax_data.host import Host
 from jax_data.types import PyTree
 
 try:  # experimental in JAX; absent or moved, pure_callback serves all
@@ -99,23 +103,24 @@ def _fold_lanes(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class Bridge:
-  """Compiled-code access to a pipeline's :class:`~jax_data.host.Host`.
+  """Compiled-code access to the hosts of pipelines of one chunk format.
+
+  Every request names the pipeline that asks (``owner``, an int32 operand);
+  the callback serves it from that pipeline's host. Pipelines of the same
+  formats share a bridge (see :func:`shared`).
 
   Args:
-    host: The host side.
     batch_format: Pytree of ``jax.ShapeDtypeStruct`` of one chunk, with
       leading axes ``(cache_size, mb_size)``.
     callback: ``"auto"`` or ``"pure"`` (see :data:`CALLBACKS`).
   """
 
-  def __init__(self, host: Host, batch_format: PyTree,
-               callback: str = "auto"):
-    self.host = host
+  def __init__(self, batch_format: PyTree, callback: str = "auto"):
     self.callback = check_callback(callback)
     leaves, self.treedef = jax.tree_util.tree_flatten(batch_format)
     self.leaf_formats = [jax.ShapeDtypeStruct(s.shape, s.dtype)
                          for s in leaves]
-    self.mask_format = jax.ShapeDtypeStruct(host.layout.lead, jnp.bool_)
+    self.mask_format = jax.ShapeDtypeStruct(leaves[0].shape[:2], jnp.bool_)
     self._ops: Dict[Tuple[int, int], _Ops] = {}
 
   @property
@@ -131,18 +136,38 @@ class Bridge:
       self._ops[key] = _Ops(self, device_count, participants)
     return self._ops[key]
 
-  def fetch(self, pipeline: jax.Array, chain: jax.Array, chunk: jax.Array,
-            device_count: int = 1) -> Tuple[PyTree, jax.Array]:
-    """Chunk ``chunk`` of chain ``chain`` of pipeline ``pipeline``:
-    (batches, mask)."""
-    return self.ops(device_count, _participants()).fetch(pipeline, chain,
-                                                         chunk)
+  def fetch(self, owner: Any, pipeline: jax.Array, chain: jax.Array,
+            chunk: jax.Array, device_count: int = 1
+            ) -> Tuple[PyTree, jax.Array]:
+    """Chunk ``chunk`` of chain ``chain`` of pipeline ``pipeline``, served
+    by pipeline ``owner``: (batches, mask)."""
+    return self.ops(device_count, _participants()).fetch(owner, pipeline,
+                                                         chain, chunk)
 
-  def refresh(self, pipeline, chain, chunk, cached_chunk, batches, mask,
-              device_count: int = 1):
+  def refresh(self, owner, pipeline, chain, chunk, cached_chunk, batches,
+              mask, device_count: int = 1):
     """Makes sure the cache holds ``chunk``: (cached_chunk, batches, mask)."""
     return self.ops(device_count, _participants()).refresh(
-        pipeline, chain, chunk, cached_chunk, batches, mask)
+        owner, pipeline, chain, chunk, cached_chunk, batches, mask)
+
+
+_BRIDGES: Dict[Any, Bridge] = {}
+_BRIDGES_LOCK = threading.Lock()
+
+
+def shared(batch_format: PyTree, callback: str = "auto") -> Bridge:
+  """The bridge of chunks of ``batch_format`` received the ``callback``
+  way, one per process: pipelines of the same formats, cache and batch
+  sizes trace, and so compile, the same code. A bridge holds only formats
+  and the wrappers built on them."""
+  callback = check_callback(callback)
+  leaves, treedef = jax.tree_util.tree_flatten(batch_format)
+  key = (treedef, tuple((tuple(s.shape), np.dtype(s.dtype).str)
+                        for s in leaves), callback)
+  with _BRIDGES_LOCK:
+    if key not in _BRIDGES:
+      _BRIDGES[key] = Bridge(batch_format, callback)
+    return _BRIDGES[key]
 
 
 def _participants() -> int:
@@ -157,9 +182,6 @@ class _Ops:
   number of participating devices."""
 
   def __init__(self, bridge: Bridge, device_count: int, participants: int):
-    # Weak: JAX's trace caches keep these wrappers, and with them anything
-    # they hold, after the pipeline is gone.
-    self._host = weakref.ref(bridge.host)
     self.treedef = bridge.treedef
     self._in_place = bridge.in_place
     self._leaf_formats = bridge.leaf_formats
@@ -171,12 +193,13 @@ class _Ops:
     self.fetch = self._make_fetch()
     self.refresh = self._make_refresh()
 
-  def _fetch_lanes(self, pipelines, chains, chunks, need) -> List[jax.Array]:
+  def _fetch_lanes(self, owners, pipelines, chains, chunks, need
+                   ) -> List[jax.Array]:
     lanes = chains.shape[0]
     outs = [jax.ShapeDtypeStruct((lanes,) + s.shape, s.dtype)
             for s in self._leaf_formats + [self._mask_format]]
-    callback = _Callback(self._host, self._device_count, self._participants)
-    args = (pipelines, chains, chunks, need)
+    callback = _Callback(self._device_count, self._participants)
+    args = (owners, pipelines, chains, chunks, need)
 
     def copied(*args):
       return list(jax.pure_callback(callback, outs, *args,
@@ -187,49 +210,51 @@ class _Ops:
     in_place = buffer_callback(callback.into, outs, vmap_method="sequential")
     return lax.platform_dependent(*args, cpu=in_place, default=copied)
 
-  def _fetch_lanes_flat(self, pipelines, chains, chunks):
+  def _fetch_lanes_flat(self, owners, pipelines, chains, chunks):
     need = jnp.ones(chains.shape, jnp.bool_)
-    outs = self._fetch_lanes(pipelines, chains, chunks, need)
+    outs = self._fetch_lanes(owners, pipelines, chains, chunks, need)
     return _varying_like(outs, chains == chains,
                          _vma(pipelines) | _vma(chains) | _vma(chunks))
 
-  def _refresh_lanes_flat(self, pipelines, chains, chunks, cached_chunks,
-                          mask, *leaves):
+  def _refresh_lanes_flat(self, owners, pipelines, chains, chunks,
+                          cached_chunks, mask, *leaves):
     need = _needs(cached_chunks, chunks)
 
     def fetch(ops):
-      pipelines, chains, chunks, cached_chunks, mask, *leaves = ops
+      owners, pipelines, chains, chunks, cached_chunks, mask, *leaves = ops
       need = _needs(cached_chunks, chunks)
-      new = self._fetch_lanes(pipelines, chains, chunks, need)
+      new = self._fetch_lanes(owners, pipelines, chains, chunks, need)
       old = list(leaves) + [mask]
       merged = [jnp.where(need.reshape(need.shape + (1,) * (n.ndim - 1)), n, o)
                 for n, o in zip(new, old)]
       return [jnp.where(need, chunks, cached_chunks)] + merged
 
     def keep(ops):
-      _, _, _, cached_chunks, mask, *leaves = ops
+      _, _, _, _, cached_chunks, mask, *leaves = ops
       return [cached_chunks] + list(leaves) + [mask]
 
-    ops = [pipelines, chains, chunks, cached_chunks, mask] + list(leaves)
+    ops = [owners, pipelines, chains, chunks, cached_chunks, mask] + list(
+        leaves)
     return lax.cond(jnp.any(need), fetch, keep, ops)
 
   def _make_fetch(self):
     @custom_vmap
-    def fetch(pipeline, chain, chunk):
-      outs = self._fetch_many(pipeline[None], chain[None], chunk[None])
+    def fetch(owner, pipeline, chain, chunk):
+      outs = self._fetch_many(owner[None], pipeline[None], chain[None],
+                              chunk[None])
       return [o[0] for o in outs]
 
     @fetch.def_vmap
-    def _rule(axis_size, in_batched, pipeline, chain, chunk):
-      args = _broadcast(axis_size, in_batched, (pipeline, chain, chunk))
+    def _rule(axis_size, in_batched, *args):
+      args = _broadcast(axis_size, in_batched, args)
       outs = self._fetch_many(*args)
       return outs, [True] * len(outs)
 
-    def fetch_chunk(pipeline: jax.Array, chain: jax.Array, chunk: jax.Array
-                    ) -> Tuple[PyTree, jax.Array]:
+    def fetch_chunk(owner: Any, pipeline: jax.Array, chain: jax.Array,
+                    chunk: jax.Array) -> Tuple[PyTree, jax.Array]:
       """Chunk ``chunk`` of chain ``chain``: (batches, mask)."""
       args = [lax.stop_gradient(jnp.asarray(a, jnp.int32))
-              for a in (pipeline, chain, chunk)]
+              for a in (owner, pipeline, chain, chunk)]
       *leaves, mask = fetch(*args)
       return self.treedef.unflatten(leaves), mask
 
@@ -237,12 +262,13 @@ class _Ops:
 
   def _make_refresh(self):
     @custom_vmap
-    def refresh(pipeline, chain, chunk, cached_chunk, mask, *leaves):
+    def refresh(owner, pipeline, chain, chunk, cached_chunk, mask, *leaves):
       def fetch(ops):
-        pipeline, chain, chunk, cached_chunk, mask, *leaves = ops
+        owner, pipeline, chain, chunk, cached_chunk, mask, *leaves = ops
         need = _needs(cached_chunk, chunk)
         new = [n[0] for n in self._fetch_lanes(
-            pipeline[None], chain[None], chunk[None], need[None])]
+            owner[None], pipeline[None], chain[None], chunk[None],
+            need[None])]
         if _participants() == 1:  # no manual axes: no varying types
           return [chunk] + new
         # Inside shard_map, merging with the old cache (a select over the
@@ -252,10 +278,10 @@ class _Ops:
         return [jnp.where(need, chunk, cached_chunk)] + merged
 
       def keep(ops):
-        _, _, _, cached_chunk, mask, *leaves = ops
+        _, _, _, _, cached_chunk, mask, *leaves = ops
         return [cached_chunk] + list(leaves) + [mask]
 
-      ops = [pipeline, chain, chunk, cached_chunk, mask] + list(leaves)
+      ops = [owner, pipeline, chain, chunk, cached_chunk, mask] + list(leaves)
       return lax.cond(_needs(cached_chunk, chunk), fetch, keep, ops)
 
     @refresh.def_vmap
@@ -264,10 +290,12 @@ class _Ops:
       outs = self._refresh_many(*args)
       return outs, [True] * len(outs)
 
-    def refresh_cache(pipeline, chain, chunk, cached_chunk, batches, mask):
+    def refresh_cache(owner, pipeline, chain, chunk, cached_chunk, batches,
+                      mask):
       """Makes sure the cache holds ``chunk``: (cached_chunk, batches, mask)."""
       leaves = self.treedef.flatten_up_to(batches)
-      args = [pipeline, chain, chunk, cached_chunk, mask] + list(leaves)
+      owner = jnp.asarray(owner, jnp.int32)
+      args = [owner, pipeline, chain, chunk, cached_chunk, mask] + list(leaves)
       args = [lax.stop_gradient(a) for a in args]
       cached_chunk, *rest = refresh(*args)
       *leaves, mask = rest
@@ -279,44 +307,45 @@ class _Ops:
 class _Callback:
   """The host function compiled code calls.
 
-  It holds the host weakly: compiled executables keep their callbacks,
-  and JAX's caches keep executables while their functions live, so a strong
-  reference would keep every pipeline alive for good.
+  It holds no host: it serves each request from the host of the pipeline
+  that asks (the ``owners`` operand), looked up in ``LIVE_HOSTS``, so that
+  compiled code shared by pipelines of the same formats serves each from its
+  own host, and compiled code kept in JAX's caches keeps no pipeline alive.
   """
 
-  def __init__(self, host: "weakref.ref[Host]", device_count: int,
-               participants: int):
-    self._host = host
+  def __init__(self, device_count: int, participants: int):
     self._device_count = device_count
     self._participants = participants
 
-  def _live_host(self) -> Host:
-    host = self._host()
-    if host is None:
-      raise PipelineReleasedError(
-          "compiled code called a jax_data pipeline that no longer exists")
-    return host
-
-  def __call__(self, pipelines, chains, chunks, need):
+  def __call__(self, owners, pipelines, chains, chunks, need):
     """``pure_callback``: returns the lanes' arrays."""
     try:
-      return self._live_host().serve(pipelines, chains, chunks, need,
-                                     self._device_count, self._participants)
+      return LIVE_HOSTS.host(_owner(owners)).serve(
+          pipelines, chains, chunks, need, self._device_count,
+          self._participants)
     except BaseException:
       LIVE_HOSTS.callback_failed = True
       raise
 
-  def into(self, context, outs, pipelines, chains, chunks, need) -> None:
+  def into(self, context, outs, owners, pipelines, chains, chunks, need
+           ) -> None:
     """``buffer_callback``: writes the lanes into XLA's buffers ``outs``."""
     del context
     try:
-      self._live_host().serve_into(
+      LIVE_HOSTS.host(_owner(owners)).serve_into(
           [np.asarray(o) for o in outs], np.asarray(pipelines),
           np.asarray(chains), np.asarray(chunks), np.asarray(need),
           self._device_count, self._participants)
     except BaseException:
       LIVE_HOSTS.callback_failed = True
       raise
+
+
+def _owner(owners) -> int:
+  """The pipeline that asks: every lane of a request names the same one
+  (one pipeline's function made it; vmap only repeats it)."""
+  owners = np.asarray(owners).reshape(-1)
+  return int(owners[0]) if owners.size else 0
 
 
 # How long no host must have been called before the interpreter may finalize.

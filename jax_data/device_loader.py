@@ -15,6 +15,7 @@ from typing import Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_data import pipeline as pl
 from jax_data import states
@@ -155,6 +156,9 @@ class FullChunks:
   """
 
   host = None
+  #: Passes over device-resident data are compiled per pipeline (the data
+  #: are part of the code), not shared with pipelines of the same sizes.
+  share_key = None
 
   def __init__(self, loader: DeviceDataLoader, observations: ObservationRange,
                cache_size: int, mb_size: int):
@@ -163,15 +167,17 @@ class FullChunks:
     self._cache_size = cache_size
     self._mb_size = mb_size
     self.id = pl.new_id()
+    self.owner = np.int32(self.id)
 
   def init(self, **kwargs: Any) -> CacheState:
     check_keywords("init_fn of a full-data pipeline", kwargs, ())
     self._ref.check_open()
     return states.new_state(self.id, -1, self._mb_size)
 
-  def fetch(self, state: CacheState, chunk: jax.Array, device_count: int
-            ) -> Tuple[PyTree, jax.Array]:
-    del state, device_count
+  def fetch_fn(self, owner: Any, state: CacheState, chunk: jax.Array,
+               device_count: int) -> Tuple[PyTree, jax.Array]:
+    """Chunk ``chunk`` of a pass: (batches, mask)."""
+    del owner, state, device_count
     data = self._ref.loader.get_full_data()
     indices, mask = ordered_batches(chunk * self._cache_size,
                                     self._cache_size, self._mb_size,

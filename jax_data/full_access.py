@@ -8,6 +8,7 @@ import functools
 import math
 import sys
 import threading
+import weakref
 from typing import Any
 from typing import Callable
 from typing import Dict
@@ -17,6 +18,7 @@ from typing import Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_data import device_loader
@@ -276,13 +278,18 @@ class HostChunks:
   def __init__(self, loader: HostDataLoader, plan: _PassPlan,
                shard: Dict[str, Any],
                progress: Optional[Callable[[int], None]], callback: str):
-    self._bridge = pl.assemble(loader, plan.cache_size, plan.mb_size,
-                               callback=callback, cycle=plan.chunks,
-                               progress=progress)
-    self.host = self._bridge.host
+    self.host, self._bridge = pl.assemble(
+        loader, plan.cache_size, plan.mb_size, callback=callback,
+        cycle=plan.chunks, progress=progress)
     self.id = self.host.id
+    self.owner = np.int32(self.id)
     self._shard = shard
     self._mb_size = plan.mb_size
+    # The passes of pipelines with the same bridge and plan are the same
+    # code: the pipeline that asks is the ``owner`` operand.
+    self.fetch_fn = functools.partial(_bridge_fetch, self._bridge)
+    self.share_key = (self._bridge, plan.count, plan.cache_size,
+                      plan.mb_size)
 
   def init(self, **kwargs: Any) -> CacheState:
     check_keywords("init_fn of a full-data pipeline", kwargs, ())
@@ -290,16 +297,34 @@ class HostChunks:
     chain = self.host.register(spec)
     return states.new_state(self.id, chain, self._mb_size)
 
-  def fetch(self, state: CacheState, chunk: jax.Array, device_count: int
-            ) -> Tuple[PyTree, jax.Array]:
-    return self._bridge.fetch(state.pipeline, state.chain, chunk,
-                              device_count)
-
   def check_open(self) -> None:
     self.host.check_open()
 
   def release(self) -> None:
     self.host.release()
+
+
+def _bridge_fetch(bridge: Any, owner: jax.Array, state: CacheState,
+                  chunk: jax.Array, device_count: int
+                  ) -> Tuple[PyTree, jax.Array]:
+  return bridge.fetch(owner, state.pipeline, state.chain, chunk,
+                      device_count)
+
+
+# Compiled passes of host pipelines, by (share_key, fun), while a pipeline
+# keeps them (each keeps its ``max_compiled`` most recent).
+_SHARED_PASSES: "weakref.WeakValueDictionary[Any, Callable]" = (
+    weakref.WeakValueDictionary())
+_SHARED_LOCK = threading.Lock()
+
+
+def _pass(fetch_fn: Callable, plan: _PassPlan, fun: Callable, owner: Any,
+          data_state: CacheState, carry: PyTree, masking: bool,
+          information: bool, device_count: int):
+  results, carry = _map_pass(
+      lambda k: fetch_fn(owner, data_state, k, device_count), plan, fun,
+      carry, masking, information)
+  return data_state, (results, carry)
 
 
 class FullPipeline(pl.Pipeline):
@@ -325,16 +350,22 @@ class FullPipeline(pl.Pipeline):
 
   def _compiled_pass(self, fun: Callable) -> Callable:
     """The jitted pass of ``fun``, compiled once per ``fun`` while it is
-    among the ``max_compiled`` most recently used."""
-    return self._compiled.get(fun, lambda: jax.jit(
-        functools.partial(self._pass, fun), static_argnums=(2, 3, 4)))
+    among the ``max_compiled`` most recently used; host pipelines of the
+    same formats and sizes share it while one of them keeps it."""
+    return self._compiled.get(fun, lambda: self._shared_pass(fun))
 
-  def _pass(self, fun, data_state, carry, masking, information,
-            device_count):
-    results, carry = _map_pass(
-        lambda k: self._chunks.fetch(data_state, k, device_count),
-        self._plan, fun, carry, masking, information)
-    return data_state, (results, carry)
+  def _shared_pass(self, fun: Callable) -> Callable:
+    make = lambda: jax.jit(
+        functools.partial(_pass, self._chunks.fetch_fn, self._plan, fun),
+        static_argnums=(3, 4, 5))
+    key = getattr(self._chunks, "share_key", None)
+    if key is None:  # device-resident data: compiled into its own pass
+      return make()
+    with _SHARED_LOCK:
+      compiled = _SHARED_PASSES.get((key, fun))
+      if compiled is None:
+        compiled = _SHARED_PASSES[(key, fun)] = make()
+      return compiled
 
   def map_fn(self, fun: Callable, data_state: CacheState, carry: PyTree,
              masking: bool = False, information: bool = False,
@@ -347,8 +378,8 @@ class FullPipeline(pl.Pipeline):
     information = check_bool("information", information)
     device_count = check_int("device_count", device_count, minimum=1)
     self._chunks.check_open()
-    return self._compiled_pass(fun)(data_state, carry, masking, information,
-                                    device_count)
+    return self._compiled_pass(fun)(self._chunks.owner, data_state, carry,
+                                    masking, information, device_count)
 
   def release_fn(self) -> None:
     """Drops every reference the pipeline holds to the loader."""
@@ -421,7 +452,8 @@ class MapperPipeline(pl.Pipeline):
         raise ValueError(
             "information=True needs a batched fun (batched=True), got "
             "batched=False")
-      # The same wrapper for the same fun: no new compilation.
+      # The same wrapper for the same fun, also across pipelines: no new
+      # compilation.
       fun = self._batched.get(fun, lambda: _batched(fun))
     _, (results, carry) = self._full.map_fn(
         fun, self._state, carry, masking=masking, information=information,
@@ -433,7 +465,20 @@ class MapperPipeline(pl.Pipeline):
     self._full.release_fn()
 
 
+# The batch wrappers of ``batched=False`` funs, while a mapper keeps them.
+_BATCHED: "weakref.WeakValueDictionary[Callable, Callable]" = (
+    weakref.WeakValueDictionary())
+
+
 def _batched(fun: Callable) -> Callable:
+  with _SHARED_LOCK:
+    wrapper = _BATCHED.get(fun)
+    if wrapper is None:
+      wrapper = _BATCHED[fun] = _make_batched(fun)
+    return wrapper
+
+
+def _make_batched(fun: Callable) -> Callable:
   vmapped = jax.vmap(fun, in_axes=(0, None))
 
   def batched_fun(batch, carry):

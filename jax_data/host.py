@@ -62,7 +62,8 @@ class LiveHosts:
   """
 
   def __init__(self):
-    self._hosts: "weakref.WeakSet[Host]" = weakref.WeakSet()
+    self._hosts: "weakref.WeakValueDictionary[int, Host]" = (
+        weakref.WeakValueDictionary())
     self._changed = threading.Condition()
     self._busy = 0
     self._last: Optional[float] = None  # when a request last started/ended
@@ -74,7 +75,32 @@ class LiveHosts:
     return self._last is not None
 
   def add(self, host: "Host") -> None:
-    self._hosts.add(host)
+    """Registers ``host`` under its pipeline's identity.
+
+    Raises:
+      ValueError: a live host has that identity already.
+    """
+    with self._changed:
+      if self._hosts.get(host.id) is not None:
+        raise ValueError(f"pipeline id {host.id} is in use")
+      self._hosts[host.id] = host
+
+  def taken(self, pipeline_id: int) -> bool:
+    """Whether a live host has identity ``pipeline_id``."""
+    return self._hosts.get(pipeline_id) is not None
+
+  def host(self, pipeline_id: int) -> "Host":
+    """The host of pipeline ``pipeline_id``, for compiled code's requests.
+
+    Raises:
+      PipelineReleasedError: no live pipeline has that identity.
+    """
+    host = self._hosts.get(pipeline_id)
+    if host is None:
+      raise PipelineReleasedError(
+          f"compiled code called a jax_data pipeline (id {pipeline_id}) "
+          "that no longer exists")
+    return host
 
   @contextlib.contextmanager
   def request(self) -> Iterator[None]:
@@ -104,7 +130,7 @@ class LiveHosts:
 
   def stop_prefetching(self) -> None:
     """Ends every host's prefetch thread (after its running job)."""
-    for host in list(self._hosts):
+    for host in list(self._hosts.values()):
       host.stop_prefetching()
 
 

@@ -24,7 +24,9 @@ from typing import Tuple
 import jax
 import numpy as np
 
+from jax_data import bridge as bridge_lib
 from jax_data.bridge import Bridge
+from jax_data.host import LIVE_HOSTS
 from jax_data.host import Host
 from jax_data.host_loader import HostDataLoader
 from jax_data.loader import DataLoader
@@ -106,16 +108,21 @@ def of(handle: Any) -> Pipeline:
 
 def new_id() -> int:
   """A new pipeline identity: a random positive int32, so that states of
-  pipelines of other processes (a pickled state) are refused too."""
-  return secrets.randbelow(2**31 - 1) + 1
+  pipelines of other processes (a pickled state) are refused too; none of
+  this process's live pipelines has it."""
+  while True:
+    pipeline_id = secrets.randbelow(2**31 - 1) + 1
+    if not LIVE_HOSTS.taken(pipeline_id):
+      return pipeline_id
 
 
 def assemble(loader: HostDataLoader, cache_size: int, mb_size: int, *,
              callback: str = "auto", cycle: Optional[int] = None,
              progress: Optional[Callable[[int], None]] = None,
-             verify_calls: bool = False) -> Bridge:
-  """Builds the host side of a pipeline over ``loader`` and the bridge to
-  it; the host is ``bridge.host``.
+             verify_calls: bool = False) -> Tuple[Host, Bridge]:
+  """Builds the host side of a pipeline over ``loader`` and finds the
+  bridge to it, which pipelines of the same formats share
+  (``bridge.shared``).
 
   Args:
     loader: The host loader.
@@ -130,7 +137,7 @@ def assemble(loader: HostDataLoader, cache_size: int, mb_size: int, *,
   host = Host(loader, layout, new_id(), cycle=cycle, progress=progress,
               verify_calls=verify_calls)
   batch_format, _ = loader.batch_format(cache_size, mb_size)
-  return Bridge(host, batch_format, callback)
+  return host, bridge_lib.shared(batch_format, callback)
 
 
 def fingerprint(kind: str, loader: str, cache_size: int, mb_size: int,

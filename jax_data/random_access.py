@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_data import device_loader
 from jax_data import pipeline as pl
 from jax_data import scan as scan_lib
 from jax_data import states
+from jax_data.bridge import Bridge
 from jax_data.bridge import check_callback
 from jax_data.host_loader import HostDataLoader
 from jax_data.loader import DataLoader
@@ -83,9 +87,9 @@ class RandomPipeline(pl.Pipeline):
 
   def __init__(self, loader: HostDataLoader, cache_size: int, mb_size: int,
                verify_calls: bool, callback: str):
-    self._bridge = pl.assemble(loader, cache_size, mb_size,
-                               callback=callback, verify_calls=verify_calls)
-    host = self._bridge.host
+    host, self._bridge = pl.assemble(loader, cache_size, mb_size,
+                                     callback=callback,
+                                     verify_calls=verify_calls)
     self._count = loader.static_information["observation_count"]
     self._cache_size, self._mb_size = cache_size, mb_size
     self._batch_format, _ = loader.batch_format(cache_size, mb_size)
@@ -93,7 +97,10 @@ class RandomPipeline(pl.Pipeline):
                                 self._batch_format)
     super().__init__(host, template, loader, cache_size, mb_size,
                      self._count)
-    self._step = jax.jit(self._advance, static_argnums=1)
+    # Shared by the pipelines of the same formats and sizes: a new
+    # pipeline compiles nothing its like compiled before.
+    self._step = _shared_step(self._bridge, cache_size)
+    self._owner = np.int32(self.id)
     self.functions = (self.init_fn, self.batch_fn, self.release_fn)
 
   def init_fn(self, **kwargs: Any) -> CacheState:
@@ -104,19 +111,6 @@ class RandomPipeline(pl.Pipeline):
     return states.new_state(self.id, chain, self._mb_size, self._cache_size,
                             self._batch_format)
 
-  def _advance(self, state: CacheState, device_count: int):
-    cached, batches, mask = self._bridge.refresh(
-        state.pipeline, state.chain, state.chunk, state.cached_chunk,
-        state.batches, state.mask, device_count)
-    batch, batch_mask = states.batch_at(batches, mask, state.position)
-    position = state.position + 1
-    wrap = position >= self._cache_size
-    new_state = state._replace(
-        chunk=jnp.where(wrap, state.chunk + 1, state.chunk),
-        position=jnp.where(wrap, 0, position),
-        cached_chunk=cached, batches=batches, mask=mask)
-    return new_state, batch, batch_mask
-
   def batch_fn(self, state: CacheState, information: bool = False,
                device_count: int = 1):
     """The next batch of the state's chain, and the advanced state."""
@@ -124,7 +118,8 @@ class RandomPipeline(pl.Pipeline):
     information = check_bool("information", information)
     device_count = check_int("device_count", device_count, minimum=1)
     self.host.check_open()
-    new_state, batch, batch_mask = self._step(state, device_count)
+    new_state, batch, batch_mask = self._step(self._owner, state,
+                                              device_count)
     if information:
       # Built outside the jitted step: its counts stay Python ints.
       return new_state, (batch, MiniBatchInformation(
@@ -136,14 +131,11 @@ class RandomPipeline(pl.Pipeline):
                    information: bool, device_count: int):
     """The loop of :func:`jax_data.scan` over this pipeline's chunks."""
     def fetch(state, chunk):
-      return self._bridge.fetch(state.pipeline, state.chain, chunk,
-                                device_count)
+      return self._bridge.fetch(self._owner, state.pipeline, state.chain,
+                                chunk, device_count)
 
     def refresh(state):
-      cached, batches, mask = self._bridge.refresh(
-          state.pipeline, state.chain, state.chunk, state.cached_chunk,
-          state.batches, state.mask, device_count)
-      return state._replace(cached_chunk=cached, batches=batches, mask=mask)
+      return _refresh(self._bridge, self._owner, state, device_count)
 
     return scan_lib.chunked_scan(
         f, init, state, xs, length, information, device_count, fetch=fetch,
@@ -152,3 +144,37 @@ class RandomPipeline(pl.Pipeline):
   def release_fn(self) -> None:
     """Drops every reference the pipeline holds to the loader."""
     self.host.release()
+
+
+def _refresh(bridge: Bridge, owner: Any, state: CacheState,
+             device_count: int) -> CacheState:
+  """``state`` with the chunk it points at in its cache."""
+  cached, batches, mask = bridge.refresh(
+      owner, state.pipeline, state.chain, state.chunk, state.cached_chunk,
+      state.batches, state.mask, device_count)
+  return state._replace(cached_chunk=cached, batches=batches, mask=mask)
+
+
+def _advance(bridge: Bridge, cache_size: int, owner: jax.Array,
+             state: CacheState, device_count: int):
+  """One ``batch_fn`` step, served by pipeline ``owner``: the next state,
+  the batch and its mask."""
+  state = _refresh(bridge, owner, state, device_count)
+  batch, batch_mask = states.batch_at(state.batches, state.mask,
+                                      state.position)
+  position = state.position + 1
+  wrap = position >= cache_size
+  new_state = state._replace(
+      chunk=jnp.where(wrap, state.chunk + 1, state.chunk),
+      position=jnp.where(wrap, 0, position))
+  return new_state, batch, batch_mask
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_step(bridge: Bridge, cache_size: int) -> Callable[..., Any]:
+  """The jitted step of the pipelines of ``bridge``'s formats and
+  ``cache_size``: one function, so one compilation, for all of them; the
+  pipeline that asks is an operand. Bridges and steps hold only formats
+  (``bridge.shared``), one per format in a process."""
+  return jax.jit(functools.partial(_advance, bridge, cache_size),
+                 static_argnums=2)
