@@ -32,6 +32,7 @@ from common import Section
 from common import Target
 from common import calibrate
 from common import compare
+from common import format_bytes
 from common import format_count
 from common import format_ratio
 from common import format_timing
@@ -211,7 +212,9 @@ def run(config: Config, repeats: int) -> Section:
                 + [format_ratio(fused[n]), format_ratio(ratios[n]),
                    format_ratio(paired_ratio(timings, JAX_SGMC, JAX_DATA)),
                    format_ratio(paired_ratio(timings, PYTHON_LOOP,
-                                             JAX_DATA))])
+                                             JAX_DATA)),
+                   format_bytes(n * obs_bytes / timings[JAX_DATA].median)
+                   + "/s"])
     notes.append(f"N={format_count(n)}: " + ", ".join(
         f"{c.name} {c.units} passes" for c in contenders))
     print(f"  (c) N={format_count(n)} done", flush=True)
@@ -226,10 +229,14 @@ def run(config: Config, repeats: int) -> Section:
           f"{repeats} repeats, ± half the range), D={config.features}, "
           f"mb={config.mb}, cache={config.cache} batches per host call; "
           "every pass is one call of a jitted function (the Python loop: "
-          "one jitted call per batch). All contenders agree on the value."),
+          "one jitted call per batch). All contenders agree on the value. "
+          "`jax_data bytes/s`: the data set's bytes over jax_data's pass "
+          "time (on a GPU, the host-to-device rate of the pass's chunk "
+          "refreshes)."),
       headers=["N", FUSED, DEVICE, JAX_DATA, JAX_SGMC, PYTHON_LOOP,
                "jax_data / fused op", "jax_data / device",
-               "jax-sgmc / jax_data", "Python loop / jax_data"],
+               "jax-sgmc / jax_data", "Python loop / jax_data",
+               "jax_data bytes/s"],
       rows=rows, notes=notes,
       targets=[Target(f"(c) full pass: jax_data / fused op at "
                       f"N={format_count(large)}", "<= 1.5x",

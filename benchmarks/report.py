@@ -47,7 +47,9 @@ def _gpu_note(env: dict[str, str]) -> str:
   if jax.default_backend() == "gpu":
     return (f"This run used {jax.devices()[0].device_kind}: the tables "
             "above are the GPU tables (chunks reach the device through "
-            "`jax.pure_callback`; TensorFlow is kept off the GPU).")
+            "`jax.pure_callback`; TensorFlow is kept off the GPU; the "
+            "host-to-device rate of the chunk refreshes is the `refresh "
+            "bytes/s` column of (a) and `jax_data bytes/s` of (c)).")
   return ("Not measured: this run had no GPU (platform "
           f"{jax.default_backend()}). `benchmarks/run.py` runs unchanged on "
           "a CUDA machine, where its tables are the GPU tables.")

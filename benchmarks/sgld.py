@@ -8,6 +8,9 @@ jitted ``lax.scan``, with mini-batches from every source we compare.
 * jax_data: ``random_reference_data(NumpyDataLoader(x=..., y=...), cache,
   mb)`` with the sampler written with ``jax_data.scan`` (the documented
   way), and with ``batch_fn`` called in a ``lax.scan`` body;
+* jax_data data only: the ``jax_data.scan`` loop with a step that only sums
+  its batch: the time of the chunk refreshes alone, reported as the bytes
+  per second that reach the device (host-to-device on a GPU);
 * jax-sgmc 0.1.5: the predecessor's data module in the same scan;
 * cyreal 0.2.1: ``ArraySource`` (arrays on the device) and ``DiskSource``
   (a host callback per sample), loaders whose state goes through ``jit``;
@@ -36,6 +39,7 @@ from common import Section
 from common import Target
 from common import Timing
 from common import calibrate
+from common import format_bytes
 from common import format_count
 from common import format_ratio
 from common import format_timing
@@ -44,6 +48,7 @@ from common import memory_row
 from common import paired_ratio
 from common import scan_contender
 from common import timed
+from models import data_only_scan_sampler
 from models import device_batch_fn
 from models import logistic_data
 from models import sgld_sampler
@@ -57,6 +62,7 @@ BATCH_FN = "jax_data batch_fn"
 CYREAL_ARRAY = "cyreal ArraySource"
 CYREAL_DISK = "cyreal DiskSource"
 GRAIN = "Grain iterator"
+DATA_ONLY = "jax_data data only"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +269,7 @@ def _contenders(n: int, config: Config) -> tuple[list[Contender], Callable]:
       loader, config.cache, config.mb)
   jax_data_run = sgld_scan_sampler(batch_fn, n, steps, step_size)
   batch_fn_run = sgld_sampler(batch_fn, n, steps, step_size)
+  data_only_run = data_only_scan_sampler(batch_fn, steps)
   sgmc, sgmc_release = _jax_sgmc(data, theta, key, config, step_size, steps)
   contenders = [
       scan_contender(COMPUTE, compute_run, (theta, jnp.int32(0), key), steps),
@@ -270,6 +277,8 @@ def _contenders(n: int, config: Config) -> tuple[list[Contender], Callable]:
       scan_contender(JAX_DATA, jax_data_run, (theta, init_fn(seed=0), key),
                      steps),
       scan_contender(BATCH_FN, batch_fn_run, (theta, init_fn(seed=1), key),
+                     steps),
+      scan_contender(DATA_ONLY, data_only_run, (theta, init_fn(seed=2), key),
                      steps),
       sgmc,
       *_cyreal(data, theta, key, config, step_size, steps),
@@ -317,14 +326,17 @@ def run(config: Config, repeats: int) -> Section:
   names = [c.name for c in next(iter(by_size.values()))]
   ratios = [(JAX_DATA, COMPUTE), (BATCH_FN, COMPUTE), (JAX_DATA, DEVICE)] + [
       (peer, JAX_DATA) for peer in names
-      if peer not in (COMPUTE, DEVICE, JAX_DATA, BATCH_FN)]
+      if peer not in (COMPUTE, DEVICE, JAX_DATA, BATCH_FN, DATA_ONLY)]
+  batch_bytes = config.mb * 4 * (config.features + 1)
   rows = []
   for n, contenders in by_size.items():
     rows.append([format_count(n)]
                 + [format_timing(timings[n][c.name], "us")
                    for c in contenders]
                 + [format_ratio(paired_ratio(timings[n], a, b))
-                   for a, b in ratios])
+                   for a, b in ratios]
+                + [format_bytes(batch_bytes / timings[n][DATA_ONLY].median)
+                   + "/s"])
   notes = [f"N={format_count(n)}: " + ", ".join(
       f"{c.name} {c.units:,} steps" for c in contenders)
            for n, contenders in by_size.items()]
@@ -339,7 +351,11 @@ def run(config: Config, repeats: int) -> Section:
           "batch; Grain: one jitted step per batch of its iterator). "
           "jax_data is the sampler written with `jax_data.scan`; `jax_data "
           "batch_fn` the same sampler calling `batch_fn` in a `lax.scan` "
-          "body. Compute only (the same scan reusing one fixed batch: the "
+          "body; `jax_data data only` the `jax_data.scan` loop whose step "
+          "only sums its batch, and `refresh bytes/s` the batch bytes it "
+          "brings in per second (the chunk refresh's host-to-device rate "
+          "on a GPU, next to the device time of the other columns). "
+          "Compute only (the same scan reusing one fixed batch: the "
           "limit), device-resident and jax_data run the same sampler code "
           "for the same number of steps, as many as take device-resident "
           f"about {config.min_seconds} s (at least {config.min_steps:,}); "
@@ -350,7 +366,8 @@ def run(config: Config, repeats: int) -> Section:
           "of all N are timed round-robin together; ratios are medians of "
           "per-repeat ratios."),
       headers=["N"] + names + [
-          f"{a} / {'device' if b == DEVICE else b}" for a, b in ratios],
+          f"{a} / {'device' if b == DEVICE else b}" for a, b in ratios]
+      + ["refresh bytes/s"],
       rows=rows, notes=notes,
       targets=_targets(config, timings),
       memory=[memory_row("(a) SGLD random_reference_data", config.cache,
