@@ -23,7 +23,10 @@ from jax_data.random_access import random_reference_data
 from jax_data.scan import scan
 from jax_data.source_loader import SourceDataLoader
 from jax_data.types import CacheState
+from jax_data.types import MiniBatch
 from jax_data.types import MiniBatchInformation
+from jax_data.types import OrderedBatch
+from jax_data.types import RandomBatch
 
 __version__ = "0.1.0"
 
@@ -35,9 +38,12 @@ __all__ = [
     "DeviceNumpyDataLoader",
     "HostDataLoader",
     "HostLoaderError",
+    "MiniBatch",
     "MiniBatchInformation",
     "NumpyDataLoader",
+    "OrderedBatch",
     "PipelineReleasedError",
+    "RandomBatch",
     "SourceDataLoader",
     "TensorflowDataLoader",
     "full_data_mapper",

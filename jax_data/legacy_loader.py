@@ -19,6 +19,7 @@ from typing import Optional
 from typing import Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_data.chains import ChainCursor
@@ -193,13 +194,15 @@ class PredecessorAPI:
       raise ValueError(f"chain_id={chain_id} of {self!r} {state}")
     return chain
 
-  def get_batches(self, chain_id: int) -> Tuple[PyTree, np.ndarray]:
+  def get_batches(self, chain_id: int) -> Tuple[PyTree, jax.Array]:
     """The chain's next chunk, and advances it.
 
     Returns:
-      Arrays with leading axes ``(cache_size, mb_size)`` in the loader's
-      ``observation_format``, and a bool mask of shape ``(cache_size,
-      mb_size)``.
+      JAX arrays with leading axes ``(cache_size, mb_size)`` in the loader's
+      ``observation_format``, and a bool JAX array mask of shape
+      ``(cache_size, mb_size)``, as the predecessor returned them. (Compiled
+      code receives chunks through the host callback, which works with
+      NumPy arrays and does not call this method.)
     """
     chain = self._own_chain(chain_id)
     layout = chain.layout
@@ -209,7 +212,8 @@ class PredecessorAPI:
     chunk = chain.cursor.produce(chain.next_index, out)
     chain.next_index += 1
     treedef = jax.tree_util.tree_structure(self.observation_format)
-    return treedef.unflatten(chunk.leaves), chunk.mask
+    return (treedef.unflatten([jnp.asarray(leaf) for leaf in chunk.leaves]),
+            jnp.asarray(chunk.mask))
 
   def save_state(self, chain_id: int) -> Dict[str, Any]:
     """The chain's position: a small dict, restorable by

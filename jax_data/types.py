@@ -7,6 +7,7 @@ from typing import Callable
 from typing import NamedTuple
 from typing import Protocol
 from typing import Tuple
+from typing import Union
 
 import jax
 
@@ -100,3 +101,17 @@ class MapperFn(Protocol):
                information: bool = False, batched: bool = True,
                device_count: int = 1) -> Tuple[Any, Any]:
     ...
+
+
+#: A mini-batch as ``batch_fn`` returns it: the batch, or with
+#: ``information=True`` the batch and its :class:`MiniBatchInformation`
+#: (a name the predecessor exported, for annotations).
+MiniBatch = Union[Batch, Tuple[Batch, MiniBatchInformation]]
+
+#: What :func:`~jax_data.random_reference_data` returns, unpacked:
+#: ``(init_fn, batch_fn, release_fn)`` (a name the predecessor exported).
+RandomBatch = Tuple[InitFn, BatchFn, ReleaseFn]
+
+#: What :func:`~jax_data.full_reference_data` returns, unpacked:
+#: ``(init_fn, map_fn, release_fn)`` (a name the predecessor exported).
+OrderedBatch = Tuple[InitFn, MapFn, ReleaseFn]

@@ -43,3 +43,19 @@ def test_sources_example_quick():
   assert len(lines) == 5, done.stdout
   assert ("every source gave the same batches and the same accuracy: yes"
           in done.stdout), done.stdout
+
+
+def test_blackjax_example_quick(tmp_path):
+  pytest.importorskip("blackjax")
+  figure = tmp_path / "sghmc.png"
+  done = _run("examples/blackjax_sghmc.py", "--quick", "--out", str(figure))
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "Warning" not in done.stderr, done.stderr[-3000:]
+  accuracy = [line for line in done.stdout.splitlines()
+              if line.strip().startswith("all chains: accuracy")]
+  assert len(accuracy) == 1, done.stdout
+  # Logistic regression separates these tumours well: far above the 63 %
+  # of always answering "benign".
+  assert float(accuracy[0].split()[3]) > 85.0, done.stdout
+  with open(figure, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
