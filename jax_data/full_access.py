@@ -248,6 +248,12 @@ def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
   loader = pl.check_loader(data_loader)
   callback = check_callback(callback)
   total = loader.static_information["observation_count"]
+  if total is None:
+    raise ValueError(
+        "full-data passes visit every observation once, so they need the "
+        f"number of observations, which data_loader={loader!r} does not "
+        "know (a pipeline of unknown length); give it, e.g. "
+        "TensorflowDataLoader(pipeline, observation_count=N)")
   observations = ObservationRange.from_arguments(total, shard_index,
                                                  shard_count)
   cache_size, mb_size = pl.check_sizes(loader, cached_batches_count, mb_size,

@@ -130,9 +130,8 @@ class HostDataLoader(PredecessorAPI, DataLoader):
     kind = "an ordered" if ordered else "a random"
     check_keywords(f"{kind} chain of {type(self).__name__}", keywords,
                    allowed)
-    observations = ObservationRange.from_arguments(
-        self.static_information["observation_count"],
-        keywords.get("shard_index"), keywords.get("shard_count"))
+    observations = self.observation_range(
+        ordered, keywords.get("shard_index"), keywords.get("shard_count"))
     if ordered:
       return OrderedChain(observations)
     seed = keywords.get("seed")
@@ -143,6 +142,20 @@ class HostDataLoader(PredecessorAPI, DataLoader):
     return RandomChain(
         None if seed is None else check_int("seed", seed, minimum=0),
         observations, shuffle, in_epochs)
+
+  def observation_range(self, ordered: bool, shard_index: Any,
+                        shard_count: Any) -> ObservationRange:
+    """The observations a chain draws from: all of them, or the shard the
+    user's ``shard_index`` and ``shard_count`` name (checked).
+
+    Raises:
+      TypeError, ValueError: bad shard arguments, or a chain the loader
+        cannot serve, named.
+    """
+    del ordered
+    return ObservationRange.from_arguments(
+        self.static_information["observation_count"], shard_index,
+        shard_count)
 
   def add_chain(self, spec: ChainSpec, layout: ChunkLayout
                 ) -> Tuple[int, ChainSpec, ChainCursor]:

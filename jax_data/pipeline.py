@@ -193,9 +193,13 @@ def check_cache_bytes(data_loader: DataLoader, cache_size: int,
         "(jax_data.pipeline.MAX_CACHE_BYTES); use fewer cached batches")
 
 
-def warn_large_cache(cache_size: int, mb_size: int, observation_count: int,
+def warn_large_cache(cache_size: int, mb_size: int,
+                     observation_count: Optional[int],
                      stacklevel: int = 3) -> None:
-  """Warns when the cache holds more batches than one pass over the data."""
+  """Warns when the cache holds more batches than one pass over the data
+  (of a known length)."""
+  if observation_count is None:
+    return
   needed = math.ceil(observation_count / mb_size)
   if cache_size > needed:
     warnings.warn(

@@ -41,6 +41,13 @@ def _state_key(state: Dict[str, Any]) -> Tuple[int, ...]:
           state["uinteger"])
 
 
+#: The length of the endless stream that a random chain reads from a source
+#: of unknown length (``TensorflowDataLoader`` over a pipeline of unknown
+#: or infinite cardinality): its passes, one after the other, as one pass
+#: that never ends. Large enough never to be reached.
+ENDLESS = 2**62
+
+
 @dataclasses.dataclass(frozen=True)
 class ObservationRange:
   """The observations a chain draws from: ``start .. start + count - 1``,

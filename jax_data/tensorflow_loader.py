@@ -43,6 +43,7 @@ from jax_data.chains import OrderedChain
 from jax_data.gather import Gatherer
 from jax_data.gather import digest_rows
 from jax_data.host_loader import HostDataLoader
+from jax_data.sampling import ENDLESS
 from jax_data.sampling import ObservationRange
 from jax_data.tensorflow_streams import MAX_SEED
 from jax_data.tensorflow_streams import MemoryRows
@@ -109,8 +110,9 @@ def _format(spec: Dict[str, Any], path: str = "", top: str = "") -> PyTree:
 
 
 def _count(pipeline: tf.data.Dataset, observation_count: Optional[int]
-           ) -> Tuple[int, bool]:
-  """The observation count, and whether it was stated by the user."""
+           ) -> Tuple[Optional[int], bool]:
+  """The observation count (None: unknown, and not stated), and whether it
+  was stated by the user."""
   cardinality = int(pipeline.cardinality())
   if observation_count is not None:
     observation_count = check_int("observation_count", observation_count,
@@ -121,15 +123,9 @@ def _count(pipeline: tf.data.Dataset, observation_count: Optional[int]
           f"cardinality {cardinality}; leave it out, or use "
           f"pipeline.take({observation_count})")
     return observation_count, cardinality < 0
-  if cardinality == tf.data.INFINITE_CARDINALITY:
-    raise ValueError(
-        "the pipeline is infinite (e.g. it ends in repeat()), so one pass "
-        "over the data is not defined; pass observation_count=N to use its "
-        "first N elements as the data set")
-  if cardinality == tf.data.UNKNOWN_CARDINALITY:
-    raise ValueError(
-        "the pipeline's number of elements is unknown (e.g. after filter()); "
-        "pass observation_count=N, the number of elements of one pass")
+  if cardinality in (tf.data.INFINITE_CARDINALITY,
+                     tf.data.UNKNOWN_CARDINALITY):
+    return None, False  # random chains only: an endless stream
   if cardinality == 0:
     raise ValueError("the pipeline is empty (cardinality 0)")
   return cardinality, False
@@ -183,18 +179,30 @@ class TensorflowDataLoader(HostDataLoader):
     shuffle_cache: Shuffle buffer size of random chains, in observations.
     exclude_keys: Top-level keys to drop, e.g. string features like
       ``"id"``.
-    observation_count: Observations in one pass. Needed only when the
-      pipeline's cardinality is unknown (e.g. after ``filter``) or infinite;
-      then its first ``observation_count`` elements are the data set, and a
-      pipeline that turns out shorter is an error when the chunk is drawn.
-    in_memory: Read the pipeline once, now, and serve from NumPy arrays.
+    observation_count: Observations in one pass, when the pipeline's
+      cardinality is unknown (e.g. after ``filter``, from a generator) or
+      infinite: its first ``observation_count`` elements are then the data
+      set, and a pipeline that turns out shorter is an error when the chunk
+      is drawn. Without it such a pipeline serves random chains only (see
+      below), and ``static_information["observation_count"]`` is None.
+    in_memory: Read the pipeline once, now, and serve from NumPy arrays
+      (the count of a pipeline of unknown length is then known).
+
+  A pipeline of unknown or infinite length, without ``observation_count``,
+  serves random chains as the predecessor did: the pipeline repeated, as one
+  endless stream through the shuffle buffer (a pass boundary is never
+  known, so the buffer is never emptied). Random access needs no count;
+  the ``MiniBatchInformation`` of its batches has ``observation_count``
+  None (scale a likelihood by your own ``N``). Ordered chains (full-data
+  passes), shards and the count need ``observation_count``, and say so.
+  Restoring such a chain reads the stream again from its start; with
+  ``observation_count`` it reads less than one pass.
 
   Raises:
     TypeError: ``pipeline`` is not a dataset of dicts, or a feature cannot
       become a JAX array (strings, ragged or sparse tensors).
     ValueError: a feature has unknown dimensions, an unknown key in
-      ``exclude_keys``, or an unknown or infinite cardinality without
-      ``observation_count``.
+      ``exclude_keys``, or ``in_memory=True`` for an infinite pipeline.
   """
 
   random_keywords = ("seed", "shard_index", "shard_count")
@@ -223,6 +231,12 @@ class TensorflowDataLoader(HostDataLoader):
           "pipeline; keep at least one")
     self._format = _format({key: spec[key] for key in kept})
     self._count, stated = _count(pipeline, observation_count)
+    if in_memory is True and self._count is None and int(
+        pipeline.cardinality()) == tf.data.INFINITE_CARDINALITY:
+      raise ValueError(
+          "in_memory=True reads the whole pipeline, but it is infinite (e.g. "
+          "it ends in repeat()); pass observation_count=N to keep its first "
+          "N elements")
     if stated:
       pipeline = pipeline.take(self._count).apply(
           tf.data.experimental.assert_cardinality(self._count))
@@ -239,16 +253,26 @@ class TensorflowDataLoader(HostDataLoader):
       self._reading = dataclasses.replace(self._reading, name=repr(self))
 
   def _read_all(self) -> Rows:
-    """Every observation of one pass, as arrays in the loader's dtypes."""
-    arrays = [np.empty((self._count,) + fmt.shape, fmt.dtype)
-              for fmt in self._reading.formats]
-    blocks = in_order(self._pipeline.batch(4096))
-    filled = 0
-    while filled < self._count:
-      rows = self._reading.next_rows(blocks)
-      for array, leaf in zip(arrays, rows):
-        array[filled:filled + len(leaf)] = leaf
-      filled += len(rows[0])
+    """Every observation of one pass, as arrays in the loader's dtypes; a
+    pipeline of unknown length is read to its end, and its count set."""
+    if self._count is None:
+      blocks = [self._reading.as_rows(element) for element in
+                in_order(self._pipeline.batch(4096))]
+      if not blocks:
+        raise ValueError("the pipeline is empty: it yielded no element")
+      arrays = [np.concatenate(leaf) for leaf in zip(*blocks)]
+      self._count = len(arrays[0])
+      self._reading = dataclasses.replace(self._reading, count=self._count)
+    else:
+      arrays = [np.empty((self._count,) + fmt.shape, fmt.dtype)
+                for fmt in self._reading.formats]
+      blocks = in_order(self._pipeline.batch(4096))
+      filled = 0
+      while filled < self._count:
+        rows = self._reading.next_rows(blocks)
+        for array, leaf in zip(arrays, rows):
+          array[filled:filled + len(leaf)] = leaf
+        filled += len(rows[0])
     for array in arrays:  # chunks may be views of them: keep them intact
       array.setflags(write=False)
     return arrays
@@ -273,11 +297,15 @@ class TensorflowDataLoader(HostDataLoader):
   def __repr__(self) -> str:
     keys = ", ".join(self._format)
     memory = ", in memory" if self._arrays is not None else ""
-    return (f"{type(self).__name__}({keys}; {self._count} observations, "
+    count = ("unknown number of" if self._count is None
+             else f"{self._count}")
+    return (f"{type(self).__name__}({keys}; {count} observations, "
             f"shuffle_cache={self._shuffle_cache}{memory})")
 
   @property
-  def static_information(self) -> Dict[str, int]:
+  def static_information(self) -> Dict[str, Optional[int]]:
+    """``observation_count``: None for a pipeline of unknown length given
+    without ``observation_count``."""
     return {"observation_count": self._count}
 
   @property
@@ -285,6 +313,28 @@ class TensorflowDataLoader(HostDataLoader):
     return self._format
 
   # -- chains -------------------------------------------------------------
+
+  def observation_range(self, ordered: bool, shard_index: Any,
+                        shard_count: Any) -> ObservationRange:
+    """As :meth:`HostDataLoader.observation_range`; a random chain of a
+    pipeline of unknown length reads the endless stream.
+
+    Raises:
+      ValueError: an ordered chain or a shard of a pipeline of unknown
+        length, naming ``observation_count``.
+    """
+    if self._count is not None:
+      return super().observation_range(ordered, shard_index, shard_count)
+    needs = ("an ordered chain (a full-data pass)" if ordered else
+             "a shard" if shard_index is not None or shard_count is not None
+             else None)
+    if needs is not None:
+      raise ValueError(
+          f"{needs} of {self!r} needs the number of observations, which a "
+          "pipeline of unknown length does not tell; pass "
+          "TensorflowDataLoader(pipeline, observation_count=N). Random "
+          "chains work without it")
+    return ObservationRange(0, ENDLESS)
 
   def check_spec(self, spec: ChainSpec) -> None:
     """Seeds of random chains are in ``[0, 2**31)``."""
@@ -312,7 +362,7 @@ class TensorflowDataLoader(HostDataLoader):
 
   def _shard(self, shard: ObservationRange) -> tf.data.Dataset:
     data = self._pipeline
-    if shard.count != self._count:
+    if self._count is not None and shard.count != self._count:
       data = data.skip(shard.start).take(shard.count)
     return data
 
@@ -320,14 +370,15 @@ class TensorflowDataLoader(HostDataLoader):
     """A digest of the observation count and of the pipeline's first 32
     observations (read once, on first use), the same in both modes."""
     if self._digest is None:
-      first = min(self._count, 32)
       if self._arrays is not None:
+        first = min(self._count, 32)
         leaves = [array[:first] for array in self._arrays]
       else:
         leaves = self._reading.next_rows(
-            in_order(self._pipeline.take(first).batch(first)))
+            in_order(self._pipeline.take(32).batch(32)))
+        first = len(leaves[0])
       dtypes = [fmt.dtype for fmt in self._reading.formats]
       self._digest = digest_rows(
           first, lambda row: [leaf[row] for leaf in leaves], dtypes) + (
-              f"/{self._count}")
+              f"/{'unknown' if self._count is None else self._count}")
     return self._digest

@@ -52,13 +52,13 @@ class Reading:
   Attributes:
     formats: The loader's leaves, in order, with their dtypes.
     name: The loader's repr, for messages.
-    count: Observations in one pass.
+    count: Observations in one pass; None if unknown.
     count_stated: Whether ``count`` was given by the user (the pipeline's
       own length is unknown).
   """
   formats: Tuple[LeafFormat, ...]
   name: str
-  count: int
+  count: Optional[int]
   count_stated: bool
 
   def next_rows(self, iterator: Iterator) -> Rows:
@@ -76,6 +76,10 @@ class Reading:
       raise ValueError(
           f"observation_count={self.count} does not fit the pipeline: "
           f"{e.message}") from e
+    return self.as_rows(element)
+
+  def as_rows(self, element: Any) -> Rows:
+    """An element of the pipeline as NumPy arrays in the loader's dtypes."""
     leaves = []
     for fmt, tensor in zip(self.formats, tf.nest.flatten(element)):
       array = np.asarray(tensor)  # a read-only view: no copy, unlike .numpy()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 from typing import Callable
 from typing import NamedTuple
+from typing import Optional
 from typing import Protocol
 from typing import Tuple
 from typing import Union
@@ -18,12 +19,14 @@ class MiniBatchInformation(NamedTuple):
   """Static facts about a mini-batch, and which of its observations are valid.
 
   Attributes:
-    observation_count: Number of observations in the dataset (Python int).
+    observation_count: Number of observations in the dataset (Python int);
+      None if the loader does not know it (a ``tf.data`` pipeline of
+      unknown length given without ``observation_count``).
     mask: bool array of shape ``(batch_size,)``: True for a real observation,
       False for a filler that pads the last batch of an epoch or pass.
     batch_size: Number of observations in a batch (Python int).
   """
-  observation_count: int
+  observation_count: Optional[int]
   mask: jax.Array
   batch_size: int
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import jax_data
+from jax_data.chains import Chunk
 
 tf = pytest.importorskip("tensorflow")
 tensorflow_loader = pytest.importorskip("jax_data.tensorflow_loader")
@@ -248,7 +249,9 @@ def test_dtypes_follow_jax_defaults():
           loader.initializer_batch().items()} == expected
   batches, mask = loader.get_batches(loader.register_random_pipeline(2, 3))
   assert {k: str(v.dtype) for k, v in batches.items()} == expected
-  assert all(isinstance(v, np.ndarray) for v in batches.values())
+  # The public method returns JAX arrays, as the predecessor's did.
+  assert all(isinstance(v, jax.Array) for v in batches.values())
+  assert isinstance(mask, jax.Array)
   assert batches["u8"].shape == (2, 3, 4, 4, 3)
   assert batches["f64"].shape == (2, 3, 2)
   assert mask.dtype == bool and mask.shape == (2, 3) and mask.all()
@@ -319,12 +322,22 @@ def test_tuple_elements_are_an_error():
     TensorflowDataLoader(pipeline)
 
 
-def test_unknown_and_infinite_cardinality_need_observation_count():
+def test_unknown_and_infinite_cardinality_ordered_chains_need_the_count():
   filtered = _pipeline(10).filter(lambda d: d["x"] % 2 == 0)
-  with pytest.raises(ValueError, match="unknown.*observation_count=N"):
-    TensorflowDataLoader(filtered)
+  for unknown in (TensorflowDataLoader(filtered),
+                  TensorflowDataLoader(_pipeline(10).repeat())):
+    assert unknown.static_information == {"observation_count": None}
+    assert "unknown number of observations" in repr(unknown)
+    with pytest.raises(ValueError, match="ordered.*observation_count=N"):
+      unknown.register_ordered_pipeline(1, 2)
+    with pytest.raises(ValueError, match="shard.*observation_count=N"):
+      unknown.register_random_pipeline(1, 2, shard_index=0, shard_count=2)
+    with pytest.raises(ValueError, match="observation_count=N"):
+      jax_data.full_reference_data(unknown, 1, 2)
+    with pytest.raises(ValueError, match="observation_count=N"):
+      jax_data.full_data_mapper(unknown, 1, 2)
   with pytest.raises(ValueError, match="infinite.*observation_count=N"):
-    TensorflowDataLoader(_pipeline(10).repeat())
+    TensorflowDataLoader(_pipeline(10).repeat(), in_memory=True)
   loader = TensorflowDataLoader(filtered, observation_count=5)
   chain = loader.register_ordered_pipeline(1, 5)
   assert _chunks(loader, chain, 2)[0] == [[[0, 2, 4, 6, 8]]] * 2
@@ -473,11 +486,18 @@ def test_in_memory_reads_the_pipeline_once_and_converts_dtypes():
   assert len(reads) == 12
   assert str(batches["x"].dtype) == "int32"
   assert str(batches["y"].dtype) == "float32"
-  # Ordered chunks are views of the held arrays, which stay intact.
   ordered, _ = loader.get_batches(loader.register_ordered_pipeline(2, 3))
   assert ordered["x"].tolist() == [[0, 1, 2], [3, 4, 5]]
+  # The chunks the host serves are views of the held arrays, which stay
+  # intact.
+  layout = loader.chunk_layout(2, 3)
+  cursor = loader.open_chain(loader.chain_spec(True), layout)
+  out = Chunk([np.empty(shape, leaf.dtype) for shape, leaf in
+               zip(layout.leaf_shapes(), layout.leaves)],
+              np.empty(layout.lead, bool))
+  chunk = cursor.produce(0, out)
   with pytest.raises(ValueError, match="read-only"):
-    ordered["x"][0, 0] = 7
+    chunk.leaves[0][0, 0] = 7
 
 
 def test_checkpoints_move_between_memory_and_streaming():
@@ -594,3 +614,83 @@ def test_checkpoint_restores_into_a_new_loader(kind):
     assert jax.tree_util.tree_all(jax.tree_util.tree_map(
         lambda a, b: np.array_equal(a, b), want, have))
   new_pipe[-1]()
+
+
+def _generated(n):
+  """A pipeline of unknown length: from a generator."""
+  def gen():
+    for i in range(n):
+      yield {"x": np.int64(i), "y": np.float32(i) / 2}
+  return tf.data.Dataset.from_generator(gen, output_signature={
+      "x": tf.TensorSpec((), tf.int64), "y": tf.TensorSpec((), tf.float32)})
+
+
+def _endless_reference(n, shuffle_cache, seed, steps):
+  """What a random chain of a pipeline of unknown length serves: the
+  pipeline repeated, through one shuffle buffer never emptied."""
+  from jax_data.sampling import ENDLESS
+  from jax_data.sampling import BufferShuffle
+  shuffle = BufferShuffle(ENDLESS, shuffle_cache, seed)
+  shuffle.seek(0)
+  return shuffle.take(steps) % n
+
+
+@pytest.mark.parametrize("make", [
+    _generated, lambda n: _pipeline(n).filter(lambda d: d["x"] >= 0),
+    lambda n: _pipeline(n).repeat()])
+def test_random_access_without_the_count(make):
+  n, cache, mb = 23, 3, 4
+  loader = TensorflowDataLoader(make(n), shuffle_cache=8)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      loader, cache, mb)
+
+  @jax.jit
+  def run(state):
+    def body(state, _):
+      state, (batch, info) = batch_fn(state, information=True)
+      return state, (batch["x"], batch["y"], info.mask)
+    return jax.lax.scan(body, state, None, length=40)
+
+  state, (x, y, mask) = run(init_fn(seed=3))
+  x = np.asarray(x).reshape(-1)
+  np.testing.assert_array_equal(
+      x, _endless_reference(n, 8, 3, x.size))
+  np.testing.assert_array_equal(np.asarray(y).reshape(-1), x / 2)
+  assert np.asarray(mask).all()
+  # The stream runs through the passes: 160 draws cover all 23 elements.
+  assert set(x.tolist()) == set(range(n))
+  _, (batch, info) = batch_fn(state, information=True)
+  assert info.observation_count is None and info.batch_size == mb
+  release_fn()
+
+
+def test_random_chain_of_unknown_length_restores_exactly(tmp_path):
+  def pipeline():
+    return jax_data.random_reference_data(
+        TensorflowDataLoader(_generated(17), shuffle_cache=5), 2, 3)
+
+  def draws(pipe, state, count):
+    out = []
+    for _ in range(count):
+      state, batch = pipe.batch_fn(state)
+      out.append(np.asarray(batch["x"]))
+    return np.concatenate(out), state
+
+  first = pipeline()
+  whole, _ = draws(first, first.init_fn(seed=9), 30)
+  _, state = draws(first, first.init_fn(seed=9), 11)
+  jax_data.save_checkpoint(tmp_path / "chain", first, state)
+  second = pipeline()
+  rest, _ = draws(second, jax_data.restore_checkpoint(tmp_path / "chain",
+                                                      second), 19)
+  np.testing.assert_array_equal(rest, whole[11 * 3:])
+  first.release_fn()
+  second.release_fn()
+
+
+def test_in_memory_learns_the_count_of_a_pipeline_of_unknown_length():
+  loader = TensorflowDataLoader(
+      _pipeline(10).filter(lambda d: d["x"] % 3 == 0), in_memory=True)
+  assert loader.static_information == {"observation_count": 4}
+  batches, mask = loader.get_batches(loader.register_ordered_pipeline(1, 4))
+  assert np.asarray(batches["x"]).tolist() == [[0, 3, 6, 9]]
