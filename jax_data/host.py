@@ -64,6 +64,9 @@ class LiveHosts:
   def __init__(self):
     self._hosts: "weakref.WeakValueDictionary[int, Host]" = (
         weakref.WeakValueDictionary())
+    # Every prefetch thread's prefetcher, also of hosts dropped without
+    # release_fn (a running thread keeps its prefetcher alive).
+    self._prefetchers: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
     self._changed = threading.Condition()
     self._busy = 0
     self._last: Optional[float] = None  # when a request last started/ended
@@ -84,6 +87,10 @@ class LiveHosts:
       if self._hosts.get(host.id) is not None:
         raise ValueError(f"pipeline id {host.id} is in use")
       self._hosts[host.id] = host
+
+  def track(self, prefetcher: Prefetcher) -> None:
+    """Registers a prefetcher, for :meth:`stop_prefetching`."""
+    self._prefetchers.add(prefetcher)
 
   def taken(self, pipeline_id: int) -> bool:
     """Whether a live host has identity ``pipeline_id``."""
@@ -128,10 +135,20 @@ class LiveHosts:
           return
         self._changed.wait(quiet - idle)
 
-  def stop_prefetching(self) -> None:
-    """Ends every host's prefetch thread (after its running job)."""
+  def stop_prefetching(self, timeout: float = 2.0) -> None:
+    """Ends every prefetch thread, also those of hosts dropped without
+    ``release_fn``, and waits up to ``timeout`` seconds in all for their
+    running jobs: a thread that still runs Python or TensorFlow code while
+    the interpreter finalizes aborts the process."""
     for host in list(self._hosts.values()):
       host.stop_prefetching()
+    prefetchers = list(self._prefetchers)
+    error = PipelineReleasedError("the Python interpreter is exiting")
+    for prefetcher in prefetchers:
+      prefetcher.close(error)
+    deadline = time.monotonic() + timeout
+    for prefetcher in prefetchers:
+      prefetcher.join(max(0.0, deadline - time.monotonic()))
 
 
 #: The hosts of this process (see :class:`LiveHosts`).
@@ -170,6 +187,11 @@ class Host:
     self._store = ChainStore(loader, layout, self.name, cycle, verify_calls)
     self._progress = progress
     self._prefetcher = Prefetcher() if prefetch else None
+    if self._prefetcher is not None:
+      LIVE_HOSTS.track(self._prefetcher)
+      # Dropped without release_fn: the thread ends with the host.
+      weakref.finalize(self, self._prefetcher.close, PipelineReleasedError(
+          f"the pipeline over {self.name} was garbage-collected"))
     self.rendezvous = Rendezvous(self.name)
     self._zeros: Optional[Chunk] = None
     # Copies chunks into compiled code's buffers, large ones (the chunks of

@@ -82,6 +82,16 @@ class Prefetcher:
           return
         job = self._jobs.popleft()
       job.run()
+      # Not kept while waiting for the next: a finished job's closure holds
+      # its host, which must be collectable once its pipeline is dropped.
+      del job
+
+  def join(self, timeout: float) -> None:
+    """Waits up to ``timeout`` seconds for the thread to end (after
+    :meth:`close`)."""
+    thread = self._thread
+    if thread is not None and thread is not threading.current_thread():
+      thread.join(timeout)
 
   def close(self, error: BaseException) -> None:
     """Cancels the jobs not started with ``error``; the thread ends after

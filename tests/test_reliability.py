@@ -4,6 +4,7 @@ exact."""
 import ctypes
 import gc
 import threading
+import time
 import weakref
 
 import jax
@@ -59,6 +60,46 @@ def test_hundred_pipelines_over_100mb_leave_memory_where_it_was():
   del loader
   gc.collect()
   assert ref() is None  # released pipelines hold no reference to the data
+
+
+def _prefetch_threads() -> int:
+  return sum(t.name == "jax_data-prefetch" and t.is_alive()
+             for t in threading.enumerate())
+
+
+def test_pipelines_dropped_without_release_free_their_host_and_thread():
+  # Without release_fn: dropping the pipeline must free its host (and with
+  # it the loader's data) and end its prefetch thread; a thread left behind
+  # could run while the interpreter finalizes, which aborts the process.
+  baseline = _prefetch_threads()
+  hosts = []
+  for kind in range(6):
+    loader = NumpyDataLoader(x=np.arange(300.0, dtype=np.float32))
+    if kind % 2:
+      init_fn, map_fn, release_fn = jax_data.full_reference_data(loader,
+                                                                 3, 7)
+      map_fn(lambda b, c: (b["x"], c), init_fn(), None)
+      hosts.append(weakref.ref(map_fn.__self__.host))
+    else:
+      init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+          loader, 3, 7)
+      state = init_fn(seed=kind)
+      for _ in range(10):  # several refreshes, each prefetching the next
+        state, batch = batch_fn(state)
+      jax.block_until_ready(batch)
+      hosts.append(weakref.ref(batch_fn.__self__.host))
+  assert _prefetch_threads() > baseline
+  del loader, init_fn, state, batch, batch_fn, map_fn, release_fn
+  # A prefetch job still running holds its host until it ends.
+  deadline = time.monotonic() + 5.0
+  while time.monotonic() < deadline:
+    gc.collect()
+    if (all(h() is None for h in hosts)
+        and _prefetch_threads() == baseline):
+      break
+    time.sleep(0.02)
+  assert [h() for h in hosts] == [None] * len(hosts)
+  assert _prefetch_threads() == baseline
 
 
 def test_million_steps_keep_host_memory_flat():
