@@ -112,32 +112,30 @@ def sgld_scan_sampler(batch_fn: BatchFn, observation_count: int, steps: int,
                       step_size: float) -> Callable:
   """:func:`sgld_sampler` written with ``jax_data.scan`` (the documented
   way): the same steps and batches, the same ``run`` signature."""
-  import jax_data
-
   def step(carry, batch):
     theta, key = carry
     return sgld_update(theta, key, batch, observation_count, step_size), None
 
-  @jax.jit
-  def run(theta, data_state, key):
-    ((theta, key), data_state), _ = jax_data.scan(
-        step, (theta, key), data_state, batch_fn=batch_fn, length=steps)
-    return theta, data_state, key
-
-  return run
+  return _scan_run(step, batch_fn, steps)
 
 
 def data_only_scan_sampler(batch_fn: BatchFn, steps: int) -> Callable:
   """:func:`sgld_scan_sampler`'s loop with (almost) no compute: each step
   only sums its batch, so its time is that of bringing the batches in (the
   chunk refreshes); the same ``run`` signature."""
-  import jax_data
-
   def step(carry, batch):
     theta, key = carry
     total = sum(jnp.sum(leaf.astype(jnp.float32))
                 for leaf in jax.tree_util.tree_leaves(batch))
     return (theta + 1e-30 * total, key), None
+
+  return _scan_run(step, batch_fn, steps)
+
+
+def _scan_run(step: Callable, batch_fn: BatchFn, steps: int) -> Callable:
+  """``run(theta, data_state, key)``: ``steps`` of ``step(carry, batch)``
+  over ``(theta, key)`` in one jitted ``jax_data.scan``."""
+  import jax_data
 
   @jax.jit
   def run(theta, data_state, key):

@@ -327,7 +327,8 @@ def run(config: Config, repeats: int) -> Section:
   ratios = [(JAX_DATA, COMPUTE), (BATCH_FN, COMPUTE), (JAX_DATA, DEVICE)] + [
       (peer, JAX_DATA) for peer in names
       if peer not in (COMPUTE, DEVICE, JAX_DATA, BATCH_FN, DATA_ONLY)]
-  batch_bytes = config.mb * 4 * (config.features + 1)
+  observation = 4 * (config.features + 1)  # float32 x and y
+  batch_bytes = config.mb * observation
   rows = []
   for n, contenders in by_size.items():
     rows.append([format_count(n)]
@@ -371,7 +372,7 @@ def run(config: Config, repeats: int) -> Section:
       rows=rows, notes=notes,
       targets=_targets(config, timings),
       memory=[memory_row("(a) SGLD random_reference_data", config.cache,
-                         config.mb, 4 * (config.features + 1),
+                         config.mb, observation,
                          max(config.sizes))])
 
 

@@ -231,7 +231,8 @@ class TensorflowDataLoader(HostDataLoader):
           "pipeline; keep at least one")
     self._format = _format({key: spec[key] for key in kept})
     self._count, stated = _count(pipeline, observation_count)
-    if in_memory is True and self._count is None and int(
+    in_memory = check_bool("in_memory", in_memory)
+    if in_memory and self._count is None and int(
         pipeline.cardinality()) == tf.data.INFINITE_CARDINALITY:
       raise ValueError(
           "in_memory=True reads the whole pipeline, but it is infinite (e.g. "
@@ -248,7 +249,7 @@ class TensorflowDataLoader(HostDataLoader):
     self._digest: Optional[str] = None
     self._reading = Reading(self.chunk_layout(1, 1).leaves, repr(self),
                             self._count, stated)
-    if check_bool("in_memory", in_memory):
+    if in_memory:
       self._arrays = self._read_all()
       self._reading = dataclasses.replace(self._reading, name=repr(self))
 

@@ -118,6 +118,20 @@ def full_gradient_fn(loader):
   return full_gradient, release_fn
 
 
+def cv_gradient_fn(loader, plain):
+  """The estimator to give ``control_variates`` with ``data=None``: the
+  full-data gradient when asked for ``None``, else ``plain``'s batch
+  estimate; and its release."""
+  full_gradient, release_fn = full_gradient_fn(loader)
+
+  def gradient_or_full(position, minibatch):
+    if minibatch is None:  # control_variates asks for the full data
+      return full_gradient(position)
+    return plain(position, minibatch)
+
+  return gradient_or_full, release_fn
+
+
 def test_full_data_mapper_gives_the_exact_centre_gradient(regression):
   data, mean, _ = regression
   full_gradient, release_fn = full_gradient_fn(
@@ -135,12 +149,7 @@ def test_control_variates_lower_the_variance_on_the_same_batches(regression):
   data, mean, _ = regression
   loader = jax_data.NumpyDataLoader(**data)
   plain = grad_estimator(log_prior, log_likelihood, N)
-  full_gradient, release_full = full_gradient_fn(loader)
-
-  def gradient_or_full(position, minibatch):
-    if minibatch is None:  # control_variates asks for the full data
-      return full_gradient(position)
-    return plain(position, minibatch)
+  gradient_or_full, release_full = cv_gradient_fn(loader, plain)
 
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(
       loader, 50, 32)
@@ -176,12 +185,7 @@ def test_sgld_with_control_variates_recovers_the_posterior(regression):
   data, mean, sd = regression
   loader = jax_data.NumpyDataLoader(**data)
   plain = grad_estimator(log_prior, log_likelihood, N)
-  full_gradient, release_full = full_gradient_fn(loader)
-
-  def gradient_or_full(position, minibatch):
-    if minibatch is None:
-      return full_gradient(position)
-    return plain(position, minibatch)
+  gradient_or_full, release_full = cv_gradient_fn(loader, plain)
 
   centre = jnp.asarray(mean, jnp.float32)
   kernel = blackjax.sgld(control_variates(gradient_or_full, centre, None))
