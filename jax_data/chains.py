@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from typing import Any
 from typing import Dict
 from typing import List
@@ -125,9 +126,10 @@ class ChunkLayout:
   def leaf_shapes(self) -> List[Tuple[int, ...]]:
     return [self.lead + leaf.shape for leaf in self.leaves]
 
-  @property
+  @functools.cached_property
   def nbytes(self) -> int:
-    """Bytes of one chunk, mask included."""
+    """Bytes of one chunk, mask included (computed once: every request
+    that stores a chunk reads it)."""
     rows = self.cache_size * self.mb_size
     return rows * (1 + sum(int(np.prod(leaf.shape, dtype=np.int64))
                            * leaf.dtype.itemsize for leaf in self.leaves))

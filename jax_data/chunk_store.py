@@ -281,14 +281,21 @@ class ChainStore:
     held). Chunks that some device has yet to take stay, up to the hard
     cap."""
     cap = min(MAX_STORED, self._keep + 1 + 2 * record.devices)
-    while len(record.chunks) > self._keep + 1:
-      indices = list(record.chunks)[:-1]  # never the newest
-      served = [i for i in indices if record.chunks[i].pending is not None
-                and record.chunks[i].pending <= 0]
-      if served:
-        self._drop(record, served[0])
-      elif len(record.chunks) > cap:
-        self._drop(record, indices[0])
+    chunks = record.chunks
+    while len(chunks) > self._keep + 1:
+      oldest, served, newest = None, None, next(reversed(chunks))
+      for i, entry in chunks.items():  # oldest first
+        if i == newest:
+          break
+        if oldest is None:
+          oldest = i
+        if entry.pending is not None and entry.pending <= 0:
+          served = i
+          break
+      if served is not None:
+        self._drop(record, served)
+      elif len(chunks) > cap:
+        self._drop(record, oldest)
       else:
         break
 

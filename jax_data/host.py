@@ -13,14 +13,12 @@ Only NumPy runs here; nothing calls JAX.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import weakref
 from typing import Any
 from typing import Callable
 from typing import Dict
-from typing import Iterator
 from typing import List
 from typing import Optional
 from typing import Sequence
@@ -67,7 +65,7 @@ class LiveHosts:
     # Every prefetch thread's prefetcher, also of hosts dropped without
     # release_fn (a running thread keeps its prefetcher alive).
     self._prefetchers: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
-    self._changed = threading.Condition()
+    self._changed = threading.Condition(threading.Lock())
     self._busy = 0
     self._last: Optional[float] = None  # when a request last started/ended
     self.callback_failed = False  # a callback raised (see bridge)
@@ -109,19 +107,20 @@ class LiveHosts:
           "that no longer exists")
     return host
 
-  @contextlib.contextmanager
-  def request(self) -> Iterator[None]:
-    """Marks the time spent answering one callback."""
+  def begin_request(self) -> None:
+    """Marks the start of answering one callback (:meth:`end_request`
+    marks its end; plain calls, not a context manager: this runs on every
+    refresh)."""
     with self._changed:
       self._busy += 1
       self._last = time.monotonic()
-    try:
-      yield
-    finally:
-      with self._changed:
-        self._busy -= 1
-        self._last = time.monotonic()
-        self._changed.notify_all()
+
+  def end_request(self) -> None:
+    """Marks the end of answering one callback."""
+    with self._changed:
+      self._busy -= 1
+      self._last = time.monotonic()
+      self._changed.notify_all()
 
   def wait_until_quiet(self, quiet: float) -> None:
     """Returns once no request has run for ``quiet`` seconds."""
@@ -342,18 +341,21 @@ class Host:
     Raises:
       ValueError: a lane's state belongs to another pipeline.
     """
-    with LIVE_HOSTS.request():
+    LIVE_HOSTS.begin_request()
+    try:
       return self._lanes(pipelines, chains, chunks, need, device_count,
                          participants, defer)
+    finally:
+      LIVE_HOSTS.end_request()
 
   def _lanes(self, pipelines, chains, chunks, need, device_count,
              participants, defer) -> List[Chunk]:
-    pipelines = np.asarray(pipelines).reshape(-1)
-    chains = np.asarray(chains).reshape(-1)
-    chunks = np.asarray(chunks).reshape(-1)
-    need = np.asarray(need).reshape(-1)
+    # Python ints: this runs on every refresh, and NumPy scalars are slow.
+    pipelines, chains, chunks, need = (
+        np.asarray(a).reshape(-1).tolist()
+        for a in (pipelines, chains, chunks, need))
     self.requests += 1
-    self._store.note_lanes(int(need.sum()))
+    self._store.note_lanes(sum(need))
     lanes, error = [], None
     try:
       for pipeline, chain, index, wanted in zip(pipelines, chains, chunks,
@@ -363,15 +365,16 @@ class Host:
           continue
         if pipeline != self.id:
           raise ValueError(
-              f"a state of another pipeline (id {int(pipeline)}) was given "
+              f"a state of another pipeline (id {pipeline}) was given "
               f"to a pipeline over {self.name} (id {self.id}); use the "
               "states of this pipeline's init_fn")
-        lanes.append(self.chunk(int(chain), int(index), device_count, defer))
+        lanes.append(self.chunk(chain, index, device_count, defer))
     except Exception as e:  # pylint: disable=broad-except
       error = e
-    if participants > 1 and need.any():
-      error = self.rendezvous.meet(int(chunks[need].min()), participants,
-                                   error)
+    if participants > 1 and any(need):
+      error = self.rendezvous.meet(
+          min(c for c, wanted in zip(chunks, need) if wanted), participants,
+          error)
     self._store.trim_idle()
     if error is not None:
       raise error

@@ -181,7 +181,9 @@ class RandomStream:
       # batch (PCG64 keeps its spare 32 bits in its state), 20x faster.
       n, mb = self.observations.count, self.mb_size
       rows = self._rng.integers(0, n, size=(count, mb))
-      return rows + self.observations.start, None
+      if self.observations.start:
+        rows += self.observations.start
+      return rows, None
     if self.in_epochs:
       return self._draw_epochs(count)
     return self._draw_shuffled(count)
