@@ -49,13 +49,20 @@ from jax_data.host_loader import HostDataLoader
 RECENT_SNAPSHOTS = 16
 # Hard limit of stored chunks per chain, whatever device_count says.
 MAX_STORED = 32
+
+# Chunks of a chain produced ahead of its requests. Two, not one: the
+# thread then goes on producing while the device copies and computes, and
+# where producing a chunk takes about as long as the device takes to use one
+# (random rows of a large array), requests do not wait on every chunk.
+AHEAD = 2
+
 # The most chunks a request may make a chain replay from a snapshot: a
 # state far beyond anything its chain produced (a crafted checkpoint) is
 # refused rather than replayed for hours. Snapshots thin out to one per
 # 1/16 of a chunk's age, so honest replays stay far below this.
 MAX_REPLAY = 1 << 20
 # Stored chunks of all of a pipeline's chains together stay within this many
-# bytes, or within three chunks per lane of the largest request if that is
+# bytes, or within 2 + AHEAD chunks per lane of the largest request if that is
 # more; the least recently used go first.
 STORE_BYTES = 128 << 20
 
@@ -120,9 +127,9 @@ class ChainStore:
       (full-data passes); None for random chains.
     verify_calls: Warn when a chunk is produced again because a request
       came for one no longer stored (a state used twice).
-    keep: Served chunks kept per chain besides the one produced ahead.
+    keep: Served chunks kept per chain besides the ``AHEAD`` produced ahead.
       Chunks still awaited by some of ``device_count`` devices are kept too,
-      up to ``keep + 1 + 2 * device_count`` (at most ``MAX_STORED``).
+      up to ``keep + AHEAD + 2 * device_count`` (at most ``MAX_STORED``).
   """
 
   def __init__(self, loader: HostDataLoader, layout: ChunkLayout, name: str,
@@ -261,7 +268,8 @@ class ChainStore:
 
   def note_lanes(self, lanes: int) -> None:
     """A request asked for ``lanes`` chunks at once: the store keeps room
-    for three chunks per lane of the largest such request."""
+    for ``2 + AHEAD`` chunks per lane of the largest such request (the one
+    served, one before it and those produced ahead)."""
     self._lanes = max(self._lanes, lanes)
 
   def _store(self, record: ChainRecord, index: int, entry: Entry) -> None:
@@ -277,12 +285,12 @@ class ChainStore:
     del self._stored[(record.number, index)]
 
   def _evict(self, record: ChainRecord) -> None:
-    """Drops a chain's served chunks beyond ``keep + 1`` (with ``_lock``
+    """Drops a chain's served chunks beyond ``keep + AHEAD`` (with ``_lock``
     held). Chunks that some device has yet to take stay, up to the hard
     cap."""
-    cap = min(MAX_STORED, self._keep + 1 + 2 * record.devices)
+    cap = min(MAX_STORED, self._keep + AHEAD + 2 * record.devices)
     chunks = record.chunks
-    while len(chunks) > self._keep + 1:
+    while len(chunks) > self._keep + AHEAD:
       oldest, served, newest = None, None, next(reversed(chunks))
       for i, entry in chunks.items():  # oldest first
         if i == newest:
@@ -301,11 +309,12 @@ class ChainStore:
 
   def _evict_across_chains(self) -> None:
     """Drops the least recently used chunks of any chain while the store
-    holds more than ``STORE_BYTES``, or three chunks per lane of the largest
-    request if that is more (with ``_lock`` held). Chunks still being
+    holds more than ``STORE_BYTES``, or ``2 + AHEAD`` chunks per lane of the
+    largest request if that is more (with ``_lock`` held). Chunks still being
     produced stay; a dropped chunk is produced again if asked for. A chain
     left with no chunk trims its cursor's caches."""
-    limit = max(STORE_BYTES // max(self.layout.nbytes, 1), 3 * self._lanes)
+    limit = max(STORE_BYTES // max(self.layout.nbytes, 1),
+                (2 + AHEAD) * self._lanes)
     if len(self._stored) <= limit:
       return
     for number, index in list(self._stored):

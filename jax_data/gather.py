@@ -112,7 +112,7 @@ class BufferPool:
   ``sys.getrefcount`` tells exactly.
   """
 
-  _PER_FORMAT = 4
+  _PER_FORMAT = 6
 
   def __init__(self):
     self._free: Dict[Tuple[Tuple[int, ...], np.dtype], List[np.ndarray]] = {}

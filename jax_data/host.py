@@ -13,6 +13,7 @@ Only NumPy runs here; nothing calls JAX.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -31,6 +32,7 @@ from jax_data.chains import Chunk
 from jax_data.chains import ChunkLayout
 from jax_data.chains import spec_from_json
 from jax_data.chains import spec_to_json
+from jax_data.chunk_store import AHEAD
 from jax_data.chunk_store import MAX_REPLAY
 from jax_data.chunk_store import ChainRecord
 from jax_data.chunk_store import ChainStore
@@ -154,6 +156,10 @@ class LiveHosts:
 LIVE_HOSTS = LiveHosts()
 
 
+def _cancel(future, error: BaseException) -> None:
+  settle(future, error=error)
+
+
 class Host:
   """Serves the chunks of one pipeline's chains to compiled code.
 
@@ -271,10 +277,11 @@ class Host:
     ``device_count`` requests are expected for the chunk (one per device of
     a replicated state); it is kept until they all came, within a cap.
 
-    The production of the next chunk starts now, or, if ``defer`` is a list
-    and the chunk was ready when asked for (the device, not the host, sets
-    the pace), is appended to ``defer`` for the caller to start once it has
-    copied this chunk, so that the copy does not compete with it.
+    The production of the next ``AHEAD`` chunks starts now, or, if
+    ``defer`` is a list and the chunk was ready when asked for (the device,
+    not the host, sets the pace), is appended to ``defer`` for the caller to
+    start once it has copied this chunk, so that the copy does not compete
+    with it.
     """
     store = self._store
     record = store.record(chain)
@@ -306,18 +313,23 @@ class Host:
     return result
 
   def schedule_next(self, record: ChainRecord, index: int) -> None:
-    """Starts producing the chunk after ``index`` in the background."""
+    """Starts producing the ``AHEAD`` chunks after ``index`` in the
+    background (those not stored yet)."""
     prefetcher = self._prefetcher
     if prefetcher is None:
       return
-    following = self._store.following(index)
-    future = self._store.claim_ahead(record, following)
-    if future is None:
-      return
-    run = lambda: self._store.produce_into(record, following, future)
-    cancel = lambda error: settle(future, error=error)
-    if not prefetcher.submit((record.number, following), run, cancel):
-      settle(future, error=self._released())
+    following = index
+    for _ in range(AHEAD):
+      following = self._store.following(following)
+      future = self._store.claim_ahead(record, following)
+      if future is None:
+        continue
+      run = functools.partial(self._store.produce_into, record, following,
+                              future)
+      cancel = functools.partial(_cancel, future)
+      if not prefetcher.submit((record.number, following), run, cancel):
+        settle(future, error=self._released())
+        return
 
   def _released(self) -> PipelineReleasedError:
     try:

@@ -14,6 +14,7 @@ import pytest
 from jax import lax
 
 import jax_data
+import jax_data.chunk_store
 from jax_data import NumpyDataLoader
 
 # Tests that build pipelines with the `pipelines` fixture run with both ways
@@ -231,7 +232,8 @@ def test_host_memory_bounded_over_100k_steps(pipelines):
   grown = psutil.Process().memory_info().rss - rss
   record = pipeline.host.chain(int(state.chain))
   assert int(state.chunk) * 5 == 100_000
-  assert len(record.chunks) <= 3
+  # Two served chunks kept, and those produced ahead.
+  assert len(record.chunks) <= 2 + jax_data.chunk_store.AHEAD
   assert len(record.snapshots) < 400  # ~16 per doubling, not 100k
   assert grown < 30 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB"
 

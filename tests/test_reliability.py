@@ -115,7 +115,8 @@ def test_million_steps_keep_host_memory_flat():
   grown = _rss() - start
   assert int(state.chunk) * 100 == 1_000_000
   record = pipeline.host.chain(int(state.chain))
-  assert len(record.chunks) <= 3 and len(record.snapshots) < 400
+  assert len(record.chunks) <= 2 + jax_data.chunk_store.AHEAD
+  assert len(record.snapshots) < 400
   assert grown < 20 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB"
 
 
