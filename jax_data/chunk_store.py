@@ -62,8 +62,8 @@ AHEAD = 2
 # 1/16 of a chunk's age, so honest replays stay far below this.
 MAX_REPLAY = 1 << 20
 # Stored chunks of all of a pipeline's chains together stay within this many
-# bytes, or within 2 + AHEAD chunks per lane of the largest request if that is
-# more; the least recently used go first.
+# bytes, or within keep + AHEAD chunks per lane of the largest request if
+# that is more; the least recently used go first.
 STORE_BYTES = 128 << 20
 
 
@@ -268,8 +268,8 @@ class ChainStore:
 
   def note_lanes(self, lanes: int) -> None:
     """A request asked for ``lanes`` chunks at once: the store keeps room
-    for ``2 + AHEAD`` chunks per lane of the largest such request (the one
-    served, one before it and those produced ahead)."""
+    for ``keep + AHEAD`` chunks per lane of the largest such request (the
+    served ones kept and those produced ahead)."""
     self._lanes = max(self._lanes, lanes)
 
   def _store(self, record: ChainRecord, index: int, entry: Entry) -> None:
@@ -309,12 +309,12 @@ class ChainStore:
 
   def _evict_across_chains(self) -> None:
     """Drops the least recently used chunks of any chain while the store
-    holds more than ``STORE_BYTES``, or ``2 + AHEAD`` chunks per lane of the
-    largest request if that is more (with ``_lock`` held). Chunks still being
-    produced stay; a dropped chunk is produced again if asked for. A chain
+    holds more than ``STORE_BYTES``, or ``keep + AHEAD`` chunks per lane of
+    the largest request if that is more (with ``_lock`` held). Chunks still
+    being produced stay; a dropped chunk is produced again if asked for. A chain
     left with no chunk trims its cursor's caches."""
     limit = max(STORE_BYTES // max(self.layout.nbytes, 1),
-                (2 + AHEAD) * self._lanes)
+                (self._keep + AHEAD) * self._lanes)
     if len(self._stored) <= limit:
       return
     for number, index in list(self._stored):
