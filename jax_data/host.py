@@ -200,7 +200,7 @@ class Host:
     self.rendezvous = Rendezvous(self.name)
     self._zeros: Optional[Chunk] = None
     # Copies chunks into compiled code's buffers, large ones (the chunks of
-    # full-data passes, not a random chain's few batches) in two threads.
+    # full-data passes, not a random chain's few batches) split over the cores.
     self._copier = Gatherer()
     self.requests = 0
     LIVE_HOSTS.add(self)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
-import os
 import pickle
 import threading
 import time
@@ -32,6 +31,7 @@ from jax_data.chains import ChainCursor
 from jax_data.chains import ChainSpec
 from jax_data.chains import ChunkLayout
 from jax_data.gather import digest_rows
+from jax_data.gather import usable_cores
 from jax_data.host_loader import HostDataLoader
 from jax_data.indexed import IndexedCursor
 from jax_data.types import PyTree
@@ -49,11 +49,7 @@ class RecordError(ValueError):
 
 def default_workers() -> int:
   """Worker threads by default: the cores this process may use, at most 8."""
-  try:
-    cores = len(os.sched_getaffinity(0))
-  except AttributeError:  # not Linux
-    cores = os.cpu_count() or 1
-  return max(1, min(8, cores))
+  return min(8, usable_cores())
 
 
 class _WorkerChoice:

@@ -10,6 +10,7 @@ import pytest
 
 from jax_data import DeviceNumpyDataLoader
 from jax_data import NumpyDataLoader
+from jax_data import gather
 
 MODES = [dict(), dict(shuffle=True), dict(shuffle=True, in_epochs=True)]
 
@@ -192,3 +193,23 @@ def test_recycled_buffers_never_overwrite_a_chunk_in_use():
                                   reference.get_batches(ref_chain)[0]["x"])
   for chunk, want in zip(held, expected):
     np.testing.assert_array_equal(chunk, want)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_split_gathers_and_copies_equal_numpy(threads):
+  # Parts of at least 64 bytes: rows of 5 float64 split into up to
+  # ``threads`` parts, the last ones shorter, for both take and copy.
+  gatherer = gather.Gatherer(threads=threads, part_bytes=64)
+  array = np.arange(1000 * 5, dtype=np.float64).reshape(1000, 5)
+  flat = np.random.default_rng(threads).integers(0, 1000, 97)
+  out = np.full((97, 5), np.nan)
+  assert gatherer.take(array, flat, out) is out
+  np.testing.assert_array_equal(out, np.take(array, flat, axis=0))
+  copied = np.full((97, 5), np.nan)
+  gatherer.copy(copied, array[100:197])
+  np.testing.assert_array_equal(copied, array[100:197])
+  small = np.zeros((1, 5))  # fewer rows than threads: one part
+  gatherer.copy(small, array[:1])
+  np.testing.assert_array_equal(small, array[:1])
+  gatherer.close()
+  gatherer.close()  # idempotent
