@@ -135,6 +135,25 @@ def test_ordered_passes_start_at_zero():
   assert idx[6].tolist() == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("n,mb,start", [(10, 4, 0), (12, 4, 0), (23, 5, 7)])
+def test_ordered_draws_are_the_ordered_batches_from_any_batch(n, mb, start):
+  # Within a pass (a range) or across its end (modulo, masked): the same
+  # indices and mask as ordered_batches, for every first batch and count.
+  observations = sampling.ObservationRange(start, n)
+  stream = sampling.OrderedStream(observations, mb)
+  for first in range(stream.batches_per_pass):
+    for count in range(1, 2 * stream.batches_per_pass + 2):
+      stream.set_state({"mode": "ordered", "batch": first})
+      idx, mask = stream.draw(count)
+      want_idx, want_mask = sampling.ordered_batches(first, count, mb,
+                                                     observations)
+      np.testing.assert_array_equal(idx, want_idx)
+      np.testing.assert_array_equal(mask, want_mask)
+      assert idx.dtype == want_idx.dtype and mask.dtype == bool
+      assert stream.get_state()["batch"] == (
+          (first + count) % stream.batches_per_pass)
+
+
 def test_shards_are_disjoint_and_cover():
   for n in (1, 7, 10, 101):
     for k in range(1, min(n, 5) + 1):
