@@ -7,8 +7,9 @@ over every observation per call, with ``full_data_mapper``.
 * copy + fused op: the dataset copied from the host arrays in chunks of
   ``cache * mb`` rows (on CPU with NumPy into one reused buffer, split over
   the cores; elsewhere with ``jax.device_put``), then the fused op. On CPU
-  the floor of a pass fed from host memory: every byte is copied into XLA's
-  buffers once, and XLA does not run a host callback beside computation;
+  about the floor of a pass fed from host memory: every byte is copied into
+  XLA's buffers once, and XLA does not run a host callback beside
+  computation;
 * device-resident: the (padded) dataset on the device, a jitted
   ``lax.scan`` over batches cut with ``lax.dynamic_slice``;
 * jax_data: ``full_data_mapper(NumpyDataLoader(x=..., y=...), cache, mb)``
@@ -299,10 +300,13 @@ def run(config: Config, repeats: int) -> Section:
           "arrays in chunks of cache x mb rows (on CPU into one reused "
           f"buffer with NumPy, split over up to {_cores()} threads, one per "
           "core, in parts of at least 2 MiB; elsewhere with "
-          "`jax.device_put`), then the fused op. On CPU it is the floor of "
-          "any pass fed from host memory: every byte must be copied into "
-          "XLA's buffers once, and XLA runs a host callback and the "
-          "computation one after the other. "
+          "`jax.device_put`), then the fused op. On CPU it is about the "
+          "floor of a pass fed from host memory: every byte must be copied "
+          "into XLA's buffers once, and XLA runs a host callback and the "
+          "computation one after the other (a pass can come in under it "
+          "only where computing on a chunk it has just copied, still in "
+          "the cache, is faster than the fused op reading the data set "
+          "from memory). "
           "`jax_data bytes/s`: the data set's bytes over jax_data's pass "
           "time (on a GPU, the host-to-device rate of the pass's chunk "
           "refreshes)."),
