@@ -6,10 +6,10 @@ over every observation per call, with ``full_data_mapper``.
   compute);
 * copy + fused op: the dataset copied from the host arrays in chunks of
   ``cache * mb`` rows (on CPU with NumPy into one reused buffer, split over
-  the cores; elsewhere with ``jax.device_put``), then the fused op. On CPU
-  about the floor of a pass fed from host memory: every byte is copied into
-  XLA's buffers once, and XLA does not run a host callback beside
-  computation;
+  the cores as jax_data's own copy is; elsewhere with ``jax.device_put``),
+  then the fused op. On CPU about the floor of a pass fed from host memory:
+  every byte is copied into XLA's buffers once, and XLA does not run a host
+  callback beside computation;
 * device-resident: the (padded) dataset on the device, a jitted
   ``lax.scan`` over batches cut with ``lax.dynamic_slice``;
 * jax_data: ``full_data_mapper(NumpyDataLoader(x=..., y=...), cache, mb)``
@@ -22,10 +22,8 @@ All evaluate the same log-likelihood.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
-import os
 from collections.abc import Callable
 
 import jax
@@ -52,6 +50,7 @@ from models import logistic_data
 from models import masked_log_likelihood
 
 import jax_data
+from jax_data import gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,25 +119,13 @@ def _fused_pass(data: dict[str, np.ndarray]) -> Callable:
   return jax.jit(lambda theta: masked_log_likelihood(theta, arrays, mask))
 
 
-def _cores() -> int:
-  try:
-    return len(os.sched_getaffinity(0))
-  except AttributeError:  # not on Linux
-    return os.cpu_count() or 1
-
-
-def _copy_part(out: np.ndarray, array: np.ndarray, start: int, low: int,
-               high: int) -> None:
-  np.copyto(out[low - start:high - start], array[low:high])
-
-
 def _floor_pass(data: dict[str, np.ndarray], rows: int,
                 fused: Callable) -> tuple[Callable, Callable[[], None]]:
   """The copy floor: every chunk of ``rows`` rows copied once, then the
   fused op. Returns the pass and a function that ends its threads."""
-  threads = _cores()
-  pool = concurrent.futures.ThreadPoolExecutor(threads)
   on_cpu = jax.default_backend() == "cpu"
+  # The copy jax_data's host makes into XLA's buffers, split the same way.
+  copier = gather.Gatherer()
   buffers = {k: np.empty((rows,) + v.shape[1:], v.dtype)
              for k, v in data.items()}
   n = len(data["y"])
@@ -146,26 +133,17 @@ def _floor_pass(data: dict[str, np.ndarray], rows: int,
   def copy_chunk(start: int) -> None:
     stop = min(start + rows, n)
     for key, array in data.items():
-      if not on_cpu:
+      if on_cpu:
+        copier.copy(buffers[key][:stop - start], array[start:stop])
+      else:
         jax.block_until_ready(jax.device_put(array[start:stop]))
-        continue
-      # Parts of at least 2 MiB: below that, handing a part to another
-      # thread costs more than it saves (measured on 2 cores).
-      parts = max(1, min(threads, array[start:stop].nbytes // (2 << 20)))
-      bounds = np.linspace(start, stop, parts + 1).astype(int)
-      out = buffers[key]
-      if parts == 1:
-        np.copyto(out[:stop - start], array[start:stop])
-        continue
-      list(pool.map(functools.partial(_copy_part, out, array, start),
-                    bounds[:-1], bounds[1:]))
 
   def log_likelihood(theta):
     for start in range(0, n, rows):
       copy_chunk(start)
     return fused(theta)
 
-  return log_likelihood, lambda: pool.shutdown(wait=True)
+  return log_likelihood, copier.close
 
 
 def _mapper_pass(mapper_fn: Callable) -> Callable:
@@ -298,8 +276,9 @@ def run(config: Config, repeats: int) -> Section:
           "one jitted call per batch). All contenders agree on the value. "
           "`copy + fused op`: the data set copied once from the host "
           "arrays in chunks of cache x mb rows (on CPU into one reused "
-          f"buffer with NumPy, split over up to {_cores()} threads, one per "
-          "core, in parts of at least 2 MiB; elsewhere with "
+          "buffer with NumPy, split over the cores as jax_data's own "
+          f"copy is: up to {min(8, gather.usable_cores())} threads, parts "
+          "of at least 2 MiB; elsewhere with "
           "`jax.device_put`), then the fused op. On CPU it is about the "
           "floor of a pass fed from host memory: every byte must be copied "
           "into XLA's buffers once, and XLA runs a host callback and the "
