@@ -66,12 +66,12 @@ class Config:
       long (device-resident and jax_data make the same number).
     max_passes: At most this many passes per measurement.
   """
-  sizes: tuple[int, ...] = (100_000, 1_000_000)
+  sizes: tuple[int, ...] = (10_000, 100_000, 1_000_000)
   features: int = 32
   mb: int = 1_000
   cache: int = 100
   min_seconds: float = 1.0
-  max_passes: int = 200
+  max_passes: int = 2_000
 
 
 FULL = Config()
