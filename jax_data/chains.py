@@ -191,3 +191,9 @@ class ChainCursor(abc.ABC):
   def trim(self) -> None:  # noqa: B027 (optional, unlike the others)
     """Frees what the cursor can rebuild from its position (caches, read
     blocks): the host calls it when the chain has gone idle."""
+
+  def held_bytes(self) -> int:
+    """About how many bytes :meth:`trim` would free; the host trims the
+    cursors of the chains used least recently while those of all chains
+    together hold more than its budget."""
+    return 0

@@ -65,6 +65,12 @@ MAX_REPLAY = 1 << 20
 # bytes, or within keep + AHEAD chunks per lane of the largest request if
 # that is more; the least recently used go first.
 STORE_BYTES = 128 << 20
+# What the cursors of a pipeline's chains hold for reuse (permutations, read
+# blocks) stays within STORE_BYTES too, or within this many times what the
+# chains of the largest request hold if that is more; the cursors of the
+# chains produced for least recently are trimmed first, those of the chains
+# of the last request never.
+HELD_REQUESTS = 4
 
 
 def keep_snapshot(index: int, newest: int) -> bool:
@@ -149,6 +155,12 @@ class ChainStore:
         collections.OrderedDict())
     self._lanes = 1
     self._idle: List[ChainRecord] = []
+    # Chains whose cursors hold something, least recently produced for
+    # first: number -> bytes held; their sum; the most one chain held.
+    self._held: "collections.OrderedDict[int, int]" = (
+        collections.OrderedDict())
+    self._held_total = 0
+    self._held_most = 0
 
   # -- chains -------------------------------------------------------------
 
@@ -212,6 +224,7 @@ class ChainStore:
       record = self._records.pop(int(number), None)
       if record is None:
         return
+      self._held_total -= self._held.pop(record.number, 0)
       for index in list(record.chunks):
         self._drop(record, index)
     _close(record, blocking=True)
@@ -337,6 +350,7 @@ class ChainStore:
         try:
           if not record.chunks and not record.closed:
             record.cursor.trim()
+            self._note_held(record.number, record.cursor.held_bytes())
         finally:
           record.produce_lock.release()
 
@@ -367,10 +381,50 @@ class ChainStore:
     _ = self.loader  # not after release
     try:
       with record.produce_lock:
-        return self._produce_locked(record, index)
+        chunk = self._produce_locked(record, index)
+        self._note_held(record.number, record.cursor.held_bytes())
     finally:
       if self._loader is None:  # released while producing
         _close(record, blocking=True)
+    self._trim_held()
+    return chunk
+
+  def _note_held(self, number: int, held: int) -> None:
+    """Notes what chain ``number``'s cursor holds after producing for it
+    (with its ``produce_lock`` held)."""
+    with self._lock:
+      self._held_total -= self._held.pop(number, 0)
+      if held and number in self._records:
+        self._held[number] = held
+        self._held_total += held
+        self._held_most = max(self._held_most, held)
+
+  def _trim_held(self) -> None:
+    """Trims the cursors of the chains produced for least recently while
+    the cursors of all chains hold more than the budget (see
+    ``HELD_REQUESTS``). A cursor that is producing is passed over."""
+    with self._lock:
+      protected = max(self._lanes, 1)
+      limit = max(STORE_BYTES,
+                  HELD_REQUESTS * protected * self._held_most)
+      if self._held_total <= limit:
+        return
+      excess = self._held_total - limit
+      candidates = []
+      for number, held in list(self._held.items())[:-protected]:
+        if excess <= 0:
+          break
+        candidates.append(self._records[number])
+        excess -= held
+    for record in candidates:
+      if not record.produce_lock.acquire(blocking=False):
+        continue
+      try:
+        if not record.closed:
+          record.cursor.trim()
+          self._note_held(record.number, record.cursor.held_bytes())
+      finally:
+        record.produce_lock.release()
 
   def _produce_locked(self, record: ChainRecord, index: int) -> Chunk:
     """Produces chunk ``index`` (with the chain's ``produce_lock`` held),
@@ -454,6 +508,8 @@ class ChainStore:
       for record in records:
         record.chunks.clear()
       self._stored.clear()
+      self._held.clear()
+      self._held_total = 0
     for future in waiting:
       settle(future, error=error)
     for record in records:

@@ -70,6 +70,9 @@ class IndexedCursor(ChainCursor):
   def trim(self) -> None:
     self._stream.trim()
 
+  def held_bytes(self) -> int:
+    return self._stream.held_bytes()
+
   def position(self) -> Position:
     return {"version": _POSITION_VERSION, "stream": self._stream.get_state()}
 

@@ -157,6 +157,10 @@ class RandomStream:
     again when needed."""
     self._permutations.clear()
 
+  def held_bytes(self) -> int:
+    """The bytes of the permutations kept for reuse."""
+    return sum(perm.nbytes for perm, _ in self._permutations.values())
+
   def _permutation(self, rng_state: Dict) -> Tuple[np.ndarray, Dict]:
     """The permutation drawn from ``rng_state`` and the state after it."""
     key = _state_key(rng_state)
@@ -238,6 +242,9 @@ class OrderedStream:
 
   def trim(self) -> None:
     """Nothing is kept: every batch is computed from its index."""
+
+  def held_bytes(self) -> int:
+    return 0
 
   def get_state(self) -> Dict[str, Any]:
     return {"mode": "ordered", "batch": self._batch}

@@ -113,6 +113,10 @@ class MemoryRows:
     """Nothing to do: rows are read by index."""
     del first
 
+  def held_bytes(self) -> int:
+    """Nothing beyond the loader's arrays, which stay."""
+    return 0
+
   def rows(self, wanted: np.ndarray, keep: np.ndarray, out: Rows) -> Rows:
     """The rows of stream elements ``wanted`` (numbered along passes)."""
     del keep
@@ -183,6 +187,13 @@ class PipelineRows:
     self._blocks: List[Tuple[np.ndarray, Rows]] = []  # numbers, rows
     self._next = first  # the number of the element read next
 
+  def held_bytes(self) -> int:
+    """The bytes of the rows held (the whole blocks that views keep
+    alive)."""
+    arrays = {id(a): a for numbers, rows in self._blocks
+              for a in [numbers] + [_base(row) for row in rows]}
+    return sum(a.nbytes for a in arrays.values())
+
   def _read(self) -> None:
     if self._iterator is None:
       self._iterator = in_order(
@@ -213,6 +224,13 @@ class PipelineRows:
     if keep.size:
       self._blocks.insert(0, (keep, held))
     return out
+
+
+def _base(array: np.ndarray) -> np.ndarray:
+  """The array whose memory ``array`` views (itself if it owns it)."""
+  while isinstance(array.base, np.ndarray):
+    array = array.base
+  return array
 
 
 def _flat(out: Chunk, rows: int) -> Rows:
@@ -273,6 +291,9 @@ class ShuffleCursor(ChainCursor):
     again from the start of its pass."""
     self._shuffle.position = None
     self._source.restart(0)
+
+  def held_bytes(self) -> int:
+    return self._source.held_bytes()
 
   def position(self) -> Position:
     return {"version": POSITION_VERSION, "shuffle_cache": self._shuffle_cache,

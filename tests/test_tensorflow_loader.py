@@ -694,3 +694,25 @@ def test_in_memory_learns_the_count_of_a_pipeline_of_unknown_length():
   assert loader.static_information == {"observation_count": 4}
   batches, mask = loader.get_batches(loader.register_ordered_pipeline(1, 4))
   assert np.asarray(batches["x"]).tolist() == [[0, 3, 6, 9]]
+
+
+def test_a_random_chain_reports_the_rows_it_holds_and_trims_them():
+  """The host budgets what cursors hold (``held_bytes``); a trimmed chain
+  drops its rows and continues exactly, like an untrimmed twin."""
+  loader = TensorflowDataLoader(_pipeline(200), shuffle_cache=50)
+  pipeline = jax_data.random_reference_data(loader, 2, 8)
+  init_fn, batch_fn, _ = pipeline
+  step = jax.jit(batch_fn)
+  trimmed, twin = init_fn(seed=4), init_fn(seed=4)
+  for _ in range(3):
+    trimmed, _ = step(trimmed)
+    twin, _ = step(twin)
+  record = pipeline.host.chain(int(trimmed.chain))
+  with record.produce_lock:
+    assert record.cursor.held_bytes() > 0
+    record.cursor.trim()
+    assert record.cursor.held_bytes() == 0
+  for _ in range(30):
+    trimmed, batch = step(trimmed)
+    twin, expected = step(twin)
+    np.testing.assert_array_equal(batch["x"], expected["x"])
