@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import re
 import sys
 import threading
 import weakref
@@ -115,10 +116,10 @@ class _PassPlan:
     self.chunks = self.full_chunks + (1 if self.tail else 0)
 
 
-def _map_pass(fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]],
-              plan: _PassPlan, fun: Callable, carry: PyTree, masking: bool,
-              information: bool) -> Tuple[PyTree, PyTree]:
-  """Scans over the chunks of one pass and over the batches of each chunk."""
+def _applier(fun: Callable, plan: _PassPlan, masking: bool,
+             information: bool) -> Callable:
+  """``apply(carry, (batch, mask)) -> (carry, result)``: ``fun`` called the
+  way ``masking`` and ``information`` say."""
 
   def apply(carry, batch_and_mask):
     batch, mask = batch_and_mask
@@ -130,6 +131,49 @@ def _map_pass(fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]],
     else:
       result, carry = fun(batch, carry)
     return carry, result
+
+  return apply
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+class _Traced:
+  """A mapped function traced for one batch: its jaxpr, without the arrays
+  it read from closures, globals or attributes (``consts``), which a
+  compiled pass takes as arguments. A pass is compiled once per function
+  and jaxpr, so it never computes with values of an earlier call: new
+  arrays are new arguments, and other Python numbers another jaxpr."""
+
+  def __init__(self, fun: Callable, apply: Callable, carry: PyTree,
+               batch: PyTree, mask: Any):
+    # A new function object: JAX's caches keyed by the function never hand
+    # back a trace of an earlier call.
+    closed, shapes = jax.make_jaxpr(lambda c, bm: apply(c, bm),
+                                    return_shape=True)(carry, (batch, mask))
+    self.jaxpr = closed.jaxpr
+    self.consts = list(closed.consts)
+    self.out_tree = jax.tree_util.tree_structure(shapes)
+    # Host callbacks in the jaxpr print as objects made by each trace: the
+    # same function traced again calls back the same way.
+    self.key = (fun, _ADDRESS.sub("", str(self.jaxpr)),
+                jax.tree_util.tree_structure((carry, (batch, mask))),
+                self.out_tree,
+                tuple((tuple(np.shape(c)), str(jnp.result_type(c)),
+                       getattr(jax.typeof(c), "weak_type", False))
+                      for c in self.consts))
+
+  def apply(self, consts: list, carry: PyTree, batch_and_mask: Any):
+    flat = jax.tree_util.tree_leaves((carry, batch_and_mask))
+    out = jax.core.eval_jaxpr(self.jaxpr, consts, *flat)
+    return jax.tree_util.tree_unflatten(self.out_tree, out)
+
+
+def _map_pass(fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]],
+              plan: _PassPlan, apply: Callable, carry: PyTree, masking: bool
+              ) -> Tuple[PyTree, PyTree]:
+  """Scans over the chunks of one pass and over the batches of each chunk;
+  ``apply`` is from :func:`_applier`."""
 
   def scan_chunk(carry, batches, mask):
     return lax.scan(apply, carry, (batches, mask))
@@ -324,12 +368,21 @@ _SHARED_PASSES: "weakref.WeakValueDictionary[Any, Callable]" = (
 _SHARED_LOCK = threading.Lock()
 
 
-def _pass(fetch_fn: Callable, plan: _PassPlan, fun: Callable, owner: Any,
-          data_state: CacheState, carry: PyTree, masking: bool,
-          information: bool, device_count: int):
+def _pass(fetch_fn: Callable, plan: _PassPlan, traced: _Traced, owner: Any,
+          data_state: CacheState, carry: PyTree, consts: list,
+          masking: bool, device_count: int):
   results, carry = _map_pass(
-      lambda k: fetch_fn(owner, data_state, k, device_count), plan, fun,
-      carry, masking, information)
+      lambda k: fetch_fn(owner, data_state, k, device_count), plan,
+      functools.partial(traced.apply, consts), carry, masking)
+  return data_state, (results, carry)
+
+
+def _untraced_pass(fetch_fn: Callable, plan: _PassPlan, fun: Callable,
+                   owner: Any, data_state: CacheState, carry: PyTree,
+                   masking: bool, information: bool, device_count: int):
+  results, carry = _map_pass(
+      lambda k: fetch_fn(owner, data_state, k, device_count), plan,
+      _applier(fun, plan, masking, information), carry, masking)
   return data_state, (results, carry)
 
 
@@ -348,30 +401,54 @@ class FullPipeline(pl.Pipeline):
                      loader, plan.cache_size, plan.mb_size, plan.count)
     self.sizes = (plan.cache_size, plan.mb_size, plan.count)
     self._compiled = Recent(self.max_compiled)
+    # One batch and its mask as fetched, by device_count and state shapes.
+    self._batch_shapes: Dict[Any, Tuple[PyTree, jax.ShapeDtypeStruct]] = {}
     self.functions = (self.init_fn, self.map_fn, self.release_fn)
 
   def init_fn(self, **kwargs: Any) -> CacheState:
     """The state of a new ordered chain (no keywords)."""
     return self._chunks.init(**kwargs)
 
-  def _compiled_pass(self, fun: Callable) -> Callable:
-    """The jitted pass of ``fun``, compiled once per ``fun`` while it is
-    among the ``max_compiled`` most recently used; host pipelines of the
-    same formats and sizes share it while one of them keeps it."""
-    return self._compiled.get(fun, lambda: self._shared_pass(fun))
+  def _traced(self, fun: Callable, data_state: CacheState, carry: PyTree,
+              masking: bool, information: bool, device_count: int
+              ) -> Optional[_Traced]:
+    """``fun`` traced for one batch, or None where it cannot be traced
+    outside the pass (it is then traced inside, once per ``fun``)."""
+    shapes = (device_count, tuple(np.shape(leaf) for leaf in
+                                  jax.tree_util.tree_leaves(data_state)))
+    batch = self._batch_shapes.get(shapes)
+    if batch is None:
+      owner = self._chunks.owner
+      batches, mask = jax.eval_shape(
+          lambda s: self._chunks.fetch_fn(owner, s, jnp.int32(0),
+                                          device_count), data_state)
+      one = lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype)
+      batch = self._batch_shapes[shapes] = (
+          jax.tree_util.tree_map(one, batches), one(mask))
+    apply = _applier(fun, self._plan, masking, information)
+    try:
+      return _Traced(fun, apply, carry, *batch)
+    except Exception:  # pylint: disable=broad-except
+      # E.g. a collective over an axis that only the pass's context names;
+      # a real error in fun is raised again when the pass traces it.
+      return None
 
-  def _shared_pass(self, fun: Callable) -> Callable:
-    make = lambda: jax.jit(
-        functools.partial(_pass, self._chunks.fetch_fn, self._plan, fun),
-        static_argnums=(3, 4, 5))
-    key = getattr(self._chunks, "share_key", None)
-    if key is None:  # device-resident data: compiled into its own pass
-      return make()
-    with _SHARED_LOCK:
-      compiled = _SHARED_PASSES.get((key, fun))
-      if compiled is None:
-        compiled = _SHARED_PASSES[(key, fun)] = make()
-      return compiled
+  def _shared(self, key: Any, make: Callable[[], Callable]) -> Callable:
+    """The compiled pass of ``key``, kept while it is among the
+    ``max_compiled`` most recently used; host pipelines of the same formats
+    and sizes share it while one of them keeps it."""
+
+    def shared():
+      share_key = getattr(self._chunks, "share_key", None)
+      if share_key is None:  # device-resident data: its own pass
+        return make()
+      with _SHARED_LOCK:
+        compiled = _SHARED_PASSES.get((share_key, key))
+        if compiled is None:
+          compiled = _SHARED_PASSES[(share_key, key)] = make()
+        return compiled
+
+    return self._compiled.get(key, shared)
 
   def map_fn(self, fun: Callable, data_state: CacheState, carry: PyTree,
              masking: bool = False, information: bool = False,
@@ -384,8 +461,20 @@ class FullPipeline(pl.Pipeline):
     information = check_bool("information", information)
     device_count = check_int("device_count", device_count, minimum=1)
     self._chunks.check_open()
-    return self._compiled_pass(fun)(self._chunks.owner, data_state, carry,
-                                    masking, information, device_count)
+    owner = self._chunks.owner
+    traced = self._traced(fun, data_state, carry, masking, information,
+                          device_count)
+    if traced is None:
+      compiled = self._shared(("untraced", fun), lambda: jax.jit(
+          functools.partial(_untraced_pass, self._chunks.fetch_fn,
+                            self._plan, fun), static_argnums=(3, 4, 5)))
+      return compiled(owner, data_state, carry, masking, information,
+                      device_count)
+    compiled = self._shared(traced.key, lambda: jax.jit(
+        functools.partial(_pass, self._chunks.fetch_fn, self._plan, traced),
+        static_argnums=(4, 5)))
+    return compiled(owner, data_state, carry, traced.consts, masking,
+                    device_count)
 
   def release_fn(self) -> None:
     """Drops every reference the pipeline holds to the loader."""

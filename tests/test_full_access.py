@@ -1,5 +1,6 @@
 """full_reference_data and full_data_mapper: every observation, in order."""
 
+import gc
 import math
 
 import jax
@@ -196,4 +197,79 @@ def test_untouched_carry_maps_chunks_at_once_with_the_same_results():
   assert int(np.asarray(fast[1]).sum()) == int(ints.sum())
   np.testing.assert_allclose(float(np.asarray(fast[0]).sum()),
                              float(np.sum(x @ np.asarray(w))), rtol=1e-5)
+  release_fn()
+
+
+_SCALE = jnp.float32(1.0)
+
+
+def _scaled_sum(batch, mask, carry):
+  return jnp.sum(jnp.where(mask, _SCALE * batch["x"], 0.0)), carry
+
+
+class _Model:
+
+  def __init__(self, w):
+    self.w = jnp.float32(w)
+
+  def loglik(self, batch, carry):
+    return -0.5 * (batch["x"] - self.w) ** 2, carry
+
+
+def test_values_a_function_reads_are_those_of_each_call():
+  """A function mapped again sees the values it reads now (globals,
+  attributes, closures), not those of its first call, and a change of value
+  compiles nothing new."""
+  global _SCALE
+  x = np.arange(10.0, dtype=np.float32)
+  loader = jax_data.NumpyDataLoader(x=x)
+  mapper_fn, release_mapper = jax_data.full_data_mapper(loader, 2, 4)
+  init_fn, map_fn, release_full = jax_data.full_reference_data(loader, 2, 4)
+  model = _Model(1.0)
+  client = jax.devices()[0].client
+  executables = None
+  try:
+    for value in (1.0, 2.0, 3.5):
+      _SCALE = jnp.float32(value)
+      model.w = jnp.float32(value)
+      sums, _ = mapper_fn(_scaled_sum, None, masking=True)
+      assert float(sums.sum()) == 45.0 * value
+      _, (sums, _) = map_fn(_scaled_sum, init_fn(), None, masking=True)
+      assert float(sums.sum()) == 45.0 * value
+      loglik, _ = mapper_fn(model.loglik, None)
+      np.testing.assert_allclose(loglik, -0.5 * (x - value) ** 2)
+      # A closure over a value of a jitted caller.
+      within = jax.jit(lambda w: mapper_fn(
+          lambda b, c: (b["x"] * w, c), None)[0])(jnp.float32(value))
+      np.testing.assert_allclose(within, x * value)
+      gc.collect()
+      if executables is None:
+        executables = len(client.live_executables())
+    assert len(client.live_executables()) == executables
+  finally:
+    _SCALE = jnp.float32(1.0)
+    release_mapper()
+    release_full()
+
+
+def test_a_function_that_calls_back_compiles_once():
+  loader = jax_data.NumpyDataLoader(x=np.arange(10.0, dtype=np.float32))
+  mapper_fn, release_fn = jax_data.full_data_mapper(loader, 2, 4)
+  seen = []
+
+  def fun(batch, carry):
+    jax.debug.callback(lambda x: seen.append(float(x)), jnp.sum(batch["x"]))
+    return batch["x"], carry
+
+  client = jax.devices()[0].client
+  mapper_fn(fun, None)
+  jax.effects_barrier()
+  gc.collect()
+  before = len(client.live_executables())
+  for _ in range(3):
+    mapper_fn(fun, None)
+  jax.effects_barrier()
+  gc.collect()
+  assert len(client.live_executables()) == before
+  assert sorted(seen) == sorted([6.0, 22.0, 18.0] * 4)  # 8 + 9 + 0 + 1
   release_fn()

@@ -159,22 +159,21 @@ def test_mapper_compiles_once_per_function_and_keeps_a_bounded_set():
   mapper = jax_data.full_data_mapper(NumpyDataLoader(x=np.arange(100.0)),
                                      2, 10)
   mapper_fn, _ = mapper
-  traces = []
+  client = jax.devices()[0].client
 
   def fun(observation, carry):
-    traces.append(1)
     return observation["x"] * 2, carry
 
+  mapper_fn(fun, None, batched=False)
+  gc.collect()
+  before = len(client.live_executables())
   for _ in range(10):
     values, _ = mapper_fn(fun, None, batched=False)
   assert values.tolist() == [2.0 * i for i in range(100)]
-  assert len(traces) == 1  # one compilation, not one per call
+  gc.collect()
+  assert len(client.live_executables()) == before  # nothing compiled again
   # A new function on every call (the user guide's lambdas): compiled each
   # time, but only the most recent passes are kept.
-  client = jax.devices()[0].client
-  mapper_fn(lambda o, c: (o["x"], c), None, batched=False)
-  gc.collect()
-  before = len(client.live_executables())
   limit = jax_data.full_access.MAX_COMPILED
   for _ in range(3 * limit):
     mapper_fn(lambda o, c: (o["x"], c), None, batched=False)
@@ -224,3 +223,44 @@ def test_a_chain_whose_chunks_were_dropped_continues_exactly():
   assert not host.chain(int(first.chain)).chunks
   _, again = run(middle)
   np.testing.assert_array_equal(again["x"], expected["x"])
+
+
+def test_permutations_of_many_small_chains_stay_within_the_budget(
+    monkeypatch):
+  """A new shuffled chain per epoch with chunks too small for the chunk
+  budget to act: the chains' permutations (8 bytes per observation each)
+  are trimmed, least recently used first, and every chain continues
+  exactly."""
+  monkeypatch.setattr(jax_data.chunk_store, "STORE_BYTES", 1 << 20)
+  count = 20_000
+  loader = NumpyDataLoader(x=np.arange(count, dtype=np.float32))
+  init_fn, batch_fn, _ = pipeline = jax_data.random_reference_data(
+      loader, 4, 32)
+  run = jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
+                                   length=8))
+  host = pipeline.host
+  states, batches = [], []
+  for epoch in range(40):
+    state, batch = run(init_fn(seed=epoch, shuffle=True))
+    states.append(state)
+    batches.append(np.asarray(batch["x"]))
+    cursors = [host.chain(int(s.chain)).cursor for s in states]
+    held = sum(cursor.held_bytes() for cursor in cursors)
+    most = max(cursor.held_bytes() for cursor in cursors)
+    limit = max(1 << 20, jax_data.chunk_store.HELD_REQUESTS * 8 * count)
+    assert held <= limit + most, (epoch, held)
+  assert held > 0
+  assert host.chain(int(states[0].chain)).cursor.held_bytes() == 0
+  # Trimmed chains draw their permutations again: the same batches as the
+  # same seeds on a new pipeline.
+  fresh_init, fresh_batch, _ = jax_data.random_reference_data(loader, 4, 32)
+  fresh_run = jax.jit(lambda s: lax.scan(lambda s, _: fresh_batch(s), s,
+                                         None, length=8))
+  for epoch in (0, 1, 39):
+    _, again = run(states[epoch])
+    _, expected = fresh_run(fresh_run(fresh_init(seed=epoch,
+                                                 shuffle=True))[0])
+    np.testing.assert_array_equal(again["x"], expected["x"])
+    np.testing.assert_array_equal(
+        batches[epoch],
+        fresh_run(fresh_init(seed=epoch, shuffle=True))[1]["x"])
