@@ -79,6 +79,14 @@ def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
     batches from there on; when it ends on a chunk boundary its cache is
     marked empty (``cached_chunk=-1``) instead of holding the last chunk.
 
+  Where the state's position is a traced value the loops run for a
+  number of steps only known at run time, so reverse-mode differentiation
+  (``jax.grad``, ``jax.vjp``) through ``scan`` is not supported, as for
+  ``lax.fori_loop`` with dynamic bounds: differentiate through a
+  ``lax.scan`` whose body calls ``batch_fn`` instead. Forward-mode
+  (``jax.jvp``) and ``f``'s own gradients inside the steps (a sampler's
+  gradient of its log-density) work.
+
   Raises:
     TypeError, ValueError: bad arguments, named with their values.
   """
@@ -166,9 +174,19 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
         lambda a: lax.dynamic_index_in_dim(a, step, keepdims=False), xs)
 
   batch0, mask0 = states.batch_at(state.batches, state.mask, 0)
-  _, y_format = jax.eval_shape(f, init, item(batch0, mask0, x_at(0)))
-  ys = jax.tree_util.tree_map(
-      lambda s: jnp.zeros((length,) + s.shape, s.dtype), y_format)
+  x0 = jax.tree_util.tree_map(  # also for xs of no rows
+      lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
+      xs)
+  _, y_format = jax.eval_shape(f, init, item(batch0, mask0, x0))
+  # Inside shard_map the outputs vary over the mesh axes the inputs vary
+  # over: so must the buffer they are written into, a loop carry.
+  axes = _varying_axes(init, state, xs)
+
+  def zeros(s):
+    buffer = jnp.zeros((length,) + s.shape, s.dtype)
+    return lax.pcast(buffer, axes, to="varying") if axes else buffer
+
+  ys = jax.tree_util.tree_map(zeros, y_format)
   if length == 0:
     return (init, state), ys
 
@@ -237,3 +255,15 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
       chunk=(state.chunk + end // cache_size).astype(jnp.int32),
       position=(end % cache_size).astype(jnp.int32))
   return (carry, final), ys
+
+
+def _varying_axes(*trees: Any) -> Tuple[str, ...]:
+  """The mesh axes (of an enclosing ``shard_map``) that any leaf varies
+  over; none outside one."""
+  axes = set()
+  for leaf in jax.tree_util.tree_leaves(trees):
+    aval = jax.typeof(leaf)
+    manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10
+    axes |= set(getattr(manual, "varying", None)
+                or getattr(aval, "vma", None) or ())
+  return tuple(sorted(axes))

@@ -197,6 +197,40 @@ def test_shard_map_behaves_like_pmap(solo, pipelines):
              for d in range(4))
 
 
+def test_jax_data_scan_under_shard_map_equals_lax_scan(pipelines):
+  """Per-step outputs of ``jax_data.scan`` inside ``shard_map`` (one chain
+  per device): the buffer they go into varies over the mesh as they do."""
+  init_fn, batch_fn, _ = pipelines.random_reference_data(
+      NumpyDataLoader(x=np.arange(N, dtype=np.float32)), CACHE, MB)
+  mesh = Mesh(np.array(jax.devices()), ("d",))
+  states = _stack([init_fn(seed=20 + d) for d in range(4)])
+  step = lambda c, b: (c + jnp.sum(b["x"]), b["x"])
+
+  def with_lax_scan(state):
+    init = lax.pcast(0.0, ("d",), to="varying")
+
+    def body(loop, _):
+      carry, state = loop
+      state, batch = batch_fn(state)
+      carry, y = step(carry, batch)
+      return (carry, state), y
+
+    return lax.scan(body, (init, state), None, length=2 * CACHE + 1)
+
+  def with_jax_data_scan(state):
+    init = lax.pcast(0.0, ("d",), to="varying")
+    return jax_data.scan(step, init, state, batch_fn=batch_fn,
+                         length=2 * CACHE + 1)
+
+  results = [jax.jit(jax.shard_map(jax.vmap(fn), mesh=mesh,
+                                   in_specs=PartitionSpec("d"),
+                                   out_specs=PartitionSpec("d")))(states)
+             for fn in (with_lax_scan, with_jax_data_scan)]
+  expected, got = results
+  np.testing.assert_array_equal(got[1], expected[1])
+  np.testing.assert_array_equal(got[0][0], expected[0][0])
+
+
 def test_full_data_mapper_with_a_pmapped_function_inside_jit(pipelines):
   n = 22
   x = np.arange(n, dtype=np.float32)

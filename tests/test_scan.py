@@ -83,6 +83,21 @@ def test_xs_information_and_epoch_masks(pipeline):
   assert not np.asarray(got[1]).all()
 
 
+def test_xs_of_no_rows_make_no_steps(pipeline):
+  init_fn, batch_fn, _ = pipeline
+  state = init_fn(seed=2)
+  xs = {"key": jnp.zeros((0, 2), jnp.uint32), "t": jnp.zeros((0,))}
+
+  def f(carry, item):
+    batch, x = item
+    return carry + x["t"], (batch["x"], x["key"])
+
+  got = jax_data.scan(f, 0.0, state, batch_fn=batch_fn, xs=xs)
+  want = _loop(batch_fn, f, 0.0, state, xs, None)
+  _same_run(got, want)
+  assert got[1][0].shape == (0, 4) and got[1][1].shape == (0, 2)
+
+
 def test_without_jit_and_under_vmap(pipeline):
   init_fn, batch_fn, _ = pipeline
   chains = [init_fn(seed=s) for s in range(3)]
