@@ -55,7 +55,8 @@ def state_to_pytree(pipeline: Any, state: CacheState) -> Dict[str, np.ndarray]:
   with :func:`state_from_pytree` on a pipeline built the same way.
 
   Args:
-    pipeline: The tuple a pipeline constructor returned, or its init_fn.
+    pipeline: The tuple a pipeline constructor returned (or its functions
+      packed into a tuple again), or its init_fn.
     state: A state of the pipeline; stacked states (for vmap or pmap) too.
 
   Returns:
@@ -239,7 +240,8 @@ def save_checkpoint(path: Union[str, os.PathLike], pipeline: Any,
 
   Args:
     path: File to write; written to a temporary name first, then renamed.
-    pipeline: The tuple a pipeline constructor returned, or its init_fn.
+    pipeline: The tuple a pipeline constructor returned (or its functions
+      packed into a tuple again), or its init_fn.
     state: The state to save (stacked states too).
   """
   tree = state_to_pytree(pipeline, state)

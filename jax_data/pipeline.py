@@ -92,12 +92,19 @@ class Pipeline(collections.abc.Sequence):
 
 
 def of(handle: Any) -> Pipeline:
-  """The pipeline of ``handle``: a pipeline, or one of its functions.
+  """The pipeline of ``handle``: a pipeline, one of its functions, or a
+  tuple of its functions (``(init_fn, batch_fn, release_fn)`` packed again).
 
   Raises:
-    TypeError: ``handle`` is neither.
+    TypeError: ``handle`` is none of these.
   """
   found = getattr(handle, "__self__", handle)
+  if (isinstance(handle, tuple) and not isinstance(handle, Pipeline)
+      and handle):
+    owners = {id(getattr(f, "__self__", None)): getattr(f, "__self__", None)
+              for f in handle}
+    if len(owners) == 1:
+      found = next(iter(owners.values()))
   if not isinstance(found, Pipeline):
     raise TypeError(
         "pipeline must be what random_reference_data, full_reference_data "

@@ -70,6 +70,12 @@ def test_stacked_states_and_init_fn_as_handle(tmp_path):
       lambda s, _: fresh[1](s), s, None, length=6)))(restored)
   assert got["x"].tolist() == expected["x"].tolist()
   assert all(np.array_equal(tree[k], frozen[k]) for k in tree)
+  # The functions packed into a tuple again are a handle too; functions of
+  # two pipelines are not.
+  again = jax_data.state_to_pytree((init_fn, batch_fn, pipeline[2]), states)
+  assert all(np.array_equal(again[k], tree[k]) for k in tree)
+  with pytest.raises(TypeError, match="pipeline="):
+    jax_data.state_to_pytree((init_fn, fresh[1]), states)
 
 
 def test_full_reference_state_and_device_loader(tmp_path):
