@@ -158,10 +158,7 @@ class _Traced:
     # same function traced again calls back the same way.
     self.key = (fun, _ADDRESS.sub("", str(self.jaxpr)),
                 jax.tree_util.tree_structure((carry, (batch, mask))),
-                self.out_tree,
-                tuple((tuple(np.shape(c)), str(jnp.result_type(c)),
-                       getattr(jax.typeof(c), "weak_type", False))
-                      for c in self.consts))
+                self.out_tree, tuple(jax.typeof(c) for c in self.consts))
 
   def apply(self, consts: list, carry: PyTree, batch_and_mask: Any):
     flat = jax.tree_util.tree_leaves((carry, batch_and_mask))
@@ -377,15 +374,6 @@ def _pass(fetch_fn: Callable, plan: _PassPlan, traced: _Traced, owner: Any,
   return data_state, (results, carry)
 
 
-def _untraced_pass(fetch_fn: Callable, plan: _PassPlan, fun: Callable,
-                   owner: Any, data_state: CacheState, carry: PyTree,
-                   masking: bool, information: bool, device_count: int):
-  results, carry = _map_pass(
-      lambda k: fetch_fn(owner, data_state, k, device_count), plan,
-      _applier(fun, plan, masking, information), carry, masking)
-  return data_state, (results, carry)
-
-
 class FullPipeline(pl.Pipeline):
   """Full-data passes; see :func:`full_reference_data`."""
 
@@ -411,9 +399,8 @@ class FullPipeline(pl.Pipeline):
 
   def _traced(self, fun: Callable, data_state: CacheState, carry: PyTree,
               masking: bool, information: bool, device_count: int
-              ) -> Optional[_Traced]:
-    """``fun`` traced for one batch, or None where it cannot be traced
-    outside the pass (it is then traced inside, once per ``fun``)."""
+              ) -> _Traced:
+    """``fun`` traced for one batch."""
     shapes = (device_count, tuple(np.shape(leaf) for leaf in
                                   jax.tree_util.tree_leaves(data_state)))
     batch = self._batch_shapes.get(shapes)
@@ -425,13 +412,8 @@ class FullPipeline(pl.Pipeline):
       one = lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype)
       batch = self._batch_shapes[shapes] = (
           jax.tree_util.tree_map(one, batches), one(mask))
-    apply = _applier(fun, self._plan, masking, information)
-    try:
-      return _Traced(fun, apply, carry, *batch)
-    except Exception:  # pylint: disable=broad-except
-      # E.g. a collective over an axis that only the pass's context names;
-      # a real error in fun is raised again when the pass traces it.
-      return None
+    return _Traced(fun, _applier(fun, self._plan, masking, information),
+                   carry, *batch)
 
   def _shared(self, key: Any, make: Callable[[], Callable]) -> Callable:
     """The compiled pass of ``key``, kept while it is among the
@@ -461,20 +443,13 @@ class FullPipeline(pl.Pipeline):
     information = check_bool("information", information)
     device_count = check_int("device_count", device_count, minimum=1)
     self._chunks.check_open()
-    owner = self._chunks.owner
     traced = self._traced(fun, data_state, carry, masking, information,
                           device_count)
-    if traced is None:
-      compiled = self._shared(("untraced", fun), lambda: jax.jit(
-          functools.partial(_untraced_pass, self._chunks.fetch_fn,
-                            self._plan, fun), static_argnums=(3, 4, 5)))
-      return compiled(owner, data_state, carry, masking, information,
-                      device_count)
     compiled = self._shared(traced.key, lambda: jax.jit(
         functools.partial(_pass, self._chunks.fetch_fn, self._plan, traced),
         static_argnums=(4, 5)))
-    return compiled(owner, data_state, carry, traced.consts, masking,
-                    device_count)
+    return compiled(self._chunks.owner, data_state, carry, traced.consts,
+                    masking, device_count)
 
   def release_fn(self) -> None:
     """Drops every reference the pipeline holds to the loader."""

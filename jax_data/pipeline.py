@@ -99,12 +99,9 @@ def of(handle: Any) -> Pipeline:
     TypeError: ``handle`` is none of these.
   """
   found = getattr(handle, "__self__", handle)
-  if (isinstance(handle, tuple) and not isinstance(handle, Pipeline)
-      and handle):
-    owners = {id(getattr(f, "__self__", None)): getattr(f, "__self__", None)
-              for f in handle}
-    if len(owners) == 1:
-      found = next(iter(owners.values()))
+  if isinstance(handle, tuple) and not isinstance(handle, Pipeline):
+    owners = {getattr(f, "__self__", None) for f in handle}
+    found = owners.pop() if len(owners) == 1 else None
   if not isinstance(found, Pipeline):
     raise TypeError(
         "pipeline must be what random_reference_data, full_reference_data "

@@ -262,8 +262,5 @@ def _varying_axes(*trees: Any) -> Tuple[str, ...]:
   over; none outside one."""
   axes = set()
   for leaf in jax.tree_util.tree_leaves(trees):
-    aval = jax.typeof(leaf)
-    manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10
-    axes |= set(getattr(manual, "varying", None)
-                or getattr(aval, "vma", None) or ())
+    axes |= jax.typeof(leaf).manual_axis_type.varying
   return tuple(sorted(axes))
