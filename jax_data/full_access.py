@@ -9,6 +9,7 @@ import math
 import re
 import sys
 import threading
+import types
 import weakref
 from typing import Any
 from typing import Callable
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jax_core
 
 from jax_data import device_loader
 from jax_data import pipeline as pl
@@ -138,12 +140,98 @@ def _applier(fun: Callable, plan: _PassPlan, masking: bool,
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
+class _Same:
+  """Equal only to a wrapper of the same object (held, so its ``id`` is not
+  reused while a key holds it): for objects whose text hides their state."""
+
+  __slots__ = ("obj",)
+
+  def __init__(self, obj: Any):
+    self.obj = obj
+
+  def __eq__(self, other: Any) -> bool:
+    return isinstance(other, _Same) and other.obj is self.obj
+
+  def __hash__(self) -> int:
+    return id(self.obj)
+
+
+# Values that act alike when equal: kept in a key by value.
+_BY_VALUE = (type(None), bool, int, float, complex, str, bytes, np.dtype,
+             jax.tree_util.PyTreeDef)
+# How deep the functions a callback's closure holds are followed.
+_DEPTH = 4
+
+
+def _value_key(value: Any, depth: int = _DEPTH) -> Any:
+  """A key equal for values a host function cannot tell apart: equal
+  numbers, strings and tuples and small dicts of them; functions of the
+  same code over the same closure; otherwise the same object (an array, a
+  list or a model is read when the callback runs, through the object)."""
+  if isinstance(value, _BY_VALUE):
+    return (type(value), value)
+  if isinstance(value, tuple):
+    return tuple(_value_key(v, depth) for v in value)
+  if (isinstance(value, dict) and len(value) <= 64 and all(
+      isinstance(v, _BY_VALUE) for v in value.values())):
+    # Options built anew on each trace (JAX's print options, a callback's
+    # static arguments), read as they were then.
+    return (dict, tuple(sorted((repr(k), _value_key(v))
+                               for k, v in value.items())))
+  if depth > 0 and isinstance(value, functools.partial):
+    return (functools.partial, _value_key(value.func, depth - 1),
+            _value_key(value.args, depth - 1),
+            _value_key(tuple(sorted(value.keywords.items())), depth - 1))
+  if depth > 0 and isinstance(value, types.FunctionType):
+    # JAX wraps a callback in a new function on every trace, and user code
+    # often passes a new lambda: what it calls is its code and closure.
+    cells = []
+    for cell in value.__closure__ or ():
+      try:
+        cells.append(_value_key(cell.cell_contents, depth - 1))
+      except ValueError:  # an empty cell
+        cells.append(None)
+    return (value.__code__, tuple(cells),
+            _value_key(value.__defaults__, depth - 1),
+            _Same(value.__kwdefaults__) if value.__kwdefaults__ else None,
+            _Same(value.__globals__))
+  return _Same(value)
+
+
+def _callbacks(jaxpr: Any) -> list:
+  """The keys of the host callbacks of ``jaxpr`` and of its inner jaxprs, in
+  order. A jaxpr's text shows a callback only by its address, and the
+  function it calls may read values captured when ``fun`` was traced."""
+  keys = []
+  for eqn in jaxpr.eqns:
+    if "callback" in eqn.params:
+      callback = eqn.params["callback"]
+      keys.append(_value_key(getattr(callback, "callback_func", callback)))
+    for param in eqn.params.values():
+      for inner in _jaxprs(param):
+        keys.extend(_callbacks(inner))
+  return keys
+
+
+def _jaxprs(param: Any) -> list:
+  """The jaxprs in one equation parameter (a jaxpr, or a tuple of them)."""
+  if isinstance(param, jax_core.ClosedJaxpr):
+    return [param.jaxpr]
+  if isinstance(param, jax_core.Jaxpr):
+    return [param]
+  if isinstance(param, (tuple, list)):
+    return [j for p in param for j in _jaxprs(p)]
+  return []
+
+
 class _Traced:
   """A mapped function traced for one batch: its jaxpr, without the arrays
   it read from closures, globals or attributes (``consts``), which a
-  compiled pass takes as arguments. A pass is compiled once per function
-  and jaxpr, so it never computes with values of an earlier call: new
-  arrays are new arguments, and other Python numbers another jaxpr."""
+  compiled pass takes as arguments. A pass is compiled once per function,
+  jaxpr and the host functions its callbacks call, so it never computes
+  with values of an earlier call: new arrays are new arguments, other
+  Python numbers another jaxpr, and a callback that calls a new function
+  (say, a closure over this call's values) another pass."""
 
   def __init__(self, fun: Callable, apply: Callable, carry: PyTree,
                batch: PyTree, mask: Any):
@@ -154,9 +242,11 @@ class _Traced:
     self.jaxpr = closed.jaxpr
     self.consts = list(closed.consts)
     self.out_tree = jax.tree_util.tree_structure(shapes)
-    # Host callbacks in the jaxpr print as objects made by each trace: the
-    # same function traced again calls back the same way.
+    self.result_shapes = shapes[1]
+    # Host callbacks print as the addresses of wrappers made by each trace;
+    # they are keyed by the functions they call instead.
     self.key = (fun, _ADDRESS.sub("", str(self.jaxpr)),
+                tuple(_callbacks(self.jaxpr)),
                 jax.tree_util.tree_structure((carry, (batch, mask))),
                 self.out_tree, tuple(jax.typeof(c) for c in self.consts))
 
@@ -182,6 +272,7 @@ def _map_pass(fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]],
     return carry, results
 
   over_chunk = (scan_chunk if _threads_carry(apply, carry, fetch_chunk)
+                or not _vmappable(map_chunk, carry, fetch_chunk)
                 else map_chunk)
 
   def outer(carry, chunk):
@@ -209,6 +300,20 @@ def _map_pass(fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]],
         lambda r: r.reshape((plan.batches * plan.mb_size,) + r.shape[2:])[
             :plan.count], results)
   return results, carry
+
+
+def _vmappable(map_chunk: Callable, carry: PyTree,
+               fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]]
+               ) -> bool:
+  """Whether ``map_chunk`` traces: ``fun`` may hold what ``vmap`` refuses,
+  such as a ``pure_callback`` without ``vmap_method`` or an ordered
+  ``io_callback``; such a ``fun`` is scanned over the batches instead."""
+  try:
+    jax.eval_shape(lambda c, k: map_chunk(c, *fetch_chunk(k)), carry,
+                   jnp.int32(0))
+  except Exception:  # noqa: BLE001 - the scan raises what fun itself does
+    return False
+  return True
 
 
 def _threads_carry(apply: Callable, carry: PyTree,
@@ -374,6 +479,21 @@ def _pass(fetch_fn: Callable, plan: _PassPlan, traced: _Traced, owner: Any,
   return data_state, (results, carry)
 
 
+def _check_per_observation(fun: Callable, results: PyTree,
+                           mb_size: int) -> None:
+  """With ``masking=False`` every result of a batch has one row per
+  observation, the fillers of the last batch among them."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(results):
+    if not leaf.shape or leaf.shape[0] != mb_size:
+      where = (f"the result at {jax.tree_util.keystr(path)}" if path
+               else "its result")
+      raise ValueError(
+          f"with masking=False, fun must return one result per observation "
+          f"of a batch (a leading axis of mb_size={mb_size}), but for "
+          f"fun={fun!r} {where} has shape {tuple(leaf.shape)}; for one "
+          "result per batch pass masking=True, with fun(batch, mask, carry)")
+
+
 class FullPipeline(pl.Pipeline):
   """Full-data passes; see :func:`full_reference_data`."""
 
@@ -445,6 +565,8 @@ class FullPipeline(pl.Pipeline):
     self._chunks.check_open()
     traced = self._traced(fun, data_state, carry, masking, information,
                           device_count)
+    if not masking:
+      _check_per_observation(fun, traced.result_shapes, self._plan.mb_size)
     compiled = self._shared(traced.key, lambda: jax.jit(
         functools.partial(_pass, self._chunks.fetch_fn, self._plan, traced),
         static_argnums=(4, 5)))

@@ -1,5 +1,6 @@
 """full_reference_data and full_data_mapper: every observation, in order."""
 
+import functools
 import gc
 import math
 
@@ -273,3 +274,118 @@ def test_a_function_that_calls_back_compiles_once():
   assert len(client.live_executables()) == before
   assert sorted(seen) == sorted([6.0, 22.0, 18.0] * 4)  # 8 + 9 + 0 + 1
   release_fn()
+
+
+_FACTOR = 1
+
+
+def _host_scaled(x):
+  return np.asarray(x * _FACTOR, np.float32)
+
+
+def _scaled_by_callback(batch, carry):
+  """A host callback over a closure that captures the global factor when
+  traced (as callbacks built per call do)."""
+  factor = _FACTOR
+  host = lambda x: np.asarray(x * factor, np.float32)
+  shape = jax.ShapeDtypeStruct(batch["x"].shape, jnp.float32)
+  return jax.pure_callback(host, shape, batch["x"],
+                           vmap_method="sequential"), carry
+
+
+def _scaled_by_partial(batch, carry):
+  shape = jax.ShapeDtypeStruct(batch["x"].shape, jnp.float32)
+  host = functools.partial(lambda f, x: np.asarray(x * f, np.float32),
+                           _FACTOR)
+  return jax.pure_callback(host, shape, batch["x"],
+                           vmap_method="sequential"), carry
+
+
+def _scaled_at_run_time(batch, carry):
+  shape = jax.ShapeDtypeStruct(batch["x"].shape, jnp.float32)
+  return jax.pure_callback(_host_scaled, shape, batch["x"],
+                           vmap_method="sequential"), carry
+
+
+def test_callbacks_compute_with_the_values_of_each_call(pipelines):
+  """A callback whose host function captured a value when ``fun`` was
+  traced computes with this call's value, not the first call's (the
+  compiled pass is keyed by what the callback calls); one that reads the
+  value when it runs compiles once."""
+  global _FACTOR
+  x = np.arange(10.0, dtype=np.float32)
+  loader = jax_data.NumpyDataLoader(x=x)
+  mapper_fn, release_mapper = pipelines.full_data_mapper(loader, 2, 4)
+  init_fn, map_fn, release_full = pipelines.full_reference_data(loader, 2, 4)
+  client = jax.devices()[0].client
+  try:
+    for fun in (_scaled_by_callback, _scaled_by_partial):
+      for factor in (1, 5, 7):
+        _FACTOR = factor
+        results, _ = mapper_fn(fun, None)
+        np.testing.assert_array_equal(results, x * factor)
+        _, (results, _) = map_fn(fun, init_fn(), None)
+        np.testing.assert_array_equal(results, x * factor)
+    executables = None
+    for factor in (1, 5, 7, 5):
+      _FACTOR = factor
+      results, _ = mapper_fn(_scaled_at_run_time, None)
+      np.testing.assert_array_equal(results, x * factor)
+      gc.collect()
+      if executables is None:
+        executables = len(client.live_executables())
+    assert len(client.live_executables()) == executables
+  finally:
+    _FACTOR = 1
+    release_mapper()
+    release_full()
+
+
+def test_callbacks_that_vmap_refuses_are_mapped_batch_by_batch(pipelines):
+  """A fun that leaves its carry unchanged is vmapped over a chunk's
+  batches; a pure_callback without vmap_method or an ordered io_callback
+  cannot be, so such a fun is scanned, with the same results."""
+  from jax.experimental import io_callback
+  x = np.arange(10.0, dtype=np.float32)
+  loader = jax_data.NumpyDataLoader(x=x)
+  mapper_fn, release_fn = pipelines.full_data_mapper(loader, 2, 4)
+  seen = []
+
+  def pure(batch, carry):
+    shape = jax.ShapeDtypeStruct(batch["x"].shape, jnp.float32)
+    return jax.pure_callback(lambda v: np.asarray(v * 2, np.float32), shape,
+                             batch["x"]), carry
+
+  def ordered(batch, mask, carry):
+    total = jnp.sum(jnp.where(mask, batch["x"], 0.0))
+    io_callback(lambda t: seen.append(float(t)), None, total, ordered=True)
+    return total, carry
+
+  results, _ = mapper_fn(pure, None)
+  np.testing.assert_array_equal(results, 2 * x)
+  results, _ = jax.jit(lambda: mapper_fn(pure, None))()
+  np.testing.assert_array_equal(results, 2 * x)
+  sums, _ = mapper_fn(ordered, jnp.float32(0.0), masking=True)
+  jax.effects_barrier()
+  np.testing.assert_array_equal(sums, [6.0, 22.0, 17.0])
+  assert seen == [6.0, 22.0, 17.0]  # in order: ordered
+  release_fn()
+
+
+def test_one_result_per_batch_without_masking_names_fun(pipelines):
+  """With masking=False a fun returns one result per observation; one that
+  returns one per batch is told so before anything is compiled."""
+  loader = jax_data.NumpyDataLoader(x=np.arange(10.0, dtype=np.float32))
+  mapper_fn, release_mapper = pipelines.full_data_mapper(loader, 2, 4)
+  init_fn, map_fn, release_full = pipelines.full_reference_data(loader, 2, 4)
+
+  def per_batch(batch, carry):
+    return {"sum": jnp.sum(batch["x"]), "x": batch["x"]}, carry
+
+  for call in (lambda: mapper_fn(per_batch, None),
+               lambda: map_fn(per_batch, init_fn(), None)):
+    with pytest.raises(ValueError, match=r"masking=False.*mb_size=4.*per_batch"
+                       r".*\['sum'\] has shape \(\).*masking=True"):
+      call()
+  release_mapper()
+  release_full()
