@@ -29,6 +29,9 @@ from jax_data.validation import check_bool
 from jax_data.validation import check_int
 from jax_data.validation import check_keywords
 
+#: The kinds of index streams of a random chain.
+STREAMS = ("exact", "counter")
+
 # A chain's position: a small JSON-compatible dict (of dicts, lists, ints,
 # strings, bools).
 Position = Dict[str, Any]
@@ -45,11 +48,15 @@ class RandomChain:
     shuffle: Draw without replacement, permutation after permutation.
     in_epochs: With ``shuffle``, one permutation per epoch, the last batch
       padded and masked.
+    stream: ``"exact"``: the streams of ``spec/SAMPLING.md`` (the
+      predecessor's batches); ``"counter"``: counter-based streams
+      (:mod:`jax_data.counter_streams`), O(1) in memory and in seeking.
   """
   seed: Optional[int]
   observations: ObservationRange
   shuffle: bool = False
   in_epochs: bool = False
+  stream: str = "exact"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +96,17 @@ def spec_from_json(data: Mapping[str, Any]) -> ChainSpec:
       check_keywords("an ordered chain's spec", fields, ())
       return OrderedChain(observations)
     check_keywords("a random chain's spec", fields,
-                   ("seed", "shuffle", "in_epochs"))
+                   ("seed", "shuffle", "in_epochs", "stream"))
     shuffle = check_bool("shuffle", fields.get("shuffle", False))
     in_epochs = check_bool("in_epochs", fields.get("in_epochs", False))
     if in_epochs and not shuffle:
       raise ValueError("in_epochs=True needs shuffle=True")
+    # Checkpoints written before counter streams hold exact ones.
+    stream = fields.get("stream", "exact")
+    if stream not in STREAMS:
+      raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
     return RandomChain(check_int("seed", fields.get("seed"), minimum=0),
-                       observations, shuffle, in_epochs)
+                       observations, shuffle, in_epochs, stream)
   except (KeyError, TypeError, ValueError) as e:
     raise ValueError(f"not a chain spec: {data!r} ({type(e).__name__}: {e})"
                      ) from e
@@ -191,6 +202,13 @@ class ChainCursor(abc.ABC):
   def trim(self) -> None:  # noqa: B027 (optional, unlike the others)
     """Frees what the cursor can rebuild from its position (caches, read
     blocks): the host calls it when the chain has gone idle."""
+
+  def position_at(self, index: int) -> Optional[Position]:
+    """The position before chunk ``index``, if the cursor can tell it
+    without producing the chunks before (a counter-based stream); None
+    (the default): the host seeks to a snapshot and replays from there."""
+    del index
+    return None
 
   def held_bytes(self) -> int:
     """About how many bytes :meth:`trim` would free; the host trims the

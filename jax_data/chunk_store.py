@@ -430,6 +430,12 @@ class ChainStore:
     """Produces chunk ``index`` (with the chain's ``produce_lock`` held),
     moving the cursor back to a snapshot first if it stands elsewhere."""
     cursor = record.cursor
+    direct = (None if record.next_index == index
+              else cursor.position_at(index))
+    if direct is not None:  # a counter-based stream: no replay
+      record.next_index = None
+      cursor.seek(direct)
+      record.next_index = index
     if record.next_index != index:
       base = max(i for i in record.snapshots if i <= index)
       if index - base > MAX_REPLAY:

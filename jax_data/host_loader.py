@@ -35,6 +35,7 @@ from typing import Tuple
 import jax
 import numpy as np
 
+from jax_data.chains import STREAMS
 from jax_data.chains import ChainCursor
 from jax_data.chains import ChainSpec
 from jax_data.chains import ChunkLayout
@@ -49,6 +50,12 @@ from jax_data.sampling import ObservationRange
 from jax_data.validation import check_bool
 from jax_data.validation import check_int
 from jax_data.validation import check_keywords
+
+#: Random chains over more observations than this draw counter-based
+#: streams by default (``stream="auto"``): an exact shuffled chain keeps a
+#: permutation of 8 bytes per observation (8 MiB here) and replays from
+#: snapshots to seek.
+AUTO_COUNTER_ABOVE = 2**20
 
 
 @dataclasses.dataclass
@@ -128,6 +135,9 @@ class HostDataLoader(PredecessorAPI, DataLoader):
     """
     allowed = self.ordered_keywords if ordered else self.random_keywords
     kind = "an ordered" if ordered else "a random"
+    # Loaders that read rows by index (jax_data.indexed) take ``stream``.
+    streams = "stream" in allowed
+    stream = keywords.pop("stream", "auto") if streams else "exact"
     check_keywords(f"{kind} chain of {type(self).__name__}", keywords,
                    allowed)
     observations = self.observation_range(
@@ -139,9 +149,12 @@ class HostDataLoader(PredecessorAPI, DataLoader):
     in_epochs = check_bool("in_epochs", keywords.get("in_epochs", False))
     if in_epochs and not shuffle:
       raise ValueError("in_epochs=True needs shuffle=True, got shuffle=False")
+    stream = _stream_kind(stream, observations)
     return RandomChain(
-        None if seed is None else check_int("seed", seed, minimum=0),
-        observations, shuffle, in_epochs)
+        None if seed is None else check_int(
+            "seed", seed, minimum=0,
+            maximum=None if stream == "exact" else 2**64 - 1),
+        observations, shuffle, in_epochs, stream)
 
   def observation_range(self, ordered: bool, shard_index: Any,
                         shard_count: Any) -> ObservationRange:
@@ -213,3 +226,17 @@ class HostDataLoader(PredecessorAPI, DataLoader):
     if numbering is None:  # setdefault: one of two racing threads wins
       numbering = self.__dict__.setdefault("_chain_numbering", _Numbering())
     return numbering
+
+
+def _stream_kind(stream: Any, observations: ObservationRange) -> str:
+  """``"exact"`` or ``"counter"`` for the ``stream`` keyword: ``"auto"`` is
+  counter-based above :data:`AUTO_COUNTER_ABOVE` observations (an exact
+  shuffled chain keeps O(n) permutations and seeks by replaying), exact
+  otherwise (the predecessor's batches)."""
+  if not isinstance(stream, str) or stream not in ("auto",) + STREAMS:
+    raise ValueError(
+        f"stream must be 'auto', 'exact' or 'counter', got {stream=}")
+  if stream == "auto":
+    return ("counter" if observations.count > AUTO_COUNTER_ABOVE
+            else "exact")
+  return stream

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Callable
 from typing import List
+from typing import Optional
 from typing import Union
 
 import numpy as np
@@ -21,6 +22,7 @@ from jax_data.chains import Chunk
 from jax_data.chains import ChunkLayout
 from jax_data.chains import OrderedChain
 from jax_data.chains import Position
+from jax_data.counter_streams import CounterStream
 from jax_data.sampling import OrderedStream
 from jax_data.sampling import RandomStream
 
@@ -33,12 +35,13 @@ _POSITION_VERSION = 1
 
 
 def stream_of(spec: ChainSpec, mb_size: int
-              ) -> Union[RandomStream, OrderedStream]:
+              ) -> Union[RandomStream, CounterStream, OrderedStream]:
   """The index stream of a chain (``spec/SAMPLING.md``)."""
   if isinstance(spec, OrderedChain):
     return OrderedStream(spec.observations, mb_size)
-  return RandomStream(spec.observations, mb_size, spec.seed, spec.shuffle,
-                      spec.in_epochs)
+  stream = CounterStream if spec.stream == "counter" else RandomStream
+  return stream(spec.observations, mb_size, spec.seed, spec.shuffle,
+                spec.in_epochs)
 
 
 class IndexedCursor(ChainCursor):
@@ -75,6 +78,13 @@ class IndexedCursor(ChainCursor):
 
   def position(self) -> Position:
     return {"version": _POSITION_VERSION, "stream": self._stream.get_state()}
+
+  def position_at(self, index: int) -> Optional[Position]:
+    if not isinstance(self._stream, CounterStream):
+      return None
+    state = self._stream.get_state()
+    state["batch"] = index * self._layout.cache_size
+    return {"version": _POSITION_VERSION, "stream": state}
 
   def seek(self, position: Position) -> None:
     if not isinstance(position, dict) or position.get(

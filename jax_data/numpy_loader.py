@@ -133,8 +133,10 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
   >>> {k: (v.shape, str(v.dtype)) for k, v in zero.items()}
   {'x': ((4,), 'int32'), 'y': ((4, 4, 3), 'float32')}
 
-  Random chains take ``seed``, ``shuffle`` and ``in_epochs``
-  (``spec/SAMPLING.md``), and every chain ``shard_index``/``shard_count``.
+  Random chains take ``seed``, ``shuffle``, ``in_epochs``
+  (``spec/SAMPLING.md``) and ``stream`` (``"auto"``, ``"exact"``,
+  ``"counter"``: see the user guide), and every chain
+  ``shard_index``/``shard_count``.
 
   Args:
     copy: Copy the arrays (default). With False, arrays are referenced and
@@ -145,6 +147,8 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
     ValueError: no arrays, empty arrays, or first axes of different lengths.
     TypeError: an array that cannot become a JAX array (strings, objects).
   """
+
+  random_keywords = HostDataLoader.random_keywords + ("stream",)
 
   def __init__(self, copy: bool = True, **reference_data: Any):
     self._arrays, self._count = prepare_arrays(type(self).__name__, copy,

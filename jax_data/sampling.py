@@ -141,6 +141,11 @@ class RandomStream:
 
   def set_state(self, state: Dict[str, Any]) -> None:
     """Moves the stream to a position from ``get_state`` (not mutated)."""
+    if state.get("stream", "exact") != "exact":
+      raise ValueError(
+          "the position is one of a counter-based stream "
+          "(stream='counter'), but this chain draws the exact stream "
+          "(stream='exact')")
     if state.get("mode") != self.mode:
       raise ValueError(
           f"state is for a chain in mode {state.get('mode')!r}, but this "

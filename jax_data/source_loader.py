@@ -171,6 +171,8 @@ class SourceDataLoader(HostDataLoader):
     RecordError: the first record cannot be read.
   """
 
+  random_keywords = HostDataLoader.random_keywords + ("stream",)
+
   def __init__(self, source: Any, transform: Optional[Callable] = None, *,
                workers: Optional[int] = None, processes: bool = False):
     if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):

@@ -1,0 +1,230 @@
+"""Counter-based index streams: bijections, quality, the same stream on the
+host and on the device, and on every loader that reads rows by index."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import jax_data
+from jax_data import counter_streams as cs
+
+# Significance of the statistical tests: with fixed seeds each test is
+# deterministic; a correct generator fails one with this probability.
+ALPHA = 1e-3
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 1000, 65_537, 1_000_000])
+def test_every_index_exactly_once_per_epoch(n):
+  for seed in (0, 1, 2**40 + 7):
+    for epoch in (0, 1, 2**33):
+      perm = cs.permute(seed, epoch, np.arange(n), n)
+      assert perm.dtype == np.int64
+      np.testing.assert_array_equal(np.sort(perm), np.arange(n))
+
+
+@pytest.mark.parametrize("n", [1, 3, 1000, 65_537])
+def test_the_device_draws_the_host_stream(n):
+  """jax.numpy computes the same indices as NumPy, bit for bit, in every
+  mode, from any first batch, inside jit."""
+  for shuffle, in_epochs in ((False, False), (True, False), (True, True)):
+    host, mask = cs.stream_batches(5, 37, 20, 4, n, shuffle, in_epochs, 3)
+    device, device_mask = jax.jit(
+        lambda first, s=shuffle, e=in_epochs: cs.stream_batches(
+            5, first, 20, 4, n, s, e, 3, jnp))(jnp.uint32(37))
+    np.testing.assert_array_equal(np.asarray(device), host)
+    if in_epochs:
+      np.testing.assert_array_equal(np.asarray(device_mask), mask)
+    else:
+      assert mask is None and device_mask is None
+
+
+def test_large_domains_on_the_host():
+  """Indices above 2**32 (records up to 1e12 and beyond): every index in
+  range, a seek to any position in O(1), epochs far apart distinct."""
+  for n in (2**32 + 3, 10**12, 3 * 10**11):
+    offsets = np.arange(10_000) + n - 10_000
+    perm = cs.permute(9, 2**40, offsets, n)
+    assert perm.min() >= 0 and perm.max() < n
+    assert len(np.unique(perm)) == offsets.size
+    drawn = cs.uniform(9, np.arange(10_000) + 10**15, n)
+    assert drawn.min() >= 0 and drawn.max() < n
+    assert len(np.unique(drawn)) > 9_990  # collisions are rare at this n
+
+
+def test_position_of_an_index_is_uniform_across_seeds():
+  """Where index 0 lands in a permutation of 16, over 4,000 seeds: a
+  chi-square test of uniformity."""
+  n, seeds = 16, 4000
+  where = [int(np.flatnonzero(cs.permute(s, 0, np.arange(n), n) == 0)[0])
+           for s in range(seeds)]
+  counts = np.bincount(where, minlength=n)
+  assert stats.chisquare(counts).pvalue > ALPHA
+
+
+def test_consecutive_draws_are_independent():
+  """Pairs of consecutive indices: independent draws over a 10 x 10 table
+  are uniform, and consecutive elements of permutations of 8 are uniform
+  over the 56 ordered pairs of distinct elements."""
+  pairs = cs.uniform(3, np.arange(200_001), 10)
+  table = np.bincount(pairs[:-1] * 10 + pairs[1:], minlength=100)
+  assert stats.chisquare(table).pvalue > ALPHA
+  n = 8
+  counts = np.zeros((n, n), int)
+  for seed in range(3000):
+    perm = cs.permute(seed, 0, np.arange(n), n)
+    np.add.at(counts, (perm[:-1], perm[1:]), 1)
+  assert counts.trace() == 0
+  assert stats.chisquare(counts[~np.eye(n, dtype=bool)]).pvalue > ALPHA
+
+
+def test_chains_of_different_seeds_share_no_structure():
+  """Two permutations of 1,000 agree at one position on average (a
+  random pair does); the agreements of 2,000 seed pairs fit Poisson(1)."""
+  n, pairs = 1000, 2000
+  agree = np.array([
+      np.sum(cs.permute(s, 0, np.arange(n), n)
+             == cs.permute(s + 1, 0, np.arange(n), n))
+      for s in range(pairs)])
+  observed = np.bincount(np.minimum(agree, 4), minlength=5)
+  expected = stats.poisson(1).pmf(np.arange(4)) * pairs
+  expected = np.append(expected, pairs - expected.sum())
+  assert stats.chisquare(observed, expected).pvalue > ALPHA
+  # Indices drawn with replacement by neighbouring seeds are uncorrelated.
+  a = cs.uniform(1, np.arange(100_000), 1000)
+  b = cs.uniform(2, np.arange(100_000), 1000)
+  assert abs(np.corrcoef(a, b)[0, 1]) < 4 / np.sqrt(a.size)
+
+
+def test_a_chunk_costs_no_replay():
+  """A stream positioned at batch 1e9 draws what a stream that got there
+  batch by batch would: the same function of the batch number."""
+  stream = cs.CounterStream(jax_data.sampling.ObservationRange(0, 10**8),
+                            64, 4, True, True)
+  stream.seek_batch(10**9)
+  indices, mask = stream.draw(10)
+  again, again_mask = cs.stream_batches(4, 10**9, 10, 64, 10**8, True, True)
+  np.testing.assert_array_equal(indices, again)
+  np.testing.assert_array_equal(mask, again_mask)
+  assert stream.get_state()["batch"] == 10**9 + 10
+  assert stream.held_bytes() == 0
+
+
+class _Virtual:
+  """A random-access source of ``n`` records computed from the index."""
+
+  def __init__(self, n):
+    self.n = n
+
+  def __len__(self):
+    return self.n
+
+  def __getitem__(self, i):
+    return {"x": np.int64(i)}
+
+
+@pytest.mark.parametrize("mode", [{}, {"shuffle": True},
+                                  {"shuffle": True, "in_epochs": True}])
+def test_every_loader_draws_the_same_counter_stream(mode, tmp_path,
+                                                    pipelines):
+  """NumpyDataLoader in memory and over a memmap, SourceDataLoader with
+  threads: the same batches for the same seed, equal to the stream."""
+  n, mb, cache = 103, 8, 3
+  path = tmp_path / "x.npy"
+  np.save(path, np.arange(n))
+  loaders = [jax_data.NumpyDataLoader(x=np.arange(n)),
+             jax_data.NumpyDataLoader(copy=False,
+                                      x=np.load(path, mmap_mode="r")),
+             jax_data.SourceDataLoader(_Virtual(n), workers=2)]
+  expected, mask = cs.stream_batches(11, 0, 7, mb, n,
+                                     mode.get("shuffle", False),
+                                     mode.get("in_epochs", False))
+  for loader in loaders:
+    init_fn, batch_fn, release_fn = pipelines.random_reference_data(
+        loader, cache, mb)
+    state = init_fn(seed=11, stream="counter", **mode)
+    got = []
+    for _ in range(7):
+      state, batch = batch_fn(state, information=True)
+      batch, info = batch
+      got.append(np.where(info.mask, batch["x"], 0))
+    if mask is not None:
+      expected = np.where(mask, expected, 0)
+    np.testing.assert_array_equal(np.stack(got), expected)
+    release_fn()
+
+
+def test_stream_keyword_defaults_and_errors():
+  """``stream="auto"`` is exact up to 2**20 observations (the data guide's
+  batches) and counter-based above; a bad value is named; loaders that
+  draw their own streams do not take it."""
+  from jax_data.host_loader import AUTO_COUNTER_ABOVE
+  small = jax_data.NumpyDataLoader(x=np.arange(10))
+  assert small.chain_spec(False).stream == "exact"
+  assert small.chain_spec(False, stream="counter").stream == "counter"
+  large = jax_data.SourceDataLoader(_Virtual(AUTO_COUNTER_ABOVE + 1))
+  assert large.chain_spec(False, shuffle=True).stream == "counter"
+  assert large.chain_spec(False, stream="exact").stream == "exact"
+  with pytest.raises(ValueError, match="stream='count'"):
+    small.chain_spec(False, stream="count")
+
+
+def test_a_position_of_the_other_kind_is_refused():
+  from jax_data.sampling import ObservationRange
+  from jax_data.sampling import RandomStream
+  counter = cs.CounterStream(ObservationRange(0, 10), 2, 0, True, False)
+  exact = RandomStream(ObservationRange(0, 10), 2, 0, True, False)
+  with pytest.raises(ValueError, match="counter-based stream"):
+    exact.set_state(counter.get_state())
+  with pytest.raises(ValueError, match="exact stream"):
+    counter.set_state(exact.get_state())
+
+
+def test_checkpoint_keeps_the_stream_kind(tmp_path):
+  """A checkpoint of a counter-based chain restores one that continues the
+  same stream."""
+  loader = jax_data.NumpyDataLoader(x=np.arange(100))
+  pipeline = jax_data.random_reference_data(loader, 3, 4)
+  init_fn, batch_fn, _ = pipeline
+  state = init_fn(seed=2, shuffle=True, stream="counter")
+  for _ in range(5):
+    state, _ = batch_fn(state)
+  jax_data.save_checkpoint(tmp_path / "c.npz", pipeline, state)
+  restored = jax_data.restore_checkpoint(tmp_path / "c.npz", pipeline)
+  expected = cs.stream_batches(2, 5, 6, 4, 100, True, False)[0]
+  for row in expected:
+    state, batch = batch_fn(state)
+    restored, again = batch_fn(restored)
+    np.testing.assert_array_equal(batch["x"], row)
+    np.testing.assert_array_equal(again["x"], row)
+
+
+def test_a_state_far_ahead_is_served_without_replay():
+  """A counter-based chain's state at draw 1e9 (a pytree whose chunk
+  counter was moved there) restores and serves the stream's batch at once:
+  the source reads the records of the chunks served and produced ahead,
+  none of the 1e8 chunks before."""
+  source = _Counting(10**8)
+  loader = jax_data.SourceDataLoader(source, workers=0)
+  pipeline = jax_data.random_reference_data(loader, 10, 64)
+  init_fn, batch_fn, release_fn = pipeline
+  state = init_fn(seed=6, shuffle=True)  # counter-based: 1e8 > 2**20
+  tree = jax_data.state_to_pytree(pipeline, state)
+  tree["chunk"] = np.int32(10**9 // 10)
+  far = jax_data.state_from_pytree(pipeline, tree)
+  source.reads = 0
+  far, batch = batch_fn(far)
+  expected = cs.stream_batches(6, 10**9, 1, 64, 10**8, True, False)[0][0]
+  np.testing.assert_array_equal(batch["x"], expected)
+  release_fn()
+  assert source.reads <= 3 * 10 * 64  # this chunk and two ahead
+
+
+class _Counting(_Virtual):
+
+  reads = 0
+
+  def __getitem__(self, i):
+    self.reads += 1
+    return super().__getitem__(i)
