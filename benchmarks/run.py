@@ -8,8 +8,8 @@ Usage (from the repository root)::
   python benchmarks/run.py --write docs/benchmarks.md
   python benchmarks/run.py --smoke --only sgld full
 
-Cases: ``sgld`` (a), ``mlp`` (b), ``full`` (c), ``tf`` (d), ``sources`` (e)
-and ``memmap``
+Cases: ``sgld`` (a), ``mlp`` (b), ``full`` (c), ``tf`` (d), ``sources`` (e),
+``streams`` (f) and ``memmap``
 (out-of-core; the full run writes 4 GiB of memmap files to the temporary
 directory, ``TMPDIR``, and deletes them afterwards). The script prints
 every case's table as it finishes, then the acceptance targets and the
@@ -36,6 +36,7 @@ import out_of_core
 import report
 import sgld
 import sources
+import streams
 import tf_images
 from common import MEMORY_HEADERS
 from common import Section
@@ -50,6 +51,7 @@ CASES = {
     "tf": tf_images,
     "sources": sources,
     "memmap": out_of_core,
+    "streams": streams,
 }
 
 
