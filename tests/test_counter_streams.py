@@ -228,3 +228,43 @@ class _Counting(_Virtual):
   def __getitem__(self, i):
     self.reads += 1
     return super().__getitem__(i)
+
+
+def test_restore_onto_another_topology(tmp_path):
+  """8 chains saved under pmap on 4 devices (2 per device) restore under
+  pmap on 2 devices (4 per device) and under vmap on one: a chain is its
+  (seed, chain number), never its device, and each continues its stream."""
+  if jax.local_device_count() < 4:
+    pytest.skip("needs 4 devices (XLA_FLAGS in conftest.py)")
+  n, cache, mb = 1000, 3, 4
+  loader = jax_data.NumpyDataLoader(x=np.arange(n))
+  pipeline = jax_data.random_reference_data(loader, cache, mb)
+  init_fn, batch_fn, _ = pipeline
+  states = [init_fn(seed=100 + c, shuffle=True, stream="counter")
+            for c in range(8)]
+  stacked = jax.tree_util.tree_map(lambda *s: jnp.stack(s).reshape(
+      (4, 2) + s[0].shape), *states)
+  step = jax.pmap(jax.vmap(batch_fn), devices=jax.devices()[:4])
+  for _ in range(5):
+    stacked, _ = step(stacked)
+  path = tmp_path / "eight.npz"
+  jax_data.save_checkpoint(path, pipeline, stacked)
+
+  def stream(c, first, count):
+    return cs.stream_batches(100 + c, first, count, mb, n, True, False)[0]
+
+  on_two = jax.tree_util.tree_map(
+      lambda x: x.reshape((2, 4) + x.shape[2:]),
+      jax_data.restore_checkpoint(path, pipeline))
+  two = jax.pmap(jax.vmap(batch_fn), devices=jax.devices()[:2])
+  on_one = jax.tree_util.tree_map(
+      lambda x: x.reshape((8,) + x.shape[2:]),
+      jax_data.restore_checkpoint(path, pipeline))
+  one = jax.jit(jax.vmap(batch_fn))
+  for k in range(4):
+    on_two, got_two = two(on_two)
+    on_one, got_one = one(on_one)
+    expected = np.stack([stream(c, 5 + k, 1)[0] for c in range(8)])
+    np.testing.assert_array_equal(
+        np.asarray(got_two["x"]).reshape(8, mb), expected)
+    np.testing.assert_array_equal(np.asarray(got_one["x"]), expected)
