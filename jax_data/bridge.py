@@ -125,8 +125,12 @@ class Bridge:
 
   @property
   def in_place(self) -> bool:
-    """Whether CPU devices receive chunks in place (``buffer_callback``)."""
-    return self.callback == "auto" and buffer_callback is not None
+    """Whether CPU devices receive chunks in place (``buffer_callback``):
+    not for dtypes of fewer than 8 bits (int4, float4_e2m1fn), which XLA
+    packs in its buffers but NumPy holds one to a byte."""
+    return (self.callback == "auto" and buffer_callback is not None
+            and all(jax.dtypes.itemsize_bits(s.dtype) >= 8
+                    for s in self.leaf_formats))
 
   def ops(self, device_count: int, participants: int) -> "_Ops":
     """The callback wrappers for requests that ``participants`` devices
@@ -162,7 +166,9 @@ def shared(batch_format: PyTree, callback: str = "auto") -> Bridge:
   and the wrappers built on them."""
   callback = check_callback(callback)
   leaves, treedef = jax.tree_util.tree_flatten(batch_format)
-  key = (treedef, tuple((tuple(s.shape), np.dtype(s.dtype).str)
+  # The dtype itself, not its ``.str``: ml_dtypes' types of one size share
+  # one (bfloat16 is "<V2"; int4 and float8_e4m3fn are both "<V1").
+  key = (treedef, tuple((tuple(s.shape), np.dtype(s.dtype))
                         for s in leaves), callback)
   with _BRIDGES_LOCK:
     if key not in _BRIDGES:

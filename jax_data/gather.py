@@ -274,6 +274,9 @@ def digest_rows(count: int, read_row: Callable[[int], Sequence[Any]],
   for row in sample_rows(count):
     for leaf, dtype in zip(read_row(int(row)), dtypes):
       value = np.ascontiguousarray(leaf, dtype=dtype)
-      digest.update(f"{value.dtype.str}{value.shape}".encode())
+      # ml_dtypes' types are "<V1" or "<V2" in .str (int4 and float8 alike):
+      # their names tell them apart.
+      kind = value.dtype.name if value.dtype.kind == "V" else value.dtype.str
+      digest.update(f"{kind}{value.shape}".encode())
       digest.update(value.tobytes())
   return digest.hexdigest()[:32]

@@ -29,6 +29,7 @@ from jax_data.host_loader import HostDataLoader
 from jax_data.indexed import IndexedCursor
 from jax_data.types import PyTree
 from jax_data.validation import check_bool
+from jax_data.validation import is_jax_dtype
 
 
 def is_lazy_array(value: Any) -> bool:
@@ -56,10 +57,11 @@ def _as_host_array(name: str, value: Any, copy: bool) -> np.ndarray:
       raise TypeError(
           f"array {name!r} cannot become an array: {type(e).__name__}: {e}"
       ) from e
-  if array.dtype.kind not in "biufc":
+  if not is_jax_dtype(array.dtype):
     raise TypeError(
         f"array {name!r} has dtype {array.dtype}, which cannot become a JAX "
-        "array; pass numeric or boolean arrays only")
+        "array; pass numeric or boolean arrays only (ml_dtypes' bfloat16, "
+        "float8 and int4 too)")
   if array.ndim == 0:
     raise ValueError(
         f"array {name!r} must have a first axis of observations, got a "

@@ -37,6 +37,7 @@ from jax_data.indexed import IndexedCursor
 from jax_data.types import PyTree
 from jax_data.validation import check_bool
 from jax_data.validation import check_int
+from jax_data.validation import is_jax_dtype
 
 # Chunks read with each candidate number of workers before choosing one.
 _TRIALS = 2
@@ -257,7 +258,7 @@ class SourceDataLoader(HostDataLoader):
     arrays = []
     for path, leaf in zip(paths, leaves):
       array = np.asarray(leaf)
-      if array.dtype.kind not in "biufc":
+      if not is_jax_dtype(array.dtype):
         raise TypeError(
             f"record 0 has {path} of dtype {array.dtype} ({type(leaf).__name__}"
             "), which cannot become a JAX array; drop it or turn it into "

@@ -13,6 +13,8 @@ from typing import Mapping
 from typing import Optional
 from typing import Tuple
 
+import jax
+
 
 def check_int(name: str, value: Any, minimum: Optional[int] = None,
               maximum: Optional[int] = None, what: str = "") -> int:
@@ -40,6 +42,17 @@ def check_bool(name: str, value: Any) -> bool:
       and value.dtype == bool):
     raise TypeError(f"{name} must be True or False, got {name}={value!r}")
   return bool(value)
+
+
+def is_jax_dtype(dtype: Any) -> bool:
+  """Whether arrays of ``dtype`` can become JAX arrays: booleans and
+  numbers, those of ``ml_dtypes`` too (bfloat16, float8, int4); not
+  objects, strings, records, dates or raw bytes."""
+  try:
+    jax.dtypes.result_type(jax.dtypes.canonicalize_dtype(dtype))
+  except TypeError:
+    return False
+  return True
 
 
 def check_keywords(where: str, kwargs: Mapping[str, Any],
