@@ -266,8 +266,10 @@ def restore_checkpoint(path: Union[str, os.PathLike], pipeline: Any
     OSError: the file cannot be opened.
   """
   path = os.fspath(path)
-  try:
-    with open(path, "rb") as f:
+  with open(path, "rb") as f:
+    _check_kind(path, f.read(len(_NPY_MAGIC)))
+    f.seek(0)
+    try:
       loaded = np.load(f, allow_pickle=False)
       if not isinstance(loaded, np.lib.npyio.NpzFile):
         raise CheckpointError(
@@ -275,10 +277,47 @@ def restore_checkpoint(path: Union[str, os.PathLike], pipeline: Any
             "jax_data checkpoint: save_checkpoint writes a .npz archive")
       with loaded as data:
         tree = {k: data[k] for k in data.files}
-  except (EOFError, ValueError, zipfile.BadZipFile, zlib.error) as e:
-    if isinstance(e, CheckpointError):
-      raise
+    except (EOFError, NotImplementedError, OSError, ValueError,
+            zipfile.BadZipFile, zlib.error) as e:
+      # NotImplementedError, OSError: a corrupt compression method or
+      # offset in the zip's headers.
+      if isinstance(e, CheckpointError):
+        raise
+      # Not NumPy's words on object arrays: they advise loading the file
+      # "unsafely" with allow_pickle, which a checkpoint never needs.
+      reason = ("it holds Python objects (pickled data), which "
+                "save_checkpoint never writes" if "pickle" in str(e) else
+                f"{type(e).__name__}: {e}")
+      raise CheckpointError(
+          f"{path} is not a readable jax_data checkpoint (corrupt, "
+          f"truncated, or another kind of file): {reason}") from e
+  missing = sorted(set(_TREE_FIELDS) - set(tree))
+  if missing:
     raise CheckpointError(
-        f"{path} is not a readable jax_data checkpoint (corrupt, truncated, "
-        f"or another kind of file): {type(e).__name__}: {e}") from e
+        f"{path} is not a jax_data checkpoint: it is a .npz archive of "
+        f"{sorted(tree) or 'no arrays'}, without the fields "
+        f"{', '.join(map(repr, missing))} that save_checkpoint writes")
   return state_from_pytree(pipeline, tree)
+
+
+# How the files np.load reads begin: .npz archives (a zip, empty or not),
+# .npy arrays.
+_ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")
+_NPY_MAGIC = b"\x93NUMPY"
+_TREE_FIELDS = ("host", "chunk", "position", "key")
+
+
+def _check_kind(path: str, head: bytes) -> None:
+  """Raises unless ``head``, the first bytes of file ``path``, begins a
+  .npz archive or a .npy array (the rest NumPy would only unpickle)."""
+  if head.startswith(_ZIP_MAGICS) or head.startswith(_NPY_MAGIC):
+    return
+  if not head:
+    kind = "is empty"
+  elif head.startswith(b"\x80"):
+    kind = "is a Python pickle"
+  else:
+    kind = f"begins with the bytes {head!r}"
+  raise CheckpointError(
+      f"{path} is not a jax_data checkpoint: save_checkpoint writes a .npz "
+      f"archive, but the file {kind}")

@@ -1,12 +1,15 @@
 """Checkpoints restore the data position exactly, also in a new process."""
 
 import copy
+import io
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -303,3 +306,52 @@ def test_counters_out_of_range_inside_jit_are_refused_by_the_host():
   # The chain is still usable.
   _, batch = jax.jit(batch_fn)(state)
   assert batch["x"].shape == (MB,)
+
+
+def _foreign_files(checkpoint):
+  """Files restore_checkpoint must refuse as no jax_data checkpoint, by
+  what writes them."""
+  whole = checkpoint.read_bytes()
+  zipped = io.BytesIO()
+  with zipfile.ZipFile(zipped, "w") as archive:
+    archive.writestr("notes.txt", "not arrays")
+  objects = io.BytesIO()
+  np.savez(objects, host=np.array([{"version": 2}], dtype=object),
+           chunk=np.int32(0), position=np.int32(0), key=np.zeros(2))
+  arrays = io.BytesIO()
+  np.savez(arrays, weights=np.ones(3))
+  return {
+      "pickle": pickle.dumps({"chunk": 0, "position": 0}),
+      "garbage": bytes(np.random.default_rng(0).integers(0, 256, 300,
+                                                         np.uint8)),
+      "text": b"chunk,position\n0,0\n",
+      "empty": b"",
+      "truncated": whole[:len(whole) // 2],
+      "bit_flipped": whole[:60] + bytes([whole[60] ^ 0x10]) + whole[61:],
+      "object_arrays": objects.getvalue(),
+      "other_npz": arrays.getvalue(),
+      "zip_of_text": zipped.getvalue()}
+
+
+@pytest.mark.parametrize("kind", ["pickle", "garbage", "text", "empty",
+                                  "truncated", "bit_flipped",
+                                  "object_arrays", "other_npz",
+                                  "zip_of_text"])
+def test_a_foreign_or_corrupt_file_is_named_no_jax_data_checkpoint(
+    tmp_path, kind):
+  pipeline = _pipeline()
+  checkpoint = tmp_path / "data.npz"
+  jax_data.save_checkpoint(checkpoint, pipeline, pipeline[0](seed=1))
+  path = tmp_path / f"{kind}.npz"
+  path.write_bytes(_foreign_files(checkpoint)[kind])
+  chains = pipeline.host.chains()
+  with pytest.raises(jax_data.CheckpointError) as info:
+    jax_data.restore_checkpoint(path, pipeline)
+  message = str(info.value)
+  assert str(path) in message
+  assert re.search("is not a (readable )?jax_data checkpoint", message)
+  # Not NumPy's advice to load the file "unsafely using allow_pickle".
+  assert "pickle=" not in message and "unsafe" not in message
+  assert pipeline.host.chains() == chains
+  # The checkpoint itself still restores.
+  jax_data.restore_checkpoint(checkpoint, pipeline)
