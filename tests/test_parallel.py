@@ -1,5 +1,9 @@
 """Many chains and many devices: vmap, pmap, shard_map, device_count."""
 
+import re
+import threading
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -289,8 +293,119 @@ def test_devices_that_do_not_meet_stop_waiting_with_a_warning(pipelines):
   chain = init_fn().chain
   args = (np.array([pipeline.id]), np.array([chain]), np.array([0]),
           np.array([True]))
-  with pytest.warns(UserWarning, match="2 devices were expected to request "
-                    "chunk 0 together, but 1 did"):
+  with pytest.warns(UserWarning, match=(
+      r"1 of the 2 devices of one pmap/shard_map asked for chunk 0 within "
+      r"0.2 s, and the others for no chunk: their states are at other "
+      "positions")) as caught:
     host.serve(*args, participants=2)
+  assert "device_count" not in str(caught[0].message)
   out = host.serve(*args, participants=2)  # no more waiting
   assert out[0].shape == (1, CACHE, MB)
+
+
+def _rendezvous_warnings(caught):
+  """The messages of the warnings that devices stopped waiting."""
+  return [str(w.message) for w in caught if "devices" in str(w.message)]
+
+
+@pytest.mark.parametrize("steps_taken", [[0, CACHE, 2 * CACHE, 3 * CACHE],
+                                         [0, 0, CACHE, 0]],
+                         ids=["stacked_apart", "one_advanced"])
+def test_devices_at_different_chunks_are_served_without_waiting(
+    pipelines, steps_taken):
+  """States at the same position of different chunks refresh at the same
+  steps but never ask for the same chunk: the rendezvous must not wait for
+  them (it waited 10 s per chunk and blamed device_count)."""
+  init_fn, batch_fn, _ = pipelines.random_reference_data(
+      NumpyDataLoader(x=np.arange(N)), CACHE, MB)
+  run = jax.jit(_run(batch_fn))
+  states = []
+  for kwargs, steps in zip(CHAINS, steps_taken):
+    state = init_fn(**kwargs)
+    if steps:
+      state, _ = jax.jit(_run(batch_fn, steps))(state)
+    states.append(state)
+  alone = [run(state)[1] for state in states]
+
+  def step(state, _):  # a data-parallel step: a collective after the batch
+    state, (batch, info) = batch_fn(state, information=True)
+    return state, (batch["x"], info.mask, lax.psum(batch["x"].sum(), "d"))
+
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    _, (x, mask, total) = jax.pmap(
+        lambda s: lax.scan(step, s, None, length=STEPS), axis_name="d")(
+            _stack(states))
+    jax.block_until_ready(total)
+  for device, (want_x, want_mask) in enumerate(alone):
+    np.testing.assert_array_equal(x[device], want_x)
+    np.testing.assert_array_equal(mask[device], want_mask)
+  np.testing.assert_array_equal(total[0], sum(a[0].sum(axis=1) for a in alone))
+  told = _rendezvous_warnings(caught)
+  assert len(told) == 1, told
+  assert re.search(r"asked for different chunks at once: chunk \d+ by \d "
+                   r"devices?, chunk \d+ by", told[0]), told[0]
+  assert "device_count" not in told[0]
+
+
+def test_requests_for_different_chunks_stop_the_rendezvous_at_once(
+    pipelines):
+  """Two devices' requests for chunks 0 and 1: both are served their own
+  chunk, the first does not wait for its round's timeout."""
+  pipeline = pipelines.random_reference_data(
+      NumpyDataLoader(x=np.arange(N)), CACHE, MB)
+  init_fn, batch_fn, _ = pipeline
+  host = pipeline.host
+  host.rendezvous = Rendezvous(host.name, timeout=20)
+  chains = [int(init_fn(seed=s).chain) for s in range(2)]
+  served = {}
+
+  def serve(device):
+    served[device] = host.serve(
+        np.array([pipeline.id]), np.array([chains[device]]),
+        np.array([device]), np.array([True]), participants=2)
+
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    other = threading.Thread(target=serve, args=(0,))
+    other.start()  # whichever comes second finds the first waiting
+    serve(1)
+    other.join()
+  told = _rendezvous_warnings(caught)
+  assert len(told) == 1, told
+  assert told[0].startswith(
+      f"{host.name}: the 2 devices of one pmap/shard_map asked for different "
+      "chunks at once: chunk 0 by 1 device, chunk 1 by 1 device. "), told[0]
+  for device in range(2):
+    np.testing.assert_array_equal(
+        served[device][0][0],
+        np.asarray(host.chunk(chains[device], device).leaves[0]))
+
+
+def test_aligned_devices_with_several_states_meet_without_warning(
+    pipelines):
+  """Several states of one pipeline per device, each at its own chunk,
+  aligned across devices: every refresh meets, nothing is stopped."""
+  init_fn, batch_fn, _ = pipelines.random_reference_data(
+      NumpyDataLoader(x=np.arange(N)), CACHE, MB)
+  families = []
+  for offset in (0, 2 * CACHE, 5 * CACHE):
+    states = [init_fn(seed=10 * offset + d) for d in range(4)]
+    if offset:
+      states = [jax.jit(_run(batch_fn, offset))(s)[0] for s in states]
+    families.append(_stack(states))
+
+  def step(states, _):
+    out = []
+    for state in states:
+      state, batch = batch_fn(state)
+      out.append((state, batch["x"]))
+    return [s for s, _ in out], jnp.stack([x for _, x in out])
+
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    _, x = jax.pmap(lambda s: lax.scan(step, s, None, length=STEPS),
+                    axis_name="d")(families)
+    jax.block_until_ready(x)
+  assert _rendezvous_warnings(caught) == []
+  assert x.shape == (4, STEPS, 3, MB)
