@@ -22,6 +22,8 @@ import zlib
 from typing import Any
 from typing import Dict
 from typing import Mapping
+from typing import Optional
+from typing import Sequence
 from typing import Tuple
 from typing import Union
 
@@ -33,6 +35,7 @@ from jax_data import pipeline as pl
 from jax_data import states
 from jax_data.errors import CheckpointError
 from jax_data.types import CacheState
+from jax_data.validation import check_int
 
 FORMAT_VERSION = 2
 _FIELDS = ("chain", "chunk", "position", "cached_chunk", "key")
@@ -90,14 +93,25 @@ def _json_default(value):
   raise TypeError(f"cannot save {value!r} in a checkpoint")
 
 
-def state_from_pytree(pipeline: Any, tree: Dict[str, Any]) -> CacheState:
+def state_from_pytree(pipeline: Any, tree: Dict[str, Any],
+                      lanes: Optional[Sequence[int]] = None) -> CacheState:
   """Restores a state from :func:`state_to_pytree` (``tree`` is not
   changed).
 
   The chains are registered anew on the pipeline's loader; the pipeline's
   fingerprint (loader, observation count, batch and cache size, a digest of
   the data) must match the saved one, and every field is checked before a
-  chain is registered.
+  chain is registered. A chain is its spec (seed, mode, stream) and its
+  position, never a device or a process: reshape the restored state for
+  another device count, or restore some of its lanes in each process.
+
+  Args:
+    pipeline: The pipeline, as for :func:`state_to_pytree`.
+    tree: What :func:`state_to_pytree` returned.
+    lanes: Restore only these lanes of the saved state, numbered in C order
+      of its lane shape (e.g. ``range(4 * p, 4 * p + 4)`` in process ``p``
+      of a state of 8 chains); the state then has one axis of
+      ``len(lanes)``. None: all lanes, in the saved shape.
 
   Raises:
     CheckpointError: a field is missing or malformed, a counter is out of
@@ -106,6 +120,8 @@ def state_from_pytree(pipeline: Any, tree: Dict[str, Any]) -> CacheState:
   """
   pipeline = pl.of(pipeline)
   host, arrays = _read_tree(tree, pipeline)
+  if lanes is not None:
+    host, arrays = _some_lanes(host, arrays, lanes)
   lanes = tuple(host["lanes"])
   chain = np.full(lanes, -1, np.int32)
   if pipeline.host is not None:
@@ -190,6 +206,27 @@ def _read_tree(tree: Any, pipeline: pl.Pipeline
   return host, arrays
 
 
+def _some_lanes(host: Dict[str, Any], arrays: Dict[str, np.ndarray],
+                lanes: Any) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
+  """The host part and counters of the saved lanes ``lanes`` only."""
+  saved = tuple(host["lanes"])
+  count = math.prod(saved)
+  try:
+    picked = [check_int("lane", lane, minimum=0, maximum=count - 1)
+              for lane in lanes]
+  except (TypeError, ValueError) as e:
+    raise ValueError(
+        f"lanes must be lane numbers between 0 and {count - 1} (the saved "
+        f"state has lanes {saved}), got lanes={lanes!r}: {e}") from e
+  if not picked:
+    raise ValueError(f"lanes must name at least one lane, got {lanes=}")
+  flat = {k: v.reshape((count,) + v.shape[len(saved):])[picked]
+          for k, v in arrays.items()}
+  chains = host["chains"]
+  return dict(host, lanes=[len(picked)],
+              chains=[chains[i] for i in picked] if chains else []), flat
+
+
 def _counters(tree: Mapping[str, Any], name: str, shape: Tuple[int, ...],
               dtype: Any) -> np.ndarray:
   """A field of integers of ``shape``, as ``dtype``."""
@@ -252,12 +289,17 @@ def save_checkpoint(path: Union[str, os.PathLike], pipeline: Any,
   os.replace(partial, path)
 
 
-def restore_checkpoint(path: Union[str, os.PathLike], pipeline: Any
-                       ) -> CacheState:
+def restore_checkpoint(path: Union[str, os.PathLike], pipeline: Any,
+                       lanes: Optional[Sequence[int]] = None) -> CacheState:
   """Reads a state written by :func:`save_checkpoint` into ``pipeline``.
 
   The pipeline is built as the saved one was (same loader data, batch and
   cache sizes); its chains are registered anew.
+
+  Args:
+    path: A file :func:`save_checkpoint` wrote.
+    pipeline: The pipeline, as for :func:`save_checkpoint`.
+    lanes: Restore only these lanes (see :func:`state_from_pytree`).
 
   Raises:
     CheckpointError: the file is corrupt, truncated or not a checkpoint of
@@ -297,7 +339,7 @@ def restore_checkpoint(path: Union[str, os.PathLike], pipeline: Any
         f"{path} is not a jax_data checkpoint: it is a .npz archive of "
         f"{sorted(tree) or 'no arrays'}, without the fields "
         f"{', '.join(map(repr, missing))} that save_checkpoint writes")
-  return state_from_pytree(pipeline, tree)
+  return state_from_pytree(pipeline, tree, lanes)
 
 
 # How the files np.load reads begin: .npz archives (a zip, empty or not),

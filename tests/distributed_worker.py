@@ -21,6 +21,13 @@ MUS = (-0.5, 0.0, 0.25, 1.5)
 SIGMA = 1.3
 CACHE = 4  # batches per host call
 MB = 16  # observations per batch; 1001 // 2 is not a multiple: padding
+# A checkpoint of CHAINS counter-based random chains (random_reference_data(
+# NumpyDataLoader(index=arange(N)), 3, 8), seeds SEED + c, shuffled, at
+# chunk STEPS) that the test writes to the workers' directory.
+CHECKPOINT = "chains.npz"
+CHAINS = 8
+SEED = 40
+STEPS = 2
 
 
 def gaussian_loglik(x, mu, sigma=SIGMA):
@@ -81,6 +88,20 @@ def main(argv):
     drawn.append(np.asarray(batch["index"]))
   release_random()
 
+  # This process's lanes of a checkpoint of CHAINS counter-based chains
+  # that the test saved in one process: each continues its stream.
+  pipeline = jax_data.random_reference_data(
+      jax_data.NumpyDataLoader(index=np.arange(count)), 3, 8)
+  per_process = CHAINS // process_count
+  lanes = range(per_process * process_id, per_process * (process_id + 1))
+  restored = jax_data.restore_checkpoint(CHECKPOINT, pipeline, lanes=lanes)
+  step = jax.jit(jax.vmap(pipeline[1]))
+  continued = []
+  for _ in range(3):
+    restored, batch = step(restored)
+    continued.append(np.asarray(batch["index"]))
+  pipeline[2]()
+
   # Combine across processes with a real collective (gloo on CPU). Shards
   # differ in size by one, so the index lists are padded with -1 first.
   longest = -(-count // process_count)
@@ -92,7 +113,8 @@ def main(argv):
 
   np.savez(out_path, partial=partial, partials=partials,
            total=partials.sum(axis=0), seen=seen, indices=indices,
-           drawn=np.stack(drawn), device_count=jax.device_count(),
+           drawn=np.stack(drawn), continued=np.stack(continued),
+           device_count=jax.device_count(),
            local_device_count=jax.local_device_count())
   jax.distributed.shutdown()
   return 0

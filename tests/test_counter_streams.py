@@ -268,3 +268,30 @@ def test_restore_onto_another_topology(tmp_path):
     np.testing.assert_array_equal(
         np.asarray(got_two["x"]).reshape(8, mb), expected)
     np.testing.assert_array_equal(np.asarray(got_one["x"]), expected)
+
+
+def test_lanes_of_a_checkpoint_restore_apart(tmp_path):
+  """Each process restores its own lanes of a checkpoint of 8 chains (4
+  each): every chain continues its stream; bad lanes are named."""
+  n, cache, mb = 1000, 3, 4
+  loader = jax_data.NumpyDataLoader(x=np.arange(n))
+  pipeline = jax_data.random_reference_data(loader, cache, mb)
+  init_fn, batch_fn, _ = pipeline
+  stacked = jax.tree_util.tree_map(
+      lambda *s: jnp.stack(s),
+      *[init_fn(seed=50 + c, shuffle=True, stream="counter")
+        for c in range(8)])
+  step = jax.jit(jax.vmap(batch_fn))
+  for _ in range(4):
+    stacked, _ = step(stacked)
+  path = tmp_path / "eight.npz"
+  jax_data.save_checkpoint(path, pipeline, stacked)
+  for process in range(2):
+    lanes = range(4 * process, 4 * process + 4)
+    mine = jax_data.restore_checkpoint(path, pipeline, lanes=lanes)
+    _, got = step(mine)
+    expected = [cs.stream_batches(50 + c, 4, 1, mb, n, True, False)[0][0]
+                for c in lanes]
+    np.testing.assert_array_equal(np.asarray(got["x"]), np.stack(expected))
+  with pytest.raises(ValueError, match=r"lanes=\[8\].*between 0 and 7"):
+    jax_data.restore_checkpoint(path, pipeline, lanes=[8])

@@ -127,9 +127,29 @@ def test_two_processes_map_their_shards_and_combine_to_the_full_value(
   data_path = tmp_path / "x.npy"
   np.save(data_path, x)
 
+  # Chains saved in this process, restored a half in each worker.
+  pipeline = jax_data.random_reference_data(
+      NumpyDataLoader(index=np.arange(N)), 3, 8)
+  states = [pipeline[0](seed=worker.SEED + c, shuffle=True, stream="counter")
+            for c in range(worker.CHAINS)]
+  stacked = jax.tree_util.tree_map(lambda *s: jnp.stack(s), *states)
+  for _ in range(worker.STEPS):
+    stacked, _ = jax.jit(jax.vmap(pipeline[1]))(stacked)
+  jax_data.save_checkpoint(tmp_path / worker.CHECKPOINT, pipeline, stacked)
+  pipeline[2]()
+
   results, report = _run_workers(tmp_path, data_path)
   assert all(rc == 0 for rc, _, _ in results), report
   outs = [dict(np.load(out)) for _, _, out in results]
+  from jax_data.counter_streams import stream_batches
+  per_process = worker.CHAINS // PROCESSES
+  for i, out in enumerate(outs):
+    for lane, chain in enumerate(range(per_process * i,
+                                       per_process * (i + 1))):
+      expected, _ = stream_batches(worker.SEED + chain, worker.STEPS, 3, 8,
+                                   N, True, False)
+      np.testing.assert_array_equal(out["continued"][:, lane], expected,
+                                    err_msg=report)
 
   # The single-process full-data value: the same map without shards, and
   # NumPy in float64.
