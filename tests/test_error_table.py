@@ -1,9 +1,11 @@
 """Every row of the bad-input table in docs/reliability.rst is a test."""
 
 import os
+import pickle
 import re
 import warnings
 
+import jax
 import numpy as np
 import pytest
 
@@ -43,14 +45,29 @@ def _namespace(tmp_path):
   truncated_file.write_bytes(checkpoint.read_bytes()[:200])
   npy_file = tmp_path / "array.npy"
   np.save(npy_file, np.arange(3))
-  return dict(np=np, jax_data=jax_data, NumpyDataLoader=NumpyDataLoader,
+  pickle_file = tmp_path / "state.pkl"
+  pickle_file.write_bytes(pickle.dumps({"chunk": 1, "position": 0}))
+
+  def states_apart():
+    """States of ``pipeline`` for 4 devices, at chunks 0, 1, 2 and 3."""
+    states = [init_fn(seed=d) for d in range(4)]
+    for device, state in enumerate(states):
+      for _ in range(2 * device):
+        state, _ = batch_fn(state)
+      states[device] = state
+    return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *states)
+
+  return dict(jax=jax, np=np, jax_data=jax_data,
+              NumpyDataLoader=NumpyDataLoader,
               random_reference_data=random_reference_data,
               full_reference_data=full_reference_data,
               full_data_mapper=full_data_mapper, loader=loader,
               pipeline=pipeline, init_fn=init_fn, batch_fn=batch_fn,
               map_init=map_init, map_fn=map_fn, other_state=other[0](),
               tree=tree, other_data=other_data,
-              truncated_file=truncated_file, npy_file=npy_file)
+              truncated_file=truncated_file, npy_file=npy_file,
+              pickle_file=pickle_file, states_apart=states_apart,
+              checkpoint=checkpoint)
 
 
 @pytest.mark.parametrize("expression,raised,message", _rows())
