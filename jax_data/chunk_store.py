@@ -341,8 +341,12 @@ class ChainStore:
         self._idle.append(record)
 
   def trim_idle(self) -> None:
-    """Trims the cursors of chains whose chunks were all dropped for room
-    (outside ``_lock``: a cursor may be busy)."""
+    """Trims the cursors of chains whose chunks were all dropped for room,
+    then those of the chains produced for least recently while all cursors
+    hold more than the budget (see ``HELD_REQUESTS``); a cursor that is
+    producing is passed over. Housekeeping: producing never trims, and the
+    host calls this once a request has its chunks, in its prefetch thread
+    (trimming may drop a ``tf.data`` iterator of another chain)."""
     with self._lock:
       idle, self._idle = self._idle, []
     for record in idle:
@@ -353,6 +357,7 @@ class ChainStore:
             self._note_held(record.number, record.cursor.held_bytes())
         finally:
           record.produce_lock.release()
+    self._trim_held()
 
   # -- production ---------------------------------------------------------
 
@@ -386,8 +391,7 @@ class ChainStore:
     finally:
       if self._loader is None:  # released while producing
         _close(record, blocking=True)
-    self._trim_held()
-    return chunk
+    return chunk  # no trimming here: see trim_idle
 
   def _note_held(self, number: int, held: int) -> None:
     """Notes what chain ``number``'s cursor holds after producing for it
@@ -402,7 +406,8 @@ class ChainStore:
   def _trim_held(self) -> None:
     """Trims the cursors of the chains produced for least recently while
     the cursors of all chains hold more than the budget (see
-    ``HELD_REQUESTS``). A cursor that is producing is passed over."""
+    ``HELD_REQUESTS``). A cursor that is producing is passed over; the
+    chains of the last request never are trimmed."""
     with self._lock:
       protected = max(self._lanes, 1)
       limit = max(STORE_BYTES,

@@ -161,6 +161,16 @@ def _cancel(future, error: BaseException) -> None:
   settle(future, error=error)
 
 
+def _trim(store: ChainStore, queued: threading.Event) -> None:
+  """The prefetch thread's housekeeping job (see :meth:`Host.trim_later`)."""
+  queued.clear()
+  store.trim_idle()
+
+
+def _skip(error: BaseException) -> None:
+  del error  # a housekeeping job cancelled: nothing waits for it
+
+
 class Host:
   """Serves the chunks of one pipeline's chains to compiled code.
 
@@ -204,6 +214,7 @@ class Host:
     # full-data passes, not a random chain's few batches) split over the cores.
     self._copier = Gatherer()
     self.requests = 0
+    self._trim_queued = threading.Event()
     LIVE_HOSTS.add(self)
 
   # -- chains -------------------------------------------------------------
@@ -362,6 +373,8 @@ class Host:
       return self._lanes(pipelines, chains, chunks, need, device_count,
                          participants, defer)
     finally:
+      if defer is None:  # else the caller trims after its copy
+        self.trim_later()
       LIVE_HOSTS.end_request()
 
   def _lanes(self, pipelines, chains, chunks, need, device_count,
@@ -391,7 +404,6 @@ class Host:
       error = self.rendezvous.meet(
           min(c for c, wanted in zip(chunks, need) if wanted), participants,
           error)
-    self._store.trim_idle()
     if error is not None:
       raise error
     return lanes
@@ -430,6 +442,32 @@ class Host:
     finally:
       for record, index in deferred:
         self.schedule_next(record, index)
+      self.trim_later()
+
+  def trim_later(self) -> None:
+    """Has the prefetch thread trim the cursors of idle chains and of those
+    beyond the budget (:meth:`ChainStore.trim_idle`) once it has started
+    the productions queued now. That housekeeping may drop a ``tf.data``
+    iterator of another chain, which can take seconds: a request never
+    waits for it. Without a prefetch thread it runs here, after the
+    request's chunks were produced."""
+    prefetcher = self._prefetcher
+    if prefetcher is None:
+      self._store.trim_idle()
+      return
+    if self._trim_queued.is_set():
+      return
+    self._trim_queued.set()
+    job = functools.partial(_trim, self._store, self._trim_queued)
+    if not prefetcher.submit(("trim",), job, _skip):
+      self._trim_queued.clear()
+
+  def wait_idle(self, timeout: float = 60.0) -> bool:
+    """Waits until the prefetch thread has run the jobs queued, the
+    housekeeping of :meth:`trim_later` among them (for tests and
+    diagnostics); whether it did within ``timeout`` seconds."""
+    prefetcher = self._prefetcher
+    return prefetcher is None or prefetcher.wait_idle(timeout)
 
   def _zero_chunk(self) -> Chunk:
     if self._zeros is None:

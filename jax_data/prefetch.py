@@ -42,6 +42,7 @@ class Prefetcher:
     self._changed = threading.Condition()
     self._thread: Optional[threading.Thread] = None
     self._closed = False
+    self._running = False
 
   def submit(self, key: Hashable, run: Callable[[], None],
              cancel: Callable[[BaseException], None]) -> bool:
@@ -60,7 +61,7 @@ class Prefetcher:
         self._thread = threading.Thread(target=self._work, name=self._name,
                                         daemon=True)
         self._thread.start()
-      self._changed.notify()
+      self._changed.notify_all()  # the thread, and wait_idle's waiters
     return True
 
   def take(self, key: Hashable) -> Optional[Callable[[], None]]:
@@ -70,6 +71,7 @@ class Prefetcher:
       for job in self._jobs:
         if job.key == key:
           self._jobs.remove(job)
+          self._changed.notify_all()  # for wait_idle
           return job.run
     return None
 
@@ -81,10 +83,24 @@ class Prefetcher:
         if not self._jobs:
           return
         job = self._jobs.popleft()
-      job.run()
-      # Not kept while waiting for the next: a finished job's closure holds
-      # its host, which must be collectable once its pipeline is dropped.
-      del job
+        self._running = True
+      try:
+        job.run()
+      finally:
+        # Not kept while waiting for the next: a finished job's closure
+        # holds its host, which must be collectable once its pipeline is
+        # dropped.
+        del job
+        with self._changed:
+          self._running = False
+          self._changed.notify_all()
+
+  def wait_idle(self, timeout: float) -> bool:
+    """Waits up to ``timeout`` seconds until no job is queued or running
+    (for tests and diagnostics); whether that happened."""
+    with self._changed:
+      return self._changed.wait_for(
+          lambda: self._closed or not (self._jobs or self._running), timeout)
 
   def join(self, timeout: float) -> None:
     """Waits up to ``timeout`` seconds for the thread to end (after

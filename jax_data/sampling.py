@@ -350,6 +350,20 @@ class BufferShuffle:
     self.position = position + steps
     return np.concatenate(parts)
 
+  def trim(self) -> None:
+    """Drops the block of slot draws (512 KiB) and the buffer's slots (8
+    bytes each); the position becomes unknown: :meth:`seek` computes them
+    again."""
+    self.position = None
+    self._draws = ((-1, -1), np.empty(0, np.int64))
+    self._buffer = None
+
+  def held_bytes(self) -> int:
+    """The bytes of the slot draws and buffer slots kept (see
+    :meth:`trim`)."""
+    buffer = 0 if self._buffer is None else self._buffer.nbytes
+    return self._draws[1].nbytes + buffer
+
   def buffered(self) -> np.ndarray:
     """The element numbers read into the buffer and not yet emitted."""
     if self._buffer is None:

@@ -46,6 +46,7 @@ from jax_data.host_loader import HostDataLoader
 from jax_data.sampling import ENDLESS
 from jax_data.sampling import ObservationRange
 from jax_data.tensorflow_streams import MAX_SEED
+from jax_data.tensorflow_streams import IteratorCloser
 from jax_data.tensorflow_streams import MemoryRows
 from jax_data.tensorflow_streams import OrderedMemoryCursor
 from jax_data.tensorflow_streams import OrderedPipelineCursor
@@ -109,14 +110,38 @@ def _format(spec: Dict[str, Any], path: str = "", top: str = "") -> PyTree:
   return formats
 
 
+def _check_not_empty(pipeline: tf.data.Dataset, cardinality: int) -> None:
+  """Raises if ``pipeline`` yields no elements: one of unknown or infinite
+  length (after ``filter``, from a generator, a ``repeat`` of those) is
+  asked for its first element."""
+  if cardinality > 0:
+    return
+  if cardinality == 0:
+    how = "its cardinality is 0"
+  else:
+    for _ in pipeline.take(1):
+      return
+    how = "asked for its first element, it ended"
+  raise ValueError(
+      f"pipeline is empty: it yielded no elements ({how}); a "
+      f"TensorflowDataLoader needs at least one, got pipeline={pipeline!r}")
+
+
 def _count(pipeline: tf.data.Dataset, observation_count: Optional[int]
            ) -> Tuple[Optional[int], bool]:
   """The observation count (None: unknown, and not stated), and whether it
-  was stated by the user."""
+  was stated by the user.
+
+  Raises:
+    ValueError: the pipeline is empty, or ``observation_count`` is not a
+      positive int or differs from the pipeline's cardinality.
+  """
   cardinality = int(pipeline.cardinality())
   if observation_count is not None:
     observation_count = check_int("observation_count", observation_count,
                                   minimum=1)
+  _check_not_empty(pipeline, cardinality)
+  if observation_count is not None:
     if cardinality >= 0 and cardinality != observation_count:
       raise ValueError(
           f"observation_count={observation_count} differs from the pipeline's "
@@ -126,8 +151,6 @@ def _count(pipeline: tf.data.Dataset, observation_count: Optional[int]
   if cardinality in (tf.data.INFINITE_CARDINALITY,
                      tf.data.UNKNOWN_CARDINALITY):
     return None, False  # random chains only: an endless stream
-  if cardinality == 0:
-    raise ValueError("the pipeline is empty (cardinality 0)")
   return cardinality, False
 
 
@@ -196,13 +219,16 @@ class TensorflowDataLoader(HostDataLoader):
   None (scale a likelihood by your own ``N``). Ordered chains (full-data
   passes), shards and the count need ``observation_count``, and say so.
   Restoring such a chain reads the stream again from its start; with
-  ``observation_count`` it reads less than one pass.
+  ``observation_count`` it reads less than one pass. Such a pipeline is
+  asked for its first element when the loader is created, so that an empty
+  one is an error now, not inside compiled code.
 
   Raises:
     TypeError: ``pipeline`` is not a dataset of dicts, or a feature cannot
       become a JAX array (strings, ragged or sparse tensors).
-    ValueError: a feature has unknown dimensions, an unknown key in
-      ``exclude_keys``, or ``in_memory=True`` for an infinite pipeline.
+    ValueError: the pipeline is empty, a feature has unknown dimensions, an
+      unknown key in ``exclude_keys``, or ``in_memory=True`` for an
+      infinite pipeline.
   """
 
   random_keywords = ("seed", "shard_index", "shard_count")
@@ -246,6 +272,8 @@ class TensorflowDataLoader(HostDataLoader):
     self._pipeline = pipeline
     self._arrays: Optional[Rows] = None
     self._gatherer = Gatherer()
+    # Drops the chains' tf.data iterators off the threads that serve them.
+    self._closer = IteratorCloser()
     self._digest: Optional[str] = None
     self._reading = Reading(self.chunk_layout(1, 1).leaves, repr(self),
                             self._count, stated)
@@ -259,8 +287,8 @@ class TensorflowDataLoader(HostDataLoader):
     if self._count is None:
       blocks = [self._reading.as_rows(element) for element in
                 in_order(self._pipeline.batch(4096))]
-      if not blocks:
-        raise ValueError("the pipeline is empty: it yielded no element")
+      if not blocks:  # checked when created: it became empty since
+        raise ValueError("pipeline is empty: it yielded no elements")
       arrays = [np.concatenate(leaf) for leaf in zip(*blocks)]
       self._count = len(arrays[0])
       self._reading = dataclasses.replace(self._reading, count=self._count)
@@ -356,9 +384,11 @@ class TensorflowDataLoader(HostDataLoader):
       return ShuffleCursor(source, spec, layout, self._shuffle_cache)
     data = self._shard(shard)
     if isinstance(spec, OrderedChain):
-      return OrderedPipelineCursor(data, spec, layout, self._reading)
+      return OrderedPipelineCursor(data, spec, layout, self._reading,
+                                   self._closer)
     source = PipelineRows(data, shard.count,
-                          layout.cache_size * layout.mb_size, self._reading)
+                          layout.cache_size * layout.mb_size, self._reading,
+                          self._closer)
     return ShuffleCursor(source, spec, layout, self._shuffle_cache)
 
   def _shard(self, shard: ObservationRange) -> tf.data.Dataset:

@@ -13,8 +13,11 @@ so restoring one replays less than one pass.
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
+import threading
 from typing import Any
+from typing import Deque
 from typing import Iterator
 from typing import List
 from typing import Optional
@@ -61,12 +64,20 @@ class Reading:
   count: Optional[int]
   count_stated: bool
 
-  def next_rows(self, iterator: Iterator) -> Rows:
+  def next_rows(self, iterator: Iterator, fresh: bool = False) -> Rows:
     """The next element of an iterator over the pipeline, as NumPy arrays
-    in the loader's dtypes (read-only views where no conversion is due)."""
+    in the loader's dtypes (read-only views where no conversion is due);
+    ``fresh``: the iterator has yielded nothing yet."""
     try:
       element = next(iterator)
     except StopIteration:
+      if fresh:
+        raise RuntimeError(
+            f"the pipeline of {self.name} is empty on this pass: it yielded "
+            "no elements, though it had some when the loader was created; "
+            "a pipeline must yield the same elements on every pass (e.g. "
+            "from_generator needs a function that makes a new generator on "
+            "every call)") from None
       raise RuntimeError(
           f"the pipeline of {self.name} ended early; does it yield fewer "
           "elements on later passes?") from None
@@ -93,6 +104,62 @@ def in_order(dataset: tf.data.Dataset) -> Iterator:
   options = tf.data.Options()
   options.deterministic = True
   return iter(dataset.with_options(options))
+
+
+class IteratorCloser:
+  """Drops ``tf.data`` iterators in a background thread of its own.
+
+  Dropping an iterator stops its pipeline's threads and can take seconds
+  (more inside a host callback's thread, while compiled code waits), so
+  the cursors never drop one where they run: the host trims an idle chain's
+  cursor and a request must not wait for that. The thread starts when an
+  iterator comes and ends when none is left; it is not a daemon, so the
+  interpreter's exit waits for it (no TensorFlow code runs while the
+  interpreter finalizes).
+
+  Attributes:
+    dropped: Iterators dropped so far (for tests and diagnostics).
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._waiting: Deque[Iterator] = collections.deque()
+    self._thread: Optional[threading.Thread] = None
+    self.dropped = 0
+
+  def close_later(self, iterators: List[Optional[Iterator]]) -> None:
+    """Moves the iterators out of the list ``iterators`` and drops them in
+    the background (Nones are skipped). The list must hold the caller's
+    only references: one left elsewhere could be the last to go, and the
+    iterator would then be dropped there."""
+    with self._lock:
+      self._waiting.extend(i for i in iterators if i is not None)
+      iterators.clear()
+      if self._thread is not None or not self._waiting:
+        return
+      thread = threading.Thread(target=self._work, daemon=False,
+                                name="jax_data-tf-iterator-closer")
+      self._thread = thread
+    try:
+      thread.start()
+    except RuntimeError:  # the interpreter is exiting: drop them here
+      self._work()
+
+  def pending(self) -> int:
+    """Iterators waiting to be dropped."""
+    with self._lock:
+      return len(self._waiting)
+
+  def _work(self) -> None:
+    while True:
+      with self._lock:
+        if not self._waiting:
+          self._thread = None
+          return
+        iterator = self._waiting.popleft()
+      del iterator  # the last reference: TensorFlow deletes it now
+      with self._lock:
+        self.dropped += 1
 
 
 class MemoryRows:
@@ -174,16 +241,20 @@ class PipelineRows:
   """
 
   def __init__(self, data: tf.data.Dataset, count: int, rows_per_read: int,
-               reading: Reading):
+               reading: Reading, closer: IteratorCloser):
     self._data = data
     self._rows_per_read = rows_per_read
     self._reading = reading
+    self._closer = closer
     self.count = count
+    self._iterator: Optional[Iterator] = None
     self.restart(0)
 
   def restart(self, first: int) -> None:
-    """Reads again from element ``first``, the start of a pass."""
-    self._iterator: Optional[Iterator] = None
+    """Reads again from element ``first``, the start of a pass; the
+    iterator read so far is dropped in the background."""
+    held, self._iterator = [self._iterator], None
+    self._closer.close_later(held)
     self._blocks: List[Tuple[np.ndarray, Rows]] = []  # numbers, rows
     self._next = first  # the number of the element read next
 
@@ -195,10 +266,11 @@ class PipelineRows:
     return sum(a.nbytes for a in arrays.values())
 
   def _read(self) -> None:
-    if self._iterator is None:
+    fresh = self._iterator is None
+    if fresh:
       self._iterator = in_order(
           self._data.repeat().batch(self._rows_per_read))
-    rows = self._reading.next_rows(self._iterator)
+    rows = self._reading.next_rows(self._iterator, fresh)
     size = len(rows[0])
     self._blocks.append((np.arange(self._next, self._next + size), rows))
     self._next += size
@@ -287,13 +359,17 @@ class ShuffleCursor(ChainCursor):
     return Chunk(_shaped(rows, self._layout), self._all_valid)
 
   def trim(self) -> None:
-    """Drops the pipeline iterator and the rows held; the next chunk seeks
-    again from the start of its pass."""
-    self._shuffle.position = None
+    """Drops the pipeline iterator (in the background), the rows held and
+    the shuffle's draws; the next chunk seeks again from the start of its
+    pass."""
+    self._shuffle.trim()
     self._source.restart(0)
 
+  def close(self) -> None:
+    self.trim()
+
   def held_bytes(self) -> int:
-    return self._source.held_bytes()
+    return self._source.held_bytes() + self._shuffle.held_bytes()
 
   def position(self) -> Position:
     return {"version": POSITION_VERSION, "shuffle_cache": self._shuffle_cache,
@@ -369,9 +445,10 @@ class OrderedPipelineCursor(_OrderedCursor):
   pipeline that repeats the padded pass."""
 
   def __init__(self, data: tf.data.Dataset, spec: OrderedChain,
-               layout: ChunkLayout, reading: Reading):
+               layout: ChunkLayout, reading: Reading, closer: IteratorCloser):
     super().__init__(spec, layout)
     self._reading = reading
+    self._closer = closer
     count = spec.observations.count
     padding = self.batches_per_pass * layout.mb_size - count  # < mb <= count
     self._pass = data.concatenate(data.take(padding)) if padding else data
@@ -379,18 +456,24 @@ class OrderedPipelineCursor(_OrderedCursor):
     self._next_batch: Optional[int] = None  # where the iterator stands
 
   def trim(self) -> None:
-    """Drops the pipeline iterator."""
-    self._iterator, self._next_batch = None, None
+    """Drops the pipeline iterator (in the background)."""
+    held, self._iterator, self._next_batch = [self._iterator], None, None
+    self._closer.close_later(held)
+
+  def close(self) -> None:
+    self.trim()
 
   def _rows(self, batch: int, flat: np.ndarray, out: Rows) -> Rows:
     del flat, out  # a tf.data batch is fresh memory: served as it is
-    if self._next_batch != batch:
+    fresh = self._next_batch != batch
+    if fresh:
+      self.trim()
       size = self._layout.cache_size * self._layout.mb_size
       self._iterator = in_order(self._pass.repeat().skip(
           batch * self._layout.mb_size).batch(size, drop_remainder=True))
     # Until a draw succeeds the iterator's position is unknown.
     self._next_batch = None
-    rows = self._reading.next_rows(self._iterator)
+    rows = self._reading.next_rows(self._iterator, fresh)
     self._next_batch = (batch + self._layout.cache_size
                         ) % self.batches_per_pass
     return rows

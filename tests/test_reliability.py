@@ -244,6 +244,7 @@ def test_permutations_of_many_small_chains_stay_within_the_budget(
     state, batch = run(init_fn(seed=epoch, shuffle=True))
     states.append(state)
     batches.append(np.asarray(batch["x"]))
+    assert host.wait_idle()  # trimming is the prefetch thread's work
     cursors = [host.chain(int(s.chain)).cursor for s in states]
     held = sum(cursor.held_bytes() for cursor in cursors)
     most = max(cursor.held_bytes() for cursor in cursors)

@@ -1,6 +1,7 @@
 """TensorflowDataLoader: streams, checkpoints, dtypes, errors, and use inside
 ``jit``."""
 
+import collections
 import contextlib
 import copy
 import io
@@ -8,6 +9,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -716,3 +720,184 @@ def test_a_random_chain_reports_the_rows_it_holds_and_trims_them():
     trimmed, batch = step(trimmed)
     twin, expected = step(twin)
     np.testing.assert_array_equal(batch["x"], expected["x"])
+
+
+# -- housekeeping of many chains (issue 24) ---------------------------------
+
+
+def _array_bytes(cursor):
+  """The bytes of the NumPy arrays a cursor reaches through jax_data
+  objects and containers (whole buffers, each counted once)."""
+  arrays, seen, todo = {}, set(), [cursor]
+  while todo:
+    obj = todo.pop()
+    if id(obj) in seen:
+      continue
+    seen.add(id(obj))
+    if isinstance(obj, np.ndarray):
+      while isinstance(obj.base, np.ndarray):
+        obj = obj.base
+      arrays[id(obj)] = obj.nbytes
+    elif isinstance(obj, dict):
+      todo.extend(obj.values())
+    elif isinstance(obj, (list, tuple, collections.deque)):
+      todo.extend(obj)
+    elif type(obj).__module__.startswith("jax_data."):
+      todo.extend(getattr(obj, "__dict__", {}).values())
+  return sum(arrays.values())
+
+
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_a_trimmed_chain_keeps_no_more_than_a_fresh_one(in_memory):
+  """``held_bytes`` counts every array a random chain keeps beyond a new
+  cursor's (the shuffle's 512 KiB block of slot draws too), and ``trim``
+  frees all of it: chains used one after another past the budget do not
+  grow memory."""
+  loader = TensorflowDataLoader(_pipeline(300), shuffle_cache=64,
+                                in_memory=in_memory)
+  pipeline = jax_data.random_reference_data(loader, 2, 8)
+  init_fn, batch_fn, release_fn = pipeline
+  step = jax.jit(batch_fn)
+  state = init_fn(seed=3)
+  for _ in range(5):
+    state, _ = step(state)
+  record = pipeline.host.chain(int(state.chain))
+  fresh = _array_bytes(loader.open_chain(record.spec, pipeline.host.layout))
+  with record.produce_lock:
+    cursor = record.cursor
+    assert _array_bytes(cursor) - fresh <= cursor.held_bytes()
+    assert cursor.held_bytes() >= 8 * 2**16  # the block of draws
+    cursor.trim()
+    assert cursor.held_bytes() == 0
+    assert _array_bytes(cursor) <= fresh
+  release_fn()
+
+
+def test_a_trimmed_chain_drops_its_iterator_in_a_background_thread(
+    monkeypatch):
+  """Dropping a tf.data iterator can take seconds: a trim (the host's, or
+  a chain's own seek to another pass) never drops it in the calling
+  thread."""
+  dropped = []
+
+  def observed(dataset):
+    iterator = in_order(dataset)
+    weakref.finalize(iterator, lambda: dropped.append(
+        threading.current_thread().name))
+    return iterator
+
+  from jax_data import tensorflow_streams  # pylint: disable=g-import-not-at-top
+  in_order = tensorflow_streams.in_order
+  monkeypatch.setattr(tensorflow_streams, "in_order", observed)
+  loader = TensorflowDataLoader(_pipeline(100), shuffle_cache=8)
+  pipeline = jax_data.random_reference_data(loader, 2, 4)
+  init_fn, batch_fn, release_fn = pipeline
+  state, _ = jax.jit(batch_fn)(init_fn(seed=1))
+  record = pipeline.host.chain(int(state.chain))
+  with record.produce_lock:  # no production meanwhile
+    record.cursor.trim()
+  for _ in range(3000):  # the background thread drops it soon
+    if dropped:
+      break
+    time.sleep(0.01)
+  assert dropped == ["jax_data-tf-iterator-closer"]
+  release_fn()
+
+
+class _ObservedCursor(jax_data.chains.ChainCursor):
+  """A loader's cursor that reports holding 64 MiB, so that the host trims
+  it once a few chains were used, and whose trims are recorded in
+  ``events`` and wait for ``go`` (at most 30 seconds, so that a request
+  that waits for one ends)."""
+
+  def __init__(self, cursor, events, go):
+    self.cursor, self._events, self._go = cursor, events, go
+
+  def produce(self, index, out):
+    return self.cursor.produce(index, out)
+
+  def position(self):
+    return self.cursor.position()
+
+  def seek(self, position):
+    self.cursor.seek(position)
+
+  def held_bytes(self):
+    return 64 << 20
+
+  def trim(self):
+    self._events.append("trim started")
+    self._go.wait(30)
+    self._go.set()  # later trims do not wait
+    self.cursor.trim()
+    self._events.append("trim ended")
+
+
+def test_a_request_never_waits_for_trimming_other_chains():
+  """Chains used one after another past the budget: the host trims the
+  least recently used chains' cursors (dropping their tf.data iterators
+  can take seconds) in its prefetch thread, never while a request waits;
+  a trimmed chain's stream continues exactly."""
+  events, go = [], threading.Event()
+
+  class Observed(TensorflowDataLoader):
+
+    def open_chain(self, spec, layout):
+      return _ObservedCursor(super().open_chain(spec, layout), events, go)
+
+  loader = Observed(_pipeline(200), shuffle_cache=10)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader,
+                                                                 1, 4)
+  step = jax.jit(batch_fn)
+  states = []
+  for seed in range(12):
+    state, _ = jax.block_until_ready(step(init_fn(seed=seed)))
+    states.append(state)
+    events.append("served")
+  go.set()
+  assert "trim started" in events
+  first = events.index("trim started")
+  # While the first trim waited, requests were served.
+  assert events[first + 1] == "served", events
+  # The first chain was trimmed; it continues as on an untrimmed twin.
+  reference = TensorflowDataLoader(_pipeline(200), shuffle_cache=10)
+  twin_init, twin_batch, twin_release = jax_data.random_reference_data(
+      reference, 1, 4)
+  twin_step = jax.jit(twin_batch)
+  twin, _ = twin_step(twin_init(seed=0))
+  state = states[0]
+  for _ in range(60):
+    state, batch = step(state)
+    twin, expected = twin_step(twin)
+    np.testing.assert_array_equal(batch["x"], expected["x"])
+  release_fn()
+  twin_release()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _pipeline(10).filter(lambda d: d["x"] > 100),
+    lambda: _pipeline(10).filter(lambda d: d["x"] > 100).repeat(),
+    lambda: _pipeline(10).take(0),
+])
+def test_an_empty_pipeline_is_named_when_the_loader_is_created(make):
+  for kwargs in ({}, {"observation_count": 4}, {"in_memory": True}):
+    with pytest.raises(ValueError, match="pipeline is empty: it yielded no "
+                       "elements"):
+      TensorflowDataLoader(make(), **kwargs)
+
+
+def test_a_pipeline_empty_on_a_later_pass_says_so():
+  """A generator used up after its first pass (a common mistake with
+  ``from_generator``): a chain that starts reading then is told the
+  pipeline yielded no elements, not that it ended early."""
+  rows = iter([{"x": np.int64(i)} for i in range(6)])
+  once = tf.data.Dataset.from_generator(
+      lambda: rows, output_signature={"x": tf.TensorSpec((), tf.int64)})
+  loader = TensorflowDataLoader(once, shuffle_cache=2)
+  first = loader.register_random_pipeline(1, 4)
+  with pytest.raises(RuntimeError):  # somewhere in the first pass
+    for _ in range(3):
+      loader.get_batches(first)
+  with pytest.raises(RuntimeError, match="is empty on this pass: it yielded "
+                     "no elements"):
+    loader.get_batches(loader.register_random_pipeline(1, 4))
