@@ -73,6 +73,10 @@ def _namespace(tmp_path):
 @pytest.mark.parametrize("expression,raised,message", _rows())
 def test_documented_error(expression, raised, message, tmp_path):
   namespace = _namespace(tmp_path)
+  if "TensorflowDataLoader" in expression:  # the optional extra
+    tf = pytest.importorskip("tensorflow")
+    from jax_data.tensorflow_loader import TensorflowDataLoader
+    namespace.update(tf=tf, TensorflowDataLoader=TensorflowDataLoader)
   if raised == "UserWarning":
     with pytest.warns(UserWarning, match=re.escape(message)):
       eval(expression, namespace)  # pylint: disable=eval-used
