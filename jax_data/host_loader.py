@@ -85,6 +85,9 @@ class HostDataLoader(PredecessorAPI, DataLoader):
       "seed", "shuffle", "in_epochs", "shard_index", "shard_count")
   #: Keywords an ordered chain of this loader takes.
   ordered_keywords: ClassVar[Tuple[str, ...]] = ("shard_index", "shard_count")
+  #: With ``"stream"`` among the random keywords: ``stream="auto"`` draws
+  #: counter-based streams above this many observations (None: never).
+  auto_counter_above: ClassVar[Optional[int]] = AUTO_COUNTER_ABOVE
 
   # -- the interface ------------------------------------------------------
 
@@ -149,7 +152,7 @@ class HostDataLoader(PredecessorAPI, DataLoader):
     in_epochs = check_bool("in_epochs", keywords.get("in_epochs", False))
     if in_epochs and not shuffle:
       raise ValueError("in_epochs=True needs shuffle=True, got shuffle=False")
-    stream = _stream_kind(stream, observations)
+    stream = _stream_kind(stream, observations, self.auto_counter_above)
     return RandomChain(
         None if seed is None else check_int(
             "seed", seed, minimum=0,
@@ -228,15 +231,16 @@ class HostDataLoader(PredecessorAPI, DataLoader):
     return numbering
 
 
-def _stream_kind(stream: Any, observations: ObservationRange) -> str:
+def _stream_kind(stream: Any, observations: ObservationRange,
+                 auto_counter_above: Optional[int]) -> str:
   """``"exact"`` or ``"counter"`` for the ``stream`` keyword: ``"auto"`` is
-  counter-based above :data:`AUTO_COUNTER_ABOVE` observations (an exact
-  shuffled chain keeps O(n) permutations and seeks by replaying), exact
-  otherwise (the predecessor's batches)."""
+  counter-based above ``auto_counter_above`` observations (an exact shuffled
+  chain keeps O(n) permutations and seeks by replaying), exact otherwise
+  (the predecessor's batches, or the loader's own stream)."""
   if not isinstance(stream, str) or stream not in ("auto",) + STREAMS:
     raise ValueError(
         f"stream must be 'auto', 'exact' or 'counter', got {stream=}")
   if stream == "auto":
-    return ("counter" if observations.count > AUTO_COUNTER_ABOVE
-            else "exact")
+    return ("counter" if auto_counter_above is not None
+            and observations.count > auto_counter_above else "exact")
   return stream

@@ -40,9 +40,11 @@ from jax_data.chains import ChainCursor
 from jax_data.chains import ChainSpec
 from jax_data.chains import ChunkLayout
 from jax_data.chains import OrderedChain
+from jax_data.chains import RandomChain
 from jax_data.gather import Gatherer
 from jax_data.gather import digest_rows
 from jax_data.host_loader import HostDataLoader
+from jax_data.indexed import IndexedCursor
 from jax_data.sampling import ENDLESS
 from jax_data.sampling import ObservationRange
 from jax_data.tensorflow_streams import MAX_SEED
@@ -232,6 +234,9 @@ class TensorflowDataLoader(HostDataLoader):
   """
 
   random_keywords = ("seed", "shard_index", "shard_count")
+  # In memory, stream="counter" draws the counter-based streams of the NumPy
+  # loaders (with shuffle and in_epochs); "auto" keeps the shuffle buffer.
+  auto_counter_above = None
 
   def __init__(self, pipeline: tf.data.Dataset, shuffle_cache: int = 100,
                exclude_keys: Optional[Iterable[str]] = None,
@@ -280,6 +285,8 @@ class TensorflowDataLoader(HostDataLoader):
     if in_memory:
       self._arrays = self._read_all()
       self._reading = dataclasses.replace(self._reading, name=repr(self))
+      self.random_keywords = type(self).random_keywords + (
+          "shuffle", "in_epochs", "stream")
 
   def _read_all(self) -> Rows:
     """Every observation of one pass, as arrays in the loader's dtypes; a
@@ -366,9 +373,19 @@ class TensorflowDataLoader(HostDataLoader):
     return ObservationRange(0, ENDLESS)
 
   def check_spec(self, spec: ChainSpec) -> None:
-    """Seeds of random chains are in ``[0, 2**31)``."""
-    if not isinstance(spec, OrderedChain):
-      check_int("seed", spec.seed, minimum=0, maximum=MAX_SEED)
+    """Seeds of random chains are in ``[0, 2**31)``; ``shuffle`` and
+    ``in_epochs`` choose among counter-based streams only."""
+    if isinstance(spec, OrderedChain):
+      return
+    if spec.stream == "counter":
+      return
+    check_int("seed", spec.seed, minimum=0, maximum=MAX_SEED)
+    if spec.shuffle or spec.in_epochs:
+      raise ValueError(
+          f"shuffle and in_epochs choose among the counter-based streams "
+          f"(stream='counter') of {type(self).__name__}(in_memory=True); "
+          f"its own random chains stream through a shuffle buffer, got "
+          f"shuffle={spec.shuffle}, in_epochs={spec.in_epochs}")
 
   def open_chain(self, spec: ChainSpec, layout: ChunkLayout) -> ChainCursor:
     """A cursor over the chain: random chains stream the shard through a
@@ -378,6 +395,10 @@ class TensorflowDataLoader(HostDataLoader):
     ``spec/SAMPLING.md`` for NumPy). A chunk may span two passes."""
     shard = spec.observations
     if self._arrays is not None:
+      if isinstance(spec, RandomChain) and spec.stream == "counter":
+        rows = MemoryRows(self._arrays, ObservationRange(0, self._count),
+                          self._gatherer)
+        return IndexedCursor(spec, layout, rows.gather)
       source = MemoryRows(self._arrays, shard, self._gatherer)
       if isinstance(spec, OrderedChain):
         return OrderedMemoryCursor(source, spec, layout)

@@ -129,7 +129,8 @@ class _Virtual:
 def test_every_loader_draws_the_same_counter_stream(mode, tmp_path,
                                                     pipelines):
   """NumpyDataLoader in memory and over a memmap, SourceDataLoader with
-  threads: the same batches for the same seed, equal to the stream."""
+  threads, TensorflowDataLoader in memory: the same batches for the same
+  seed, equal to the stream."""
   n, mb, cache = 103, 8, 3
   path = tmp_path / "x.npy"
   np.save(path, np.arange(n))
@@ -137,6 +138,15 @@ def test_every_loader_draws_the_same_counter_stream(mode, tmp_path,
              jax_data.NumpyDataLoader(copy=False,
                                       x=np.load(path, mmap_mode="r")),
              jax_data.SourceDataLoader(_Virtual(n), workers=2)]
+  try:
+    import tensorflow as tf
+
+    from jax_data.tensorflow_loader import TensorflowDataLoader
+    loaders.append(TensorflowDataLoader(
+        tf.data.Dataset.from_tensor_slices({"x": np.arange(n)}),
+        in_memory=True))
+  except ImportError:  # the tensorflow extra is optional
+    pass
   expected, mask = cs.stream_batches(11, 0, 7, mb, n,
                                      mode.get("shuffle", False),
                                      mode.get("in_epochs", False))
@@ -295,3 +305,29 @@ def test_lanes_of_a_checkpoint_restore_apart(tmp_path):
     np.testing.assert_array_equal(np.asarray(got["x"]), np.stack(expected))
   with pytest.raises(ValueError, match=r"lanes=\[8\].*between 0 and 7"):
     jax_data.restore_checkpoint(path, pipeline, lanes=[8])
+
+
+def test_worker_processes_draw_the_same_counter_stream():
+  loader = jax_data.SourceDataLoader(_Virtual(103), workers=2,
+                                     processes=True)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 3, 8)
+  state = init_fn(seed=11, shuffle=True, stream="counter")
+  got = []
+  for _ in range(4):
+    state, batch = batch_fn(state)
+    got.append(np.asarray(batch["x"]))
+  release_fn()
+  np.testing.assert_array_equal(
+      np.stack(got), cs.stream_batches(11, 0, 4, 8, 103, True, False)[0])
+
+
+def test_tensorflow_shuffle_options_need_counter_streams():
+  tf = pytest.importorskip("tensorflow")
+  from jax_data.tensorflow_loader import TensorflowDataLoader
+  data = tf.data.Dataset.from_tensor_slices({"x": np.arange(10)})
+  in_memory = TensorflowDataLoader(data, in_memory=True)
+  assert in_memory.chain_spec(False).stream == "exact"  # its buffer
+  with pytest.raises(ValueError, match="stream='counter'"):
+    jax_data.random_reference_data(in_memory, 2, 3)[0](shuffle=True)
+  with pytest.raises(TypeError, match="stream"):
+    TensorflowDataLoader(data).chain_spec(False, stream="counter")
