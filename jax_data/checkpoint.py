@@ -76,6 +76,8 @@ def state_to_pytree(pipeline: Any, state: CacheState) -> Dict[str, np.ndarray]:
                                              int(arrays["chunk"][lane])))
   host = {"version": FORMAT_VERSION, "lanes": list(lanes), "chains": chains,
           "fingerprint": pipeline.fingerprint}
+  if pipeline.host is None:  # -1: a jax.random chain; -2 - mode: counter
+    host["device_chains"] = arrays["chain"].astype(np.int64).ravel().tolist()
   encoded = json.dumps(host, default=_json_default).encode()
   return {"host": np.frombuffer(encoded, np.uint8).copy(),
           "chunk": arrays["chunk"].astype(np.int32),
@@ -124,6 +126,8 @@ def state_from_pytree(pipeline: Any, tree: Dict[str, Any],
     host, arrays = _some_lanes(host, arrays, lanes)
   lanes = tuple(host["lanes"])
   chain = np.full(lanes, -1, np.int32)
+  if pipeline.host is None and "device_chains" in host:
+    chain = _device_chains(host["device_chains"], lanes)
   if pipeline.host is not None:
     restored = []
     try:
@@ -206,6 +210,17 @@ def _read_tree(tree: Any, pipeline: pl.Pipeline
   return host, arrays
 
 
+def _device_chains(saved: Any, lanes: Tuple[int, ...]) -> np.ndarray:
+  """The kinds of a device-resident pipeline's chains (checked)."""
+  codes = np.asarray(saved)
+  if (codes.shape != (math.prod(lanes),) or codes.dtype.kind != "i"
+      or ((codes > -1) | (codes < -4)).any()):
+    raise CheckpointError(
+        f"the checkpoint's device_chains are {saved!r}, expected one of -1 "
+        f"to -4 per lane of {lanes}")
+  return codes.astype(np.int32).reshape(lanes)
+
+
 def _some_lanes(host: Dict[str, Any], arrays: Dict[str, np.ndarray],
                 lanes: Any) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
   """The host part and counters of the saved lanes ``lanes`` only."""
@@ -223,8 +238,12 @@ def _some_lanes(host: Dict[str, Any], arrays: Dict[str, np.ndarray],
   flat = {k: v.reshape((count,) + v.shape[len(saved):])[picked]
           for k, v in arrays.items()}
   chains = host["chains"]
-  return dict(host, lanes=[len(picked)],
-              chains=[chains[i] for i in picked] if chains else []), flat
+  picked_host = dict(host, lanes=[len(picked)],
+                     chains=[chains[i] for i in picked] if chains else [])
+  saved_chains = host.get("device_chains")
+  if isinstance(saved_chains, list) and len(saved_chains) == count:
+    picked_host["device_chains"] = [host["device_chains"][i] for i in picked]
+  return picked_host, flat
 
 
 def _counters(tree: Mapping[str, Any], name: str, shape: Tuple[int, ...],

@@ -82,6 +82,15 @@ def _u32(value: Any, xp: Any) -> Any:
   return xp.asarray(value, dtype=xp.uint32)
 
 
+def _seed_words(seed: Any, xp: Any) -> Tuple[Any, Any]:
+  """A seed's low and high ``uint32`` words: of a Python int below
+  ``2**64``, or the two words of a (traced) ``uint32[2]`` array, as a
+  device-resident chain's state holds them."""
+  if isinstance(seed, (int, np.integer)):
+    return tuple(_u32(w, xp) for w in _words(int(seed)))
+  return seed[0].astype(xp.uint32), seed[1].astype(xp.uint32)
+
+
 def round_keys(seed: int, epoch: Any, xp: Any = np) -> list:
   """The :data:`ROUNDS` keys of the bijection of ``epoch`` of ``seed``.
 
@@ -89,7 +98,7 @@ def round_keys(seed: int, epoch: Any, xp: Any = np) -> list:
   epoch per index, NumPy) or, with ``xp`` = ``jax.numpy``, ``uint32``
   (traced) values.
   """
-  seed_lo, seed_hi = _words(seed)
+  seed_lo, seed_hi = _seed_words(seed, xp)
   if isinstance(epoch, (int, np.integer)):
     epoch_lo, epoch_hi = (_u32(w, xp) for w in _words(int(epoch)))
   elif xp is np:  # an array of epochs, one per offset
@@ -98,8 +107,7 @@ def round_keys(seed: int, epoch: Any, xp: Any = np) -> list:
     epoch_hi = (epoch >> np.uint64(32)).astype(np.uint32)
   else:
     epoch_lo, epoch_hi = _u32(epoch, xp), _u32(0, xp)
-  base = (_u32(_TAG_PERMUTE, xp), _u32(seed_lo, xp), _u32(seed_hi, xp),
-          epoch_lo, epoch_hi)
+  base = (_u32(_TAG_PERMUTE, xp), seed_lo, seed_hi, epoch_lo, epoch_hi)
   return [_absorb(base + (_u32(r, xp),), xp) for r in range(ROUNDS)]
 
 
@@ -195,7 +203,8 @@ def uniform(seed: int, positions: Any, n: int, xp: Any = np) -> Any:
   ``b`` bits, the first attempt below ``n`` taken (exactly uniform).
 
   NumPy takes int64 positions below ``2**63``; ``jax.numpy`` ``uint32``
-  positions and ``n`` at most ``2**32``.
+  positions, or a pair of arrays of their low and high ``uint32`` words,
+  and ``n`` at most ``2**32``.
   """
   bits = domain_bits(n)
   _check_device_size(n, bits, xp)
@@ -207,9 +216,11 @@ def uniform(seed: int, positions: Any, n: int, xp: Any = np) -> Any:
   return _uniform(seed, positions, n, bits, xp)
 
 
-def _uniform(seed: int, positions: Any, n: int, bits: int, xp: Any) -> Any:
-  seed_lo, seed_hi = (_u32(w, xp) for w in _words(seed))
-  if xp is np:
+def _uniform(seed: Any, positions: Any, n: int, bits: int, xp: Any) -> Any:
+  seed_lo, seed_hi = _seed_words(seed, xp)
+  if isinstance(positions, tuple):  # the device's (low, high) words
+    pos_lo, pos_hi = positions
+  elif xp is np:
     positions = np.asarray(positions, np.int64).astype(np.uint64)
     pos_lo = (positions & np.uint64(_U32)).astype(np.uint32)
     pos_hi = (positions >> np.uint64(32)).astype(np.uint32)
@@ -355,3 +366,97 @@ def _shifted(indices: Any, start: int, xp: Any) -> Any:
   if xp is np:
     return indices + start if start else indices
   return indices.astype(xp.int32) + start
+
+
+# -- the device's streams --------------------------------------------------
+
+#: Modes of :func:`device_batch`, in the order of its ``mode`` argument.
+DEVICE_MODES = ("independent", "shuffle", "epochs")
+
+
+def device_batch(seed: Any, batch: Any, mb_size: int, n: int, mode: Any
+                 ) -> Tuple[Any, Any]:
+  """Indices (uint32, ``(mb_size,)``) and mask of batch ``batch`` of a
+  counter-based stream, in ``jax.numpy`` with 32-bit integers only: what
+  ``stream_batches(seed, batch, 1, ...)`` gives on the host, for ``batch``
+  below ``2**31``, ``mb_size`` below ``2**16`` and ``n`` below ``2**32``.
+
+  Args:
+    seed: The seed's words, ``uint32[2]`` (low, high).
+    batch: The batch number (traced int32 or uint32).
+    mb_size: Observations per batch.
+    n: Observations.
+    mode: Index into :data:`DEVICE_MODES` (traced int32).
+  """
+  import jax.numpy as jnp
+  from jax import lax
+
+  if not (mb_size < 2**16 and n < 2**32):
+    raise ValueError(
+        f"counter streams on the device need mb_size below 2**16 and fewer "
+        f"than 2**32 observations, got mb_size={mb_size}, n={n}")
+  batch = jnp.asarray(batch).astype(jnp.uint32)
+  steps = jnp.arange(mb_size, dtype=jnp.uint32)
+  everything = jnp.ones(mb_size, bool)
+
+  def independent(_):
+    return uniform(seed, _times_plus(batch, mb_size, steps), n,
+                   jnp), everything
+
+  def shuffled(_):
+    # Position t = batch * mb + step, as epoch t // n and offset t % n
+    # without 64-bit integers: batch = q * n + r, then r * mb = p * n + s.
+    q, r = batch // jnp.uint32(n), batch % jnp.uint32(n)
+    p, s = _times_divmod(r, mb_size, n)
+    wraps = s >= jnp.uint32(n) - steps
+    offset = jnp.where(wraps, s - (jnp.uint32(n) - steps), s + steps)
+    epoch = q * jnp.uint32(mb_size) + p + wraps.astype(jnp.uint32)
+    return permute(seed, epoch, offset, n, jnp), everything
+
+  def in_epochs(_):
+    per_epoch = -(-n // mb_size)
+    epoch = batch // jnp.uint32(per_epoch)
+    positions = (batch % jnp.uint32(per_epoch)) * jnp.uint32(mb_size) + steps
+    valid = positions < jnp.uint32(n)
+    indices = permute(seed, jnp.broadcast_to(epoch, positions.shape),
+                      jnp.where(valid, positions, 0), n, jnp)
+    return jnp.where(valid, indices, jnp.uint32(0)), valid
+
+  return lax.switch(mode, [independent, shuffled, in_epochs], None)
+
+
+def _times_plus(batch: Any, mb_size: int, steps: Any) -> Tuple[Any, Any]:
+  """Low and high words of ``batch * mb_size + steps`` (``batch`` below
+  ``2**31``, ``mb_size`` below ``2**16``), in ``uint32``."""
+  import jax.numpy as jnp
+  mb = jnp.uint32(mb_size)
+  upper = (batch >> jnp.uint32(16)) * mb  # below 2**31
+  lower = (batch & jnp.uint32(0xFFFF)) * mb  # below 2**32
+  low = upper << jnp.uint32(16)
+  high = upper >> jnp.uint32(16)
+  summed = low + lower
+  high = high + (summed < low).astype(jnp.uint32)
+  final = summed + steps
+  high = high + (final < summed).astype(jnp.uint32)
+  return final, jnp.broadcast_to(high, final.shape)
+
+
+def _times_divmod(r: Any, mb_size: int, n: int) -> Tuple[Any, Any]:
+  """``divmod(r * mb_size, n)`` for ``r`` below ``n`` (below ``2**32``), in
+  ``uint32``: double-and-add over the bits of ``mb_size``, the remainder
+  kept below ``n`` throughout."""
+  import jax.numpy as jnp
+  n32 = jnp.uint32(n)
+  quotient = jnp.zeros_like(r)
+  remainder = jnp.zeros_like(r)
+
+  def add(quotient, remainder, value):
+    carry = remainder >= n32 - value
+    remainder = jnp.where(carry, remainder - (n32 - value), remainder + value)
+    return quotient + carry.astype(jnp.uint32), remainder
+
+  for bit in bin(mb_size)[2:]:
+    quotient, remainder = add(quotient + quotient, remainder, remainder)
+    if bit == "1":
+      quotient, remainder = add(quotient, remainder, r)
+  return quotient, remainder

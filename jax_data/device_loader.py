@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_data import counter_streams
 from jax_data import pipeline as pl
 from jax_data import states
 from jax_data.errors import PipelineReleasedError
@@ -39,7 +40,10 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
   """The same arrays as :class:`NumpyDataLoader`, kept on the device.
 
   Random batches are independent draws with ``jax.random`` (keyword ``key``
-  of ``init_fn``); no host calls are made.
+  of ``init_fn``), or with ``init_fn(seed=..., shuffle=..., in_epochs=...,
+  stream="counter")`` the counter-based streams that the host loaders draw
+  for the same keywords (:doc:`counter_streams`), computed on the device;
+  no host calls are made.
 
   Args:
     copy: Copy the arrays before moving them to the device.
@@ -68,6 +72,57 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
           f"key must be a PRNG key (jax.random.PRNGKey or jax.random.key), "
           f"got key with shape {key.shape} and dtype {key.dtype}")
     return key
+
+  def counter_chain(self, kwargs: Dict[str, Any]
+                    ) -> Optional[Tuple[int, jax.Array]]:
+    """For ``init_fn`` keywords of a counter-based chain (``seed``,
+    ``shuffle``, ``in_epochs``, ``stream="counter"``): its mode (an index
+    into :data:`~jax_data.counter_streams.DEVICE_MODES`) and its seed's
+    words; None for a ``jax.random`` chain (``key``, or no keyword)."""
+    if not set(kwargs) & {"seed", "shuffle", "in_epochs", "stream"}:
+      return None
+    check_keywords("a counter-based chain of DeviceNumpyDataLoader", kwargs,
+                   ("seed", "shuffle", "in_epochs", "stream"))
+    if kwargs.get("stream") != "counter":
+      raise ValueError(
+          "DeviceNumpyDataLoader draws counter-based streams "
+          "(init_fn(seed=..., shuffle=..., stream='counter')) or jax.random "
+          f"ones (init_fn(key=...)), got stream={kwargs.get('stream')!r}")
+    seed = check_int("seed", kwargs.get("seed", 0), minimum=0,
+                     maximum=2**64 - 1)
+    shuffle = check_bool("shuffle", kwargs.get("shuffle", False))
+    in_epochs = check_bool("in_epochs", kwargs.get("in_epochs", False))
+    if in_epochs and not shuffle:
+      raise ValueError("in_epochs=True needs shuffle=True, got shuffle=False")
+    mode = 2 if in_epochs else int(shuffle)
+    return mode, jnp.asarray([seed & 0xFFFFFFFF, seed >> 32], jnp.uint32)
+
+  def draw(self, state: CacheState, batch_size: int
+           ) -> Tuple[CacheState, Tuple[PyTree, MiniBatchInformation]]:
+    """The next batch of a chain of either kind (``state.chain``: -1 for
+    ``jax.random``, ``-2 - mode`` for a counter-based stream, whose
+    ``chunk`` counts its batches)."""
+
+    def by_key(_):
+      key, split = jax.random.split(state.key)
+      indices = jax.random.randint(split, (batch_size,), 0, self._count)
+      return (key, state.chunk, indices.astype(jnp.uint32),
+              jnp.ones(batch_size, jnp.bool_))
+
+    def counter(mode):
+      def branch(_):
+        indices, mask = counter_streams.device_batch(
+            state.key, state.chunk, batch_size, self._count, mode)
+        return state.key, state.chunk + 1, indices, mask
+      return branch
+
+    key, chunk, indices, mask = jax.lax.switch(
+        -state.chain - 1, [by_key, counter(0), counter(1), counter(2)], None)
+    batch = jax.tree_util.tree_map(lambda a: jnp.take(a, indices, axis=0),
+                                   self._arrays)
+    info = MiniBatchInformation(observation_count=self._count, mask=mask,
+                                batch_size=batch_size)
+    return state._replace(key=key, chunk=chunk), (batch, info)
 
   def get_random_data(self, state: jax.Array, batch_size: int):
     key, split = jax.random.split(state)
@@ -119,8 +174,15 @@ class RandomPipeline(pl.Pipeline):
     self.functions = (self.init_fn, self.batch_fn, self.release_fn)
 
   def init_fn(self, **kwargs: Any) -> CacheState:
-    """A chain's state; keywords go to ``init_random_data`` (``key``)."""
-    key = self._ref.loader.init_random_data(**kwargs)
+    """A chain's state; keywords go to ``init_random_data`` (``key``), or
+    make a counter-based chain of a ``DeviceNumpyDataLoader``."""
+    loader = self._ref.loader
+    if isinstance(loader, DeviceNumpyDataLoader):
+      counter = loader.counter_chain(kwargs)
+      if counter is not None:
+        mode, seed = counter
+        return states.new_state(self.id, -2 - mode, self._mb_size, key=seed)
+    key = loader.init_random_data(**kwargs)
     return states.new_state(self.id, -1, self._mb_size, key=key)
 
   def batch_fn(self, state: CacheState, information: bool = False,
@@ -129,9 +191,12 @@ class RandomPipeline(pl.Pipeline):
     state = states.check_state(state, self.template, "batch_fn")
     information = check_bool("information", information)
     check_int("device_count", device_count, minimum=1)
-    key, (batch, info) = self._ref.loader.get_random_data(state.key,
-                                                          self._mb_size)
-    new_state = state._replace(key=key)
+    loader = self._ref.loader
+    if isinstance(loader, DeviceNumpyDataLoader):
+      new_state, (batch, info) = loader.draw(state, self._mb_size)
+    else:
+      key, (batch, info) = loader.get_random_data(state.key, self._mb_size)
+      new_state = state._replace(key=key)
     if information:
       return new_state, (batch, info)
     return new_state, batch

@@ -331,3 +331,34 @@ def test_tensorflow_shuffle_options_need_counter_streams():
     jax_data.random_reference_data(in_memory, 2, 3)[0](shuffle=True)
   with pytest.raises(TypeError, match="stream"):
     TensorflowDataLoader(data).chain_spec(False, stream="counter")
+
+
+@pytest.mark.parametrize("mode", [{}, {"shuffle": True},
+                                  {"shuffle": True, "in_epochs": True}])
+def test_the_device_loader_draws_the_host_loaders_stream(mode, tmp_path):
+  """DeviceNumpyDataLoader with the same keywords serves the batches of
+  NumpyDataLoader, under jit and vmap beside a jax.random chain, and its
+  checkpoint keeps the kind of each chain."""
+  x = np.arange(1000)
+  device = jax_data.random_reference_data(jax_data.DeviceNumpyDataLoader(x=x),
+                                          3, 16)
+  host_init, host_batch, _ = jax_data.random_reference_data(
+      jax_data.NumpyDataLoader(x=x), 3, 16)
+  init_fn, batch_fn, _ = device
+  step = jax.jit(jax.vmap(lambda s: batch_fn(s, information=True)))
+  states = jax.tree_util.tree_map(
+      lambda *s: jnp.stack(s), init_fn(key=jax.random.PRNGKey(1)),
+      init_fn(seed=5, stream="counter", **mode))
+  host = host_init(seed=5, stream="counter", **mode)
+  for k in range(6):
+    if k == 3:
+      jax_data.save_checkpoint(tmp_path / "d.npz", device, states)
+      states = jax_data.restore_checkpoint(tmp_path / "d.npz", device)
+    states, (batch, info) = step(states)
+    host, (expected, expected_info) = host_batch(host, information=True)
+    np.testing.assert_array_equal(info.mask[1], expected_info.mask)
+    np.testing.assert_array_equal(
+        np.where(info.mask[1], batch["x"][1], 0),
+        np.where(expected_info.mask, expected["x"], 0))
+  with pytest.raises(ValueError, match="stream='counter'"):
+    init_fn(seed=5, shuffle=True)
