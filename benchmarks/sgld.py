@@ -63,6 +63,7 @@ CYREAL_ARRAY = "cyreal ArraySource"
 CYREAL_DISK = "cyreal DiskSource"
 GRAIN = "Grain iterator"
 DATA_ONLY = "jax_data data only"
+COUNTER = "jax_data counter stream"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,6 +281,8 @@ def _contenders(n: int, config: Config) -> tuple[list[Contender], Callable]:
                      steps),
       scan_contender(DATA_ONLY, data_only_run, (theta, init_fn(seed=2), key),
                      steps),
+      scan_contender(COUNTER, jax_data_run,
+                     (theta, init_fn(seed=3, stream="counter"), key), steps),
       sgmc,
       *_cyreal(data, theta, key, config, step_size, steps),
       *_grain(data, theta, key, config, step_size, steps),
@@ -324,9 +327,11 @@ def run(config: Config, repeats: int) -> Section:
     position += len(contenders)
 
   names = [c.name for c in next(iter(by_size.values()))]
-  ratios = [(JAX_DATA, COMPUTE), (BATCH_FN, COMPUTE), (JAX_DATA, DEVICE)] + [
+  ratios = [(JAX_DATA, COMPUTE), (BATCH_FN, COMPUTE), (JAX_DATA, DEVICE),
+            (COUNTER, JAX_DATA)] + [
       (peer, JAX_DATA) for peer in names
-      if peer not in (COMPUTE, DEVICE, JAX_DATA, BATCH_FN, DATA_ONLY)]
+      if peer not in (COMPUTE, DEVICE, JAX_DATA, BATCH_FN, DATA_ONLY,
+                      COUNTER)]
   observation = 4 * (config.features + 1)  # float32 x and y
   batch_bytes = config.mb * observation
   rows = []
@@ -352,7 +357,10 @@ def run(config: Config, repeats: int) -> Section:
           "batch; Grain: one jitted step per batch of its iterator). "
           "jax_data is the sampler written with `jax_data.scan`; `jax_data "
           "batch_fn` the same sampler calling `batch_fn` in a `lax.scan` "
-          "body; `jax_data data only` the `jax_data.scan` loop whose step "
+          "body; `jax_data counter stream` the jax_data sampler over a "
+          "counter-based stream (`stream=\"counter\"`; N <= 2**20 draws "
+          "the exact stream by default); `jax_data data only` the "
+          "`jax_data.scan` loop whose step "
           "only sums its batch, and `refresh bytes/s` the batch bytes it "
           "brings in per second (the chunk refresh's host-to-device rate "
           "on a GPU, next to the device time of the other columns). "
@@ -386,6 +394,7 @@ def _targets(config: Config, timings: dict[int, dict[str, Timing]]
       a / b for a, b in zip(timings[large][JAX_DATA].samples,
                             timings[small][JAX_DATA].samples))
   speedup = paired_ratio(timings[large], JAX_SGMC, JAX_DATA)
+  counter = {n: paired_ratio(timings[n], COUNTER, JAX_DATA) for n in sizes}
   full = config == FULL  # targets are stated for the full sizes
   return [
       Target("(a) jax_data / compute only, every N", "<= 1.3x",
@@ -400,6 +409,10 @@ def _targets(config: Config, timings: dict[int, dict[str, Timing]]
              f"N={format_count(small)}", "within 1.3x",
              format_ratio(growth),
              1 / 1.3 <= growth <= 1.3 if full else None),
+      Target("(a) counter stream / exact stream, every N", "<= 1.1x",
+             ", ".join(f"{format_count(n)}: {format_ratio(r)}"
+                       for n, r in counter.items()),
+             max(counter.values()) <= 1.1 if full else None),
       Target(f"(a) jax-sgmc / jax_data at N={format_count(large)}",
              ">= 5x", format_ratio(speedup),
              speedup >= 5 if full else None),
