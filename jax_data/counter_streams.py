@@ -4,8 +4,9 @@
 Three modes, as the exact streams of :mod:`jax_data.sampling` have:
 
 * independent draws: position ``t`` of the stream is observation
-  ``uniform(seed, t)``, drawn by rejection from a keyed hash, so exactly
-  uniform over ``0 .. n - 1``;
+  ``uniform(seed, t)``, a keyed hash reduced modulo ``n`` with the few
+  hashes that would bias it rejected, so exactly uniform over
+  ``0 .. n - 1``;
 * shuffling: the stream is the concatenation of permutations, epoch ``e``
   being ``permute(seed, e, .)`` of ``0 .. n - 1``: position ``t`` is
   ``permute(seed, t // n, t % n)``;
@@ -197,72 +198,79 @@ def _permute_host(seed: int, epoch: Any, offsets: np.ndarray, n: int,
   return values
 
 
-def uniform(seed: int, positions: Any, n: int, xp: Any = np) -> Any:
+def uniform(seed: Any, positions: Any, n: int, xp: Any = np) -> Any:
   """Observations drawn uniformly from ``0 .. n - 1`` (with replacement) at
-  stream ``positions``: a keyed hash of (seed, position, attempt) cut to
-  ``b`` bits, the first attempt below ``n`` taken (exactly uniform).
+  stream ``positions``: a keyed hash of (seed, position, attempt) of 32 bits
+  (64 for ``n`` above ``2**32``) reduced modulo ``n``; an attempt at or
+  above the largest multiple of ``n`` the hash can reach is rejected and
+  the next taken, so the draw is exactly uniform (a rejection has
+  probability below ``n / 2**32``).
 
   NumPy takes int64 positions below ``2**63``; ``jax.numpy`` ``uint32``
   positions, or a pair of arrays of their low and high ``uint32`` words,
-  and ``n`` at most ``2**32``.
+  and ``n`` below ``2**32``.
   """
-  bits = domain_bits(n)
-  _check_device_size(n, bits, xp)
+  _check_device_size(n, domain_bits(n), xp)
   if xp is np:
     positions = np.asarray(positions, np.int64)
     with np.errstate(over="ignore"):
-      return _uniform(seed, positions.reshape(-1), n, bits,
+      return _uniform(seed, positions.reshape(-1), n,
                       np).reshape(positions.shape)
-  return _uniform(seed, positions, n, bits, xp)
+  return _uniform(seed, positions, n, xp)
 
 
-def _uniform(seed: Any, positions: Any, n: int, bits: int, xp: Any) -> Any:
+def _uniform(seed: Any, positions: Any, n: int, xp: Any) -> Any:
   seed_lo, seed_hi = _seed_words(seed, xp)
   if isinstance(positions, tuple):  # the device's (low, high) words
     pos_lo, pos_hi = positions
   elif xp is np:
-    positions = np.asarray(positions, np.int64).astype(np.uint64)
+    positions = positions.astype(np.uint64)
     pos_lo = (positions & np.uint64(_U32)).astype(np.uint32)
     pos_hi = (positions >> np.uint64(32)).astype(np.uint32)
   else:
-    pos_lo, pos_hi = positions.astype(xp.uint32), xp.zeros_like(
-        positions, dtype=xp.uint32)
+    pos_lo = positions.astype(xp.uint32)
+    pos_hi = xp.zeros_like(pos_lo)
+  wide = n > 2**32  # the host only
+  span = 2**64 if wide else 2**32
+  limit = span - span % n  # hashes below it reduce uniformly
 
-  def draw(attempt: Any, lo_sel=None):
-    lo_words = pos_lo if lo_sel is None else pos_lo[lo_sel]
-    hi_words = pos_hi if lo_sel is None else pos_hi[lo_sel]
-    words = (seed_lo, seed_hi, lo_words, hi_words, attempt)
+  def draw(attempt: Any, some=None):
+    lo = pos_lo if some is None else pos_lo[some]
+    hi = pos_hi if some is None else pos_hi[some]
+    words = (seed_lo, seed_hi, lo, hi, attempt)
     low = _absorb((_u32(_TAG_UNIFORM_LO, xp),) + words, xp)
-    if bits <= 32:
-      return (low & xp.uint32((1 << bits) - 1)).astype(
-          np.int64 if xp is np else xp.uint32)
+    if not wide:
+      return low
     high = _absorb((_u32(_TAG_UNIFORM_HI, xp),) + words, xp)
-    high = high & np.uint32((1 << (bits - 32)) - 1)
-    return ((high.astype(np.uint64) << np.uint64(32))
-            | low.astype(np.uint64)).astype(np.int64)
+    return (high.astype(np.uint64) << np.uint64(32)) | low.astype(np.uint64)
 
   if xp is np:
-    values = draw(np.uint32(0))
-    outside = np.flatnonzero(values >= n)
+    hashes = draw(np.uint32(0))
+    dtype = np.uint64 if wide else np.uint32
+    outside = (np.flatnonzero(hashes >= dtype(limit)) if limit < span
+               else np.empty(0, np.int64))
     attempt = 0
-    while outside.size:
+    while outside.size:  # rare: at most n / 2**32 of the draws
       attempt += 1
       again = draw(np.uint32(attempt), outside)
-      values[outside] = again
-      outside = outside[again >= n]
-    return values
+      hashes[outside] = again
+      outside = outside[again >= dtype(limit)]
+    return (hashes % dtype(n)).astype(np.int64)
   from jax import lax
 
-  def step(carry):
-    attempt, values = carry
-    fresh = draw(attempt + xp.uint32(1))
-    return attempt + xp.uint32(1), xp.where(values >= xp.uint32(n), fresh,
-                                             values)
+  if limit == span:
+    return draw(xp.uint32(0)) % xp.uint32(n)
 
-  _, values = lax.while_loop(
-      lambda c: xp.any(c[1] >= xp.uint32(n)), step,
+  def step(carry):
+    attempt, hashes = carry
+    fresh = draw(attempt + xp.uint32(1))
+    return attempt + xp.uint32(1), xp.where(hashes >= xp.uint32(limit),
+                                             fresh, hashes)
+
+  _, hashes = lax.while_loop(
+      lambda c: xp.any(c[1] >= xp.uint32(limit)), step,
       (xp.uint32(0), draw(xp.uint32(0))))
-  return values
+  return hashes % xp.uint32(n)
 
 
 def _check_device_size(n: int, bits: int, xp: Any) -> None:
