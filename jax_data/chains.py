@@ -199,6 +199,12 @@ class ChainCursor(abc.ABC):
   def close(self) -> None:  # noqa: B027 (optional, unlike the others)
     """Frees what the cursor holds; it is not used afterwards."""
 
+  def cancel(self) -> None:  # noqa: B027 (optional, unlike the others)
+    """Asks a :meth:`produce` running in another thread to stop soon (a
+    loader that reads records: before the next one) and raise; later
+    calls of :meth:`produce` raise at once. Called by the host, from any
+    thread, when the pipeline is released; it returns without waiting."""
+
   def trim(self) -> None:  # noqa: B027 (optional, unlike the others)
     """Frees what the cursor can rebuild from its position (caches, read
     blocks): the host calls it when the chain has gone idle."""

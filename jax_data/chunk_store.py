@@ -509,8 +509,9 @@ class ChainStore:
 
   def release(self, error: BaseException) -> None:
     """Drops the loader and every chain: requests still waiting for a chunk
-    get ``error``, and cursors are closed (a cursor that is producing closes
-    when it is done). Idempotent."""
+    get ``error``, and cursors are cancelled and closed (a cursor that is
+    producing stops soon and closes when it is done). Idempotent; does not
+    wait for a production."""
     with self._lock:
       self._loader = None
       records, self._records = list(self._records.values()), {}
@@ -524,6 +525,7 @@ class ChainStore:
     for future in waiting:
       settle(future, error=error)
     for record in records:
+      record.cursor.cancel()  # a production stops soon, and raises
       _close(record, blocking=False)  # if producing, it closes when done
 
 

@@ -12,10 +12,17 @@ read, transformed and checked by a pool of worker threads.
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.process
+import functools
+import io
 import multiprocessing
+import os
 import pickle
+import signal
+import sys
 import threading
 import time
+import types
 from typing import Any
 from typing import Callable
 from typing import Dict
@@ -30,6 +37,7 @@ import numpy as np
 from jax_data.chains import ChainCursor
 from jax_data.chains import ChainSpec
 from jax_data.chains import ChunkLayout
+from jax_data.errors import PipelineReleasedError
 from jax_data.gather import digest_rows
 from jax_data.gather import usable_cores
 from jax_data.host_loader import HostDataLoader
@@ -157,17 +165,23 @@ class SourceDataLoader(HostDataLoader):
       image); None takes records as they are.
     workers: Threads that may read and transform records: the first
       chunks are read with one and with all of them, and the faster is
-      kept; 0 or 1 reads in the thread that produces the chunk. Default:
-      the usable cores, at most 8.
+      kept; 0 reads in the thread that produces the chunk, which then
+      cannot be answered before its record returns, also when the
+      pipeline is released meanwhile. Default: the usable cores, at most
+      8.
     processes: The workers are processes instead (started with ``spawn``
       when the first chain opens), for transforms whose Python work holds
       the GIL; ``source`` and ``transform`` must pickle, and each worker
-      receives them once. The streams are the same.
+      receives them once. The streams are the same. A worker that dies is
+      replaced and its records read again; workers ignore Ctrl-C (SIGINT),
+      which the parent process handles.
 
   Raises:
     TypeError: ``source`` lacks ``len`` or indexing, ``transform`` is not
       callable, or the first record has a leaf that is not numeric (a
-      string: drop or transform it).
+      string: drop or transform it); with ``processes=True``, source and
+      transform do not pickle, or worker processes could not unpickle them
+      (defined in the ``__main__`` of a notebook or of ``python -``).
     ValueError: the source is empty.
     RecordError: the first record cannot be read.
   """
@@ -192,13 +206,8 @@ class SourceDataLoader(HostDataLoader):
         "workers", workers, minimum=0)
     self._processes = check_bool("processes", processes)
     if self._processes:
-      try:
-        self._pickled = pickle.dumps((source, transform))
-      except Exception as e:  # pylint: disable=broad-except
-        raise TypeError(
-            "processes=True sends source and transform to worker processes, "
-            f"but they do not pickle: {type(e).__name__}: {e}; define the "
-            "transform at module level, or use threads") from e
+      self._pickled = _pickle_for_workers(source, transform,
+                                          self._workers > 0)
     self._batched = self._batched_read(source)
     # Read as chunks read (sources may type a batched read differently).
     paths, leaves, treedef = _flatten(self._records(np.zeros(1, int))[0])
@@ -207,7 +216,7 @@ class SourceDataLoader(HostDataLoader):
         jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype))
         for shape, dtype in zip(self._first.shapes, self._first.dtypes)])
     self._lock = threading.Lock()
-    self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+    self._pool: Optional[concurrent.futures.Executor] = None
     self._choice = _WorkerChoice(1 if processes else self._workers)
     self._open_cursors = 0
     self._digest: Optional[str] = None
@@ -330,37 +339,58 @@ class SourceDataLoader(HostDataLoader):
     return out
 
   def _fill(self, indices: np.ndarray, rows: np.ndarray,
-            out: Sequence[np.ndarray]) -> None:
-    """Reads records ``indices`` into rows ``rows`` of ``out``."""
-    for index, row, record in zip(indices, rows, self._records(indices)):
+            out: Sequence[np.ndarray],
+            stop: Optional[concurrent.futures.Future] = None) -> None:
+    """Reads records ``indices`` into rows ``rows`` of ``out``; once
+    ``stop`` is done (the chain's pipeline was released), it returns before
+    the next record, leaving the rest unwritten."""
+    if self._batched is not None:
+      records = self._records(indices)
+    else:  # one by one: a stop takes effect before the next
+      records = (self._load(int(i)) for i in indices)
+    for index, row, record in zip(indices, rows, records):
       for leaf, array in zip(out, self._leaves(int(index), record)):
         leaf[row] = array
+      if stop is not None and stop.done():
+        return
 
-  def _read(self, flat: np.ndarray, out: List[np.ndarray]
+  def _read(self, flat: np.ndarray, out: List[np.ndarray],
+            stop: Optional[concurrent.futures.Future] = None
             ) -> List[np.ndarray]:
     """Records ``flat`` into ``out``: each distinct record read once, at
     fixed rows, by one worker or the pool (:class:`_WorkerChoice`); then the
-    rows of repeated indices."""
+    rows of repeated indices.
+
+    The calling thread only waits for the workers (with ``workers=0`` it
+    reads itself): once ``stop`` is done, it raises
+    :class:`~jax_data.PipelineReleasedError` at once, and the workers stop
+    before their next record (a record being read finishes in the
+    background).
+    """
     unique, first, inverse = np.unique(flat, return_index=True,
                                        return_inverse=True)
+    if stop is not None and stop.done():
+      raise _stopped()
     pool = self._pool
-    if self._processes and pool is not None:
-      self._read_in_processes(pool, unique, first, out)
+    processes = self._processes and self._workers > 0
+    if processes:
+      self._read_in_processes(unique, first, out, stop)
       workers = 0  # not timed: processes are always used
     else:
-      workers = 1 if pool is None else min(self._choice.next(), unique.size)
+      workers = 0 if pool is None else min(self._choice.next(), unique.size)
     start = time.perf_counter()
-    if workers == 1:
-      self._fill(unique, first, out)
-    elif workers > 1:
+    if not processes and pool is None:  # workers=0
+      self._fill(unique, first, out, stop)
+    elif workers:
       parts = np.array_split(np.arange(unique.size), workers)
-      futures = [pool.submit(self._fill, unique[part], first[part], out)
+      futures = [pool.submit(self._fill, unique[part], first[part], out, stop)
                  for part in parts]
-      concurrent.futures.wait(futures)
+      _wait(futures, stop)
       for future in futures:
         future.result()  # the first failure, by row order
-    if pool is not None and workers:
       self._choice.observe(workers, unique.size, time.perf_counter() - start)
+    if stop is not None and stop.done():
+      raise _stopped()
     repeated = first[inverse] != np.arange(flat.size)
     if repeated.any():
       rows = np.flatnonzero(repeated)
@@ -368,17 +398,74 @@ class SourceDataLoader(HostDataLoader):
         leaf[rows] = leaf[first[inverse[rows]]]
     return out
 
-  def _read_in_processes(self, pool, unique: np.ndarray, first: np.ndarray,
-                         out: Sequence[np.ndarray]) -> None:
+  def _read_in_processes(self, unique: np.ndarray, first: np.ndarray,
+                         out: Sequence[np.ndarray],
+                         stop: Optional[concurrent.futures.Future]) -> None:
     """Reads records in the worker processes, a block per task; each block
-    comes back stacked per leaf and is written at its rows."""
+    comes back stacked per leaf and is written at its rows.
+
+    A worker that dies (killed, out of memory, ``os._exit`` in the source)
+    breaks its pool: a new pool reads the blocks lost again, one at a
+    time, and a block that ends a worker again is named. A stop (a
+    released pipeline) ends the pool's workers, still reading for nobody.
+    """
     parts = np.array_split(np.arange(unique.size),
                            max(1, min(unique.size, 4 * self._workers)))
-    futures = [pool.submit(_read_block, unique[part]) for part in parts]
-    concurrent.futures.wait(futures)
+    pool = self._process_pool()
+    futures = [_submit(pool, _read_block, unique[part]) for part in parts]
+    try:
+      _wait(futures, stop, cancel=False)
+    except PipelineReleasedError:
+      if not all(f.done() for f in futures):
+        self._retire(pool)
+      raise
+    lost = [i for i, future in enumerate(futures) if _broke(future)]
+    if lost:
+      pool = self._process_pool(broken=pool)
+    for i in lost:
+      futures[i] = _submit(pool, _read_block, unique[parts[i]])
+      try:
+        _wait(futures[i:i + 1], stop, cancel=False)
+      except PipelineReleasedError:
+        self._retire(pool)
+        raise
+      if _broke(futures[i]):
+        self._retire(pool)
+        raise RecordError(
+            f"{type(self).__name__} over {type(self._source).__name__}: "
+            "worker processes ended abruptly while reading records "
+            f"{unique[parts[i]].tolist()}, also when a new worker read them "
+            "alone: reading one of them ends its process (os._exit, a crash "
+            "in native code, memory exhausted?)") from futures[i].exception()
     for part, future in zip(parts, futures):
       for leaf, block in zip(out, future.result()):
         leaf[first[part]] = block
+
+  def _process_pool(self, broken: Optional[concurrent.futures.Executor] = None
+                    ) -> concurrent.futures.Executor:
+    """The pool of worker processes, started if there is none (or only
+    ``broken``, which is ended)."""
+    with self._lock:
+      if broken is not None and self._pool is broken:
+        self._pool = None
+      if self._pool is None and self._open_cursors > 0:
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            self._workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start_worker, initargs=(self._pickled,
+                                                 self._first))
+      pool = self._pool
+    if broken is not None:
+      _terminate(broken)
+    if pool is None:  # every chain closed
+      raise _stopped()
+    return pool
+
+  def _retire(self, pool: concurrent.futures.Executor) -> None:
+    """Ends ``pool``; the next read starts another."""
+    with self._lock:
+      if self._pool is pool:
+        self._pool = None
+    _terminate(pool)
 
   @property
   def workers_used(self) -> Optional[int]:
@@ -394,15 +481,13 @@ class SourceDataLoader(HostDataLoader):
     """A cursor with the NumPy loader's streams over the records; the
     worker threads run while any cursor is open."""
     with self._lock:
-      if self._pool is None and self._processes and self._workers > 0:
-        self._pool = concurrent.futures.ProcessPoolExecutor(
-            self._workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_start_worker, initargs=(self._pickled,
-                                                 self._first))
-      elif self._pool is None and self._workers > 1:
+      if (self._pool is None and not self._processes
+          and self._workers > 0):
         self._pool = concurrent.futures.ThreadPoolExecutor(
             self._workers, thread_name_prefix="jax_data-source")
       self._open_cursors += 1
+    if self._processes and self._workers > 0:
+      self._process_pool()
     return _SourceCursor(spec, layout, self)
 
   def _cursor_closed(self) -> None:
@@ -423,14 +508,98 @@ class SourceDataLoader(HostDataLoader):
     return self._digest
 
 
+# -- worker processes -------------------------------------------------------
+
+_USE_THREADS = "or use processes=False (worker threads)"
+
+
+class _MainReferences(pickle.Pickler):
+  """Pickles, noting the classes and functions of ``__main__`` that the
+  pickle refers to by name."""
+
+  def __init__(self, file):
+    super().__init__(file)
+    self.names: List[str] = []
+
+  def reducer_override(self, obj):
+    if (isinstance(obj, (type, types.FunctionType))
+        and getattr(obj, "__module__", None) == "__main__"):
+      self.names.append(obj.__qualname__)
+    return NotImplemented
+
+
+def _pickle_for_workers(source: Any, transform: Optional[Callable],
+                        workers: bool) -> bytes:
+  """``(source, transform)`` pickled for worker processes started with
+  ``spawn``, checked as a spawned child would see them.
+
+  A child runs the parent's main module again, by name or from its file,
+  then unpickles; with neither (a notebook, ``python -c``) it has no
+  ``__main__`` to find the classes and functions defined there in.
+
+  Raises:
+    TypeError: they do not pickle; or, if ``workers``, the main module is
+      not a file the children could run (``python -`` reads it from
+      stdin), or it has no file and they refer to what it defines.
+  """
+  main = sys.modules.get("__main__")
+  name = getattr(getattr(main, "__spec__", None), "name", None)
+  path = None if name is not None else getattr(main, "__file__", None)
+  if workers and path is not None:
+    if not os.path.isabs(path) and multiprocessing.process.ORIGINAL_DIR:
+      path = os.path.join(multiprocessing.process.ORIGINAL_DIR, path)
+    if not os.path.isfile(path):
+      raise TypeError(
+          "processes=True starts worker processes with spawn, which run the "
+          "main module again from its file, but __main__.__file__="
+          f"{main.__file__!r} is no file (a script read from stdin, as by "
+          "`python -`): run the script from a file, " + _USE_THREADS)
+  scan = workers and name is None and path is None
+  buffer = io.BytesIO()
+  pickler = _MainReferences(buffer) if scan else pickle.Pickler(buffer)
+  try:
+    pickler.dump((source, transform))
+  except Exception as e:  # pylint: disable=broad-except
+    raise TypeError(
+        "processes=True sends source and transform to worker processes, "
+        f"but they do not pickle: {type(e).__name__}: {e}; define the "
+        "transform at module level, or use threads") from e
+  if scan and pickler.names:
+    names = ", ".join(f"__main__.{n}" for n in dict.fromkeys(pickler.names))
+    raise TypeError(
+        "processes=True sends source and transform to worker processes, "
+        f"which find {names} by name in __main__; but this __main__ has no "
+        "file (a notebook, `python -c`) that they could run again, so they "
+        "cannot: define it in a module they can import (a .py file on "
+        "sys.path, next to the notebook), " + _USE_THREADS)
+  return buffer.getvalue()
+
+
 # In a worker process (processes=True) only: the loader's source, transform
-# and first record's format, set once by the pool's initializer.
+# and first record's format, set once by the pool's initializer; or why
+# they could not be unpickled.
 _WORKER: Dict[str, Any] = {}
 
 
 def _start_worker(pickled: bytes, first: _Format) -> None:
-  """The initializer of a worker process: a loader that reads records."""
-  source, transform = pickle.loads(pickled)
+  """The initializer of a worker process: a loader that reads records.
+
+  Ctrl-C (SIGINT to the process group) is ignored: the parent decides
+  what it interrupts. A source that cannot be unpickled here fails each
+  block with the reason, not the whole pool with none.
+  """
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  if hasattr(signal, "pthread_sigmask"):  # blocked until now: see _submit
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+  try:
+    source, transform = pickle.loads(pickled)
+  except Exception as e:  # pylint: disable=broad-except
+    _WORKER["error"] = RecordError(
+        "a worker process (processes=True) cannot unpickle source and "
+        f"transform: {type(e).__name__}: {e}; define them in a module the "
+        "worker processes can import (not in a notebook, nor under `if "
+        "__name__ == '__main__':`), " + _USE_THREADS)
+    return
   loader = SourceDataLoader.__new__(SourceDataLoader)
   loader._source, loader._transform = source, transform  # pylint: disable=protected-access
   loader._batched = SourceDataLoader._batched_read(source)  # pylint: disable=protected-access
@@ -441,6 +610,8 @@ def _start_worker(pickled: bytes, first: _Format) -> None:
 def _read_block(indices: np.ndarray) -> List[np.ndarray]:
   """Records ``indices``, read and checked in a worker process, stacked per
   leaf."""
+  if "error" in _WORKER:
+    raise _WORKER["error"]
   loader = _WORKER["loader"]
   columns = [np.empty((indices.size,) + shape, dtype) for shape, dtype in
              zip(loader._first.shapes, loader._first.dtypes)]  # pylint: disable=protected-access
@@ -448,13 +619,95 @@ def _read_block(indices: np.ndarray) -> List[np.ndarray]:
   return columns
 
 
+def _submit(pool: concurrent.futures.Executor, fn: Callable, *args: Any
+            ) -> concurrent.futures.Future:
+  """``pool.submit(fn, *args)`` to a process pool; a pool found broken, or
+  ended by another thread, gives a future that failed with
+  ``BrokenProcessPool``.
+
+  The submitting thread starts the workers it needs, with SIGINT blocked:
+  a worker inherits the mask, so a Ctrl-C while it starts up (importing
+  jax) is held until its initializer ignores SIGINT, not raised.
+  """
+  mask = hasattr(signal, "pthread_sigmask")
+  if mask:
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+  try:
+    return pool.submit(fn, *args)
+  except (concurrent.futures.process.BrokenProcessPool, RuntimeError) as e:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    error = concurrent.futures.process.BrokenProcessPool(str(e))
+    error.__cause__ = e
+    future.set_exception(error)
+    return future
+  finally:
+    if mask:
+      signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _broke(future: concurrent.futures.Future) -> bool:
+  """Whether a done future failed because a worker process died."""
+  return not future.cancelled() and isinstance(
+      future.exception(), concurrent.futures.process.BrokenProcessPool)
+
+
+def _terminate(pool: concurrent.futures.Executor) -> None:
+  """Shuts a process pool down without waiting, and ends its workers, so
+  that none stuck in a source outlives it (and holds up the interpreter's
+  exit)."""
+  terminate = getattr(pool, "terminate_workers", None)  # Python >= 3.14
+  if terminate is not None:
+    terminate()
+    return
+  # Before shutdown, which forgets them. Futures are not cancelled (see
+  # _wait): those left fail with BrokenProcessPool.
+  processes = list((getattr(pool, "_processes", None) or {}).values())
+  pool.shutdown(wait=False)
+  for process in processes:
+    process.terminate()
+
+
+def _wait(futures: Sequence[concurrent.futures.Future],
+          stop: Optional[concurrent.futures.Future],
+          cancel: bool = True) -> None:
+  """Waits until every future is done, or ``stop`` is: then (if
+  ``cancel``) the futures not started are cancelled, those running finish
+  in the background, and :class:`~jax_data.PipelineReleasedError` is
+  raised. (A process pool's futures are not cancelled: its manager thread
+  may fail them at the same time, and fails on a cancelled one.)"""
+  pending = [f for f in futures if not f.done()]
+  while pending and not (stop is not None and stop.done()):
+    concurrent.futures.wait(pending + ([] if stop is None else [stop]),
+                            return_when=concurrent.futures.FIRST_COMPLETED)
+    pending = [f for f in pending if not f.done()]
+  if stop is not None and stop.done():
+    for future in futures if cancel else ():
+      future.cancel()
+    raise _stopped()
+
+
+def _stopped() -> PipelineReleasedError:
+  return PipelineReleasedError(
+      "reading records stopped: the chain's pipeline was released")
+
+
 class _SourceCursor(IndexedCursor):
-  """An indexed cursor that tells its loader when it closes."""
+  """An indexed cursor that tells its loader when it closes, and stops
+  reading records when cancelled."""
 
   def __init__(self, spec: ChainSpec, layout: ChunkLayout,
                loader: SourceDataLoader):
-    super().__init__(spec, layout, loader._read)  # pylint: disable=protected-access
+    # Done once cancelled: reads stop between records, and their waits end.
+    self._stop: concurrent.futures.Future = concurrent.futures.Future()
+    super().__init__(spec, layout, functools.partial(
+        loader._read, stop=self._stop))  # pylint: disable=protected-access
     self._loader: Optional[SourceDataLoader] = loader
+
+  def cancel(self) -> None:
+    try:
+      self._stop.set_result(None)
+    except concurrent.futures.InvalidStateError:
+      pass  # cancelled before
 
   def close(self) -> None:
     loader, self._loader = self._loader, None

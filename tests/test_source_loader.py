@@ -3,12 +3,16 @@ NumpyDataLoader's streams over the stacked records."""
 
 import gc
 import io
+import multiprocessing
 import os
 import pickle
+import re
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -433,3 +437,254 @@ def test_checkpoints_continue_exactly_also_in_a_fresh_process(tmp_path,
   assert done.returncode == 0, done.stderr[-3000:]
   assert done.stdout.strip().splitlines()[-1] == str(
       np.asarray(expected).tolist()).replace(" ", "").replace(",", ", ")
+
+
+# -- worker processes that die, Ctrl-C, __main__; release mid-read ----------
+
+
+class Numbered:
+  """Record i is {"x": float32(i)}; ``die_at`` ends the process reading it
+  (os._exit) while the file ``once`` does not exist (None: every time)."""
+
+  def __init__(self, n=30, die_at=None, once=None):
+    self.n, self.die_at, self.once = n, die_at, once
+
+  def __len__(self):
+    return self.n
+
+  def __getitem__(self, i):
+    if i == self.die_at and not (self.once and os.path.exists(self.once)):
+      if self.once:
+        open(self.once, "w").close()
+      os._exit(3)
+    return {"x": np.float32(i)}
+
+
+def _mapped(loader):
+  """Every record, in order, through a full-data pass."""
+  mapper_fn, release_fn = jax_data.full_data_mapper(loader, 2, 4)
+  try:
+    return np.asarray(mapper_fn(lambda b, c: (b["x"], c), None)[0]).tolist()
+  finally:
+    release_fn()
+
+
+def test_a_worker_process_that_dies_once_is_replaced(tmp_path):
+  once = str(tmp_path / "died")
+  loader = SourceDataLoader(Numbered(die_at=13, once=once), workers=2,
+                            processes=True)
+  reference = NumpyDataLoader(x=np.arange(30, dtype=np.float32))
+  # The request that lost a worker gets every record, and so do later ones.
+  got, want = _random_streams(loader), _random_streams(reference)
+  assert os.path.exists(once)  # a worker did die
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+  assert _mapped(loader) == list(range(30))
+
+
+def test_a_record_that_always_ends_its_worker_is_named():
+  loader = SourceDataLoader(Numbered(die_at=13), workers=2, processes=True)
+  for _ in range(2):  # also a later request: named again, not a broken pool
+    with pytest.raises(Exception, match=r"worker processes ended abruptly "
+                       r"while reading records \[[0-9, ]*\b13\b"):
+      _mapped(loader)
+  assert _mapped(SourceDataLoader(Numbered(), workers=2, processes=True)
+                 ) == list(range(30))
+
+
+def test_worker_processes_ignore_ctrl_c():
+  """SIGINT to the process group reaches the workers too: the parent
+  decides what it interrupts, the workers keep serving."""
+  before = set(multiprocessing.active_children())
+  loader = SourceDataLoader(Numbered(), workers=2, processes=True)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 3,
+                                                                  4)
+  run = jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
+                                   length=10)[1])
+  expected = np.asarray(run(init_fn(seed=3))["x"])
+  workers = [p for p in multiprocessing.active_children() if p not in before]
+  assert workers
+  for worker in workers:
+    os.kill(worker.pid, signal.SIGINT)
+  np.testing.assert_array_equal(run(init_fn(seed=3))["x"], expected)
+  assert all(worker.is_alive() for worker in workers)
+  release_fn()
+
+
+_MAIN_SOURCE = textwrap.dedent("""
+    import numpy as np
+    import jax_data
+
+    class Records:
+      def __len__(self):
+        return 10
+
+      def __getitem__(self, i):
+        return {"x": np.float32(i)}
+
+    def main():
+      try:
+        loader = jax_data.SourceDataLoader(Records(), workers=1,
+                                           processes=True)
+        mapper_fn, release_fn = jax_data.full_data_mapper(loader, 2, 5)
+        print(mapper_fn(lambda b, c: (b["x"], c), None)[0])
+      except Exception as e:
+        print("ERROR", type(e).__name__, e)
+    """)
+
+
+# The workers run this file again as __mp_main__, without the guarded part.
+_GUARDED_SOURCE = textwrap.dedent("""
+    import numpy as np
+    import jax_data
+
+    if __name__ == "__main__":
+      class Records:
+        def __len__(self):
+          return 10
+
+        def __getitem__(self, i):
+          return {"x": np.float32(i)}
+
+      try:
+        loader = jax_data.SourceDataLoader(Records(), workers=1,
+                                           processes=True)
+        mapper_fn, release_fn = jax_data.full_data_mapper(loader, 2, 5)
+        print(mapper_fn(lambda b, c: (b["x"], c), None)[0])
+      except Exception as e:
+        print("ERROR", type(e).__name__, e)
+    """)
+
+
+@pytest.mark.parametrize("how,message", [
+    ("stdin", r"__main__.__file__='<stdin>' is no file \(a script read from "
+     r"stdin, as by `python -`\): run the script from a file, or use "
+     r"processes=False"),
+    ("-c", r"which find __main__.Records by name in __main__; but this "
+     r"__main__ has no file .* define it in a module they can import .* or "
+     r"use processes=False"),
+    ("guarded", r"a worker process \(processes=True\) cannot unpickle "
+     r"source and transform: AttributeError: .*Records.*define them in a "
+     r"module the worker processes can import .* or use processes=False"),
+])
+def test_a_source_workers_cannot_unpickle_is_explained(tmp_path, how,
+                                                       message):
+  """A source defined in a ``__main__`` the spawned workers cannot see:
+  read from stdin, ``python -c``, or under ``if __name__ == "__main__"``."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if how == "stdin":
+    args, stdin = ["-"], _MAIN_SOURCE + "main()\n"
+  elif how == "-c":
+    args, stdin = ["-c", _MAIN_SOURCE + "main()\n"], None
+  else:
+    script = tmp_path / "script.py"
+    script.write_text(_GUARDED_SOURCE)
+    args, stdin = [str(script)], None
+  done = subprocess.run([sys.executable, *args], input=stdin, cwd=root,
+                        env=dict(os.environ, PYTHONPATH=root),
+                        capture_output=True, text=True, timeout=180)
+  assert "ERROR" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+  error = done.stdout[done.stdout.index("ERROR"):]
+  assert re.search(message, error, re.S), error
+
+
+class Gated:
+  """Records after the first wait for ``gate`` (a threading.Event, or a
+  file for worker processes); ``entered`` notes each record started (a
+  list, or a folder in which a worker process writes a file named by the
+  record, holding its pid)."""
+
+  def __init__(self, gate, entered):
+    self.gate, self.entered = gate, entered
+
+  def __len__(self):
+    return 50
+
+  def __getitem__(self, i):
+    if i:
+      if isinstance(self.entered, list):
+        self.entered.append(i)
+        self.gate.wait(60)
+      else:
+        path = os.path.join(self.entered, str(i))
+        with open(path + ".tmp", "w") as f:
+          f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)  # seen whole, or not at all
+        while not os.path.exists(self.gate):
+          time.sleep(0.01)
+    return {"x": np.float32(i)}
+
+
+def _release_while_reading(loader, entered):
+  """Releases the pipeline while its first request waits for a record:
+  release_fn returns and the request raises, neither waiting for it."""
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 4,
+                                                                  4)
+  state = init_fn(seed=0)
+  step = jax.jit(batch_fn)
+  results = {}
+
+  def request():
+    try:
+      jax.block_until_ready(step(state))
+      results["request"] = "served"
+    except Exception as e:  # pylint: disable=broad-except
+      results["request"] = e
+
+  requester = threading.Thread(target=request)
+  requester.start()
+  entered()  # a record of the request is being read
+  releaser = threading.Thread(target=release_fn)
+  releaser.start()
+  releaser.join(30)
+  requester.join(30)
+  assert not releaser.is_alive(), "release_fn waits for the record"
+  assert not requester.is_alive(), "the request waits for the record"
+  assert "PipelineReleasedError" in str(results["request"])
+
+
+def test_release_does_not_wait_for_a_stuck_record_threads():
+  gate, entered = threading.Event(), []
+  loader = SourceDataLoader(Gated(gate, entered), workers=2)
+
+  def wait_entered():
+    while not entered:
+      threading.Event().wait(0.01)
+
+  try:
+    _release_while_reading(loader, wait_entered)
+  finally:
+    gate.set()
+  for thread in threading.enumerate():
+    if thread.name.startswith("jax_data-source"):
+      thread.join(30)
+  # Reading stopped: each worker finished the record it was reading.
+  assert len(entered) <= 2, entered
+
+
+def test_release_does_not_wait_for_a_stuck_record_processes(tmp_path):
+  psutil = pytest.importorskip("psutil")
+  gate, entered = str(tmp_path / "gate"), tmp_path / "entered"
+  entered.mkdir()
+  loader = SourceDataLoader(Gated(gate, str(entered)), workers=2,
+                            processes=True)
+
+  def wait_entered():
+    while not any(p.name.isdigit() for p in entered.iterdir()):
+      threading.Event().wait(0.01)
+
+  try:
+    _release_while_reading(loader, wait_entered)
+    # The workers reading for nobody are ended, not left stuck (they would
+    # hold up the interpreter's exit).
+    stuck = []
+    for path in [p for p in entered.iterdir() if p.name.isdigit()]:
+      try:
+        stuck.append(psutil.Process(int(path.read_text())))
+      except psutil.NoSuchProcess:
+        pass  # ended already
+    _, alive = psutil.wait_procs(stuck, timeout=30)
+    assert not alive
+  finally:
+    open(gate, "w").close()
