@@ -35,6 +35,8 @@ from typing import Tuple
 
 import numpy as np
 
+from jax_data.sampling import random_mode
+
 #: Half-rounds of the Feistel network: each half is mixed into the other
 #: six times. Eight (four rounds of the classic network, Luby and
 #: Rackoff's bound for random round functions) fail the pair test of
@@ -298,9 +300,7 @@ class CounterStream:
 
   @property
   def mode(self) -> str:
-    if not self.shuffle:
-      return "independent"
-    return "epochs" if self.in_epochs else "shuffle"
+    return random_mode(self.shuffle, self.in_epochs)
 
   def get_state(self) -> dict:
     return {"stream": "counter", "mode": self.mode, "seed": self.seed,

@@ -92,6 +92,14 @@ class ObservationRange:
     return cls(start, stop - start, shard_index, shard_count)
 
 
+def random_mode(shuffle: bool, in_epochs: bool) -> str:
+  """The name of a random chain's mode, as its stream's position holds it
+  (exact and counter-based streams alike)."""
+  if not shuffle:
+    return "independent"
+  return "epochs" if in_epochs else "shuffle"
+
+
 class RandomStream:
   """Random mini-batch indices in one of three modes (SAMPLING.md).
 
@@ -126,9 +134,7 @@ class RandomStream:
 
   @property
   def mode(self) -> str:
-    if not self.shuffle:
-      return "independent"
-    return "epochs" if self.in_epochs else "shuffle"
+    return random_mode(self.shuffle, self.in_epochs)
 
   def get_state(self) -> Dict[str, Any]:
     """The stream's position as a small JSON-compatible dict (a copy)."""
