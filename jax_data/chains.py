@@ -15,6 +15,7 @@ import abc
 import dataclasses
 import functools
 from typing import Any
+from typing import Callable
 from typing import Dict
 from typing import List
 from typing import Mapping
@@ -146,6 +147,10 @@ class ChunkLayout:
                            * leaf.dtype.itemsize for leaf in self.leaves))
 
 
+def readable() -> None:
+  """The :attr:`Chunk.check` of chunks that can always be read."""
+
+
 @dataclasses.dataclass
 class Chunk:
   """One chunk: a NumPy array per leaf and the mask of valid observations.
@@ -154,9 +159,14 @@ class Chunk:
     leaves: Arrays of shapes ``layout.leaf_shapes()`` and the layout's
       dtypes.
     mask: shape=(cache_size, mb_size), bool.
+    check: Called right before the leaves are read (handed to compiled
+      code), it raises if they can no longer be read: leaves that are views
+      of a memory-mapped file whose file has since shrunk (reading them
+      would kill the process with SIGBUS).
   """
   leaves: List[np.ndarray]
   mask: np.ndarray
+  check: Callable[[], None] = readable
 
 
 class ChainCursor(abc.ABC):

@@ -1,14 +1,12 @@
 """Reading rows by index into chunk buffers: what several host loaders share.
 
 Pure NumPy. A chunk is ``cache_size * mb_size`` rows picked by index from
-arrays in memory or memory-mapped files:
+arrays (:mod:`jax_data.file_rows` reads those on disk):
 
 * :func:`is_run` tells when the rows are consecutive, so a slice reads them;
 * :class:`Gatherer` copies rows of an in-memory array, or a whole chunk,
   into a buffer, split over the cores when the chunk is large (NumPy's
   ``take`` and ``copyto`` release the GIL);
-* :func:`read_memmap_rows` reads rows of a memmap in file order, a few at a
-  time, and drops the pages it touched from the process;
 * :func:`digest_rows` digests a fixed sample of rows, so that checkpoints
   are not restored into other data.
 """
@@ -17,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import mmap
 import os
 import sys
 import threading
@@ -30,12 +27,6 @@ from typing import Sequence
 from typing import Tuple
 
 import numpy as np
-
-# Random rows of a memmap are read this many at a time, and their pages
-# dropped after each group: a page fault can map a whole large folio of the
-# page cache (up to MiBs) around each row, so a chunk of thousands of random
-# rows read at once would map most of a large file for a moment.
-ROWS_PER_READ = 128
 
 
 def is_run(flat: np.ndarray) -> bool:
@@ -168,87 +159,6 @@ class BufferPool:
       if len(pool) < self._PER_FORMAT:
         pool.append(buffer)
       return buffer
-
-
-def read_memmap_rows(array: np.memmap, flat: np.ndarray,
-                     out: np.ndarray) -> np.ndarray:
-  """Rows ``flat`` of a memmap written into ``out`` (returned), read in file
-  order in small groups whose pages are dropped after each."""
-  if flat.size and is_run(flat):
-    first = int(flat[0])
-    np.copyto(out, array[first:first + flat.size], casting="unsafe")
-    drop_pages(array)
-    return out
-  order = np.argsort(flat, kind="stable")
-  for start in range(0, flat.size, ROWS_PER_READ):
-    part = order[start:start + ROWS_PER_READ]
-    out[part] = array[flat[part]]
-    drop_pages(array)
-  return out
-
-
-def read_sliced_rows(array: Any, flat: np.ndarray, out: np.ndarray
-                     ) -> np.ndarray:
-  """Rows ``flat`` of an array read by slicing (an h5py dataset) written
-  into ``out``: in file order, each run of consecutive rows one slice.
-
-  h5py reads a list of indices far more slowly than the same rows one
-  slice at a time (640 ms against 30 ms for 6,400 random rows of a float32
-  (1e6, 32) dataset, measured here).
-  """
-  order = np.argsort(flat, kind="stable")
-  ordered = flat[order]
-  starts = np.flatnonzero(np.diff(ordered) > 1) + 1
-  for run in np.split(np.arange(flat.size), starts):
-    low, high = int(ordered[run[0]]), int(ordered[run[-1]]) + 1
-    block = np.asarray(array[low:high])
-    out[order[run]] = block[ordered[run] - low]
-  return out
-
-
-def file_bytes_needed(array: np.memmap) -> Optional[int]:
-  """The size a memmap's file must have for every byte the array (or view
-  of a memmap: a slice, a strided or reversed view) touches; None if it is
-  not mapped from a file.
-
-  Reading past the end of a mapped file kills the process with SIGBUS, so
-  this is checked before each read, against the size of the mapped file
-  itself (not its path, which may have been unlinked or replaced).
-  """
-  mapped = getattr(array, "_mmap", None)
-  if mapped is None or array.size == 0:
-    return None
-  base = np.frombuffer(mapped, np.uint8).ctypes.data  # where the map starts
-  start = array.ctypes.data
-  high = start + array.itemsize + sum(
-      max(0, stride * (dim - 1)) for stride, dim in
-      zip(array.strides, array.shape))
-  # numpy maps from the allocation boundary at or before the offset.
-  first = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
-  return first + (high - base)
-
-
-def mapped_file_size(array: np.memmap) -> int:
-  """The current size of the file a memmap maps (``fstat`` of the
-  mapping's own descriptor)."""
-  return array._mmap.size()  # pylint: disable=protected-access
-
-
-def drop_pages(array: np.memmap) -> None:
-  """Unmaps the pages a memmap read touched from this process.
-
-  They stay in the kernel's page cache, but no longer count in the
-  process's resident memory, so out-of-core data does not fill it up.
-  """
-  if getattr(array, "mode", None) == "c":
-    return  # copy-on-write: dropping pages would discard the user's edits
-  mapped = getattr(array, "_mmap", None)
-  advice = getattr(mmap, "MADV_DONTNEED", None)
-  if mapped is not None and advice is not None:
-    try:
-      mapped.madvise(advice)
-    except (OSError, ValueError):  # not supported here: pages stay mapped
-      pass
 
 
 def sample_rows(count: int) -> np.ndarray:

@@ -397,7 +397,9 @@ class Host:
               f"a state of another pipeline (id {pipeline}) was given "
               f"to a pipeline over {self.name} (id {self.id}); use the "
               "states of this pipeline's init_fn")
-        lanes.append(self.chunk(chain, index, device_count, defer))
+        chunk = self.chunk(chain, index, device_count, defer)
+        chunk.check()
+        lanes.append(chunk)
     except Exception as e:  # pylint: disable=broad-except
       error = e
     if participants > 1 and any(need):

@@ -22,13 +22,15 @@ from jax_data.chains import Chunk
 from jax_data.chains import ChunkLayout
 from jax_data.chains import OrderedChain
 from jax_data.chains import Position
+from jax_data.chains import readable
 from jax_data.counter_streams import CounterStream
 from jax_data.sampling import OrderedStream
 from jax_data.sampling import RandomStream
 
 # Reads rows ``flat`` (int64 indices into the loader's observations) and
 # returns one array per leaf with ``flat.size`` rows: the given buffers
-# filled, or read-only views of the data.
+# filled, or read-only views of the data (of memory-mapped files too: then
+# the cursor's ``check`` tells whether they can still be read).
 ReadRows = Callable[[np.ndarray, List[np.ndarray]], List[np.ndarray]]
 
 _POSITION_VERSION = 1
@@ -51,12 +53,15 @@ class IndexedCursor(ChainCursor):
     spec: The chain.
     layout: Its chunks.
     read: Reads rows by index (see :data:`ReadRows`).
+    check: Each chunk's :attr:`~jax_data.chains.Chunk.check`.
   """
 
-  def __init__(self, spec: ChainSpec, layout: ChunkLayout, read: ReadRows):
+  def __init__(self, spec: ChainSpec, layout: ChunkLayout, read: ReadRows,
+               check: Callable[[], None] = readable):
     self._stream = stream_of(spec, layout.mb_size)
     self._layout = layout
     self._read = read
+    self._check = check
     self._all_valid = np.ones(layout.lead, bool)
     self._all_valid.setflags(write=False)
 
@@ -68,7 +73,8 @@ class IndexedCursor(ChainCursor):
     leaves = self._read(indices.reshape(-1), flat_out)
     leaves = [leaf.reshape(shape) for leaf, shape in
               zip(leaves, self._layout.leaf_shapes())]
-    return Chunk(leaves, self._all_valid if mask is None else mask)
+    return Chunk(leaves, self._all_valid if mask is None else mask,
+                 self._check)
 
   def trim(self) -> None:
     self._stream.trim()

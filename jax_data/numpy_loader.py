@@ -18,13 +18,14 @@ import numpy as np
 from jax_data.chains import ChainCursor
 from jax_data.chains import ChainSpec
 from jax_data.chains import ChunkLayout
+from jax_data.file_rows import MappedRows
+from jax_data.file_rows import file_bytes_needed
+from jax_data.file_rows import map_hdf5
+from jax_data.file_rows import mapped_file_size
+from jax_data.file_rows import read_sliced_rows
 from jax_data.gather import Gatherer
 from jax_data.gather import digest_rows
-from jax_data.gather import file_bytes_needed
 from jax_data.gather import is_run
-from jax_data.gather import mapped_file_size
-from jax_data.gather import read_memmap_rows
-from jax_data.gather import read_sliced_rows
 from jax_data.host_loader import HostDataLoader
 from jax_data.indexed import IndexedCursor
 from jax_data.types import PyTree
@@ -47,7 +48,10 @@ def _as_host_array(name: str, value: Any, copy: bool) -> np.ndarray:
   if isinstance(value, np.memmap) and not copy:
     array = value  # stays on disk; rows are read per chunk
   elif is_lazy_array(value) and not copy:
-    array = value  # read by slices per chunk
+    # An HDF5 dataset stored contiguously is mapped like a memmap; others
+    # are read by slices per chunk.
+    mapped = map_hdf5(value)
+    array = value if mapped is None else mapped
   elif isinstance(value, jax.Array):
     array = np.asarray(value)
   else:
@@ -125,8 +129,16 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
   Each keyword becomes a key of the batch dict. Arrays may be lists, NumPy
   or JAX arrays, ``numpy.memmap`` files, or datasets of an HDF5 file
   (``h5py``) or other arrays read by slicing; with ``copy=False`` a memmap
-  or dataset is not read into memory: each chunk reads only its rows (an
-  HDF5 dataset a run of consecutive rows at a time).
+  or dataset is not read into memory: each chunk reads only its rows.
+
+  Rows on disk are read at the speed of memory when the file's pages are in
+  the kernel's page cache, and with many reads in flight when they are not.
+  Pages read stay mapped (they are the kernel's page cache, reclaimed under
+  memory pressure, and count in RSS as ``RssFile``, not in the memory the
+  process allocates); ``drop_file_pages=True`` unmaps them as it reads.
+  An HDF5 dataset stored contiguously and unfiltered (h5py's default) is
+  mapped like a memmap; a chunked or compressed one is read a run of
+  consecutive rows at a time.
 
   >>> import numpy as np
   >>> from jax_data import NumpyDataLoader
@@ -143,6 +155,10 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
   Args:
     copy: Copy the arrays (default). With False, arrays are referenced and
       memmaps stay on disk.
+    drop_file_pages: Unmap the pages of memmaps (and mapped HDF5 datasets)
+      as they are read (a few rows at a time), so they do not count in the
+      process's RSS. Every read then faults its pages in again: several
+      times slower.
     **reference_data: The arrays, one per keyword.
 
   Raises:
@@ -152,7 +168,9 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
 
   random_keywords = HostDataLoader.random_keywords + ("stream",)
 
-  def __init__(self, copy: bool = True, **reference_data: Any):
+  def __init__(self, copy: bool = True, drop_file_pages: bool = False,
+               **reference_data: Any):
+    check_bool("drop_file_pages", drop_file_pages)
     self._arrays, self._count = prepare_arrays(type(self).__name__, copy,
                                          reference_data)
     self._format = observation_format_of(self._arrays)
@@ -160,6 +178,9 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
     self._leaves = [self._arrays[k] for k in
                     jax.tree_util.tree_leaves({k: k for k in self._arrays})]
     self._gatherer = Gatherer()
+    self._mapped = [MappedRows(leaf, self._gatherer, drop_file_pages)
+                    if isinstance(leaf, np.memmap) else None
+                    for leaf in self._leaves]
     self._digest: Optional[str] = None
     self._file_bytes = {k: needed for k, v in self._arrays.items()
                         if isinstance(v, np.memmap)
@@ -168,7 +189,7 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
 
   def open_chain(self, spec: ChainSpec, layout: ChunkLayout) -> ChainCursor:
     """A cursor over the chain's rows (``spec/SAMPLING.md``)."""
-    return IndexedCursor(spec, layout, self._read)
+    return IndexedCursor(spec, layout, self._read, self._check_files)
 
   def content_digest(self) -> str:
     if self._digest is None:
@@ -193,15 +214,16 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
 
   def _read(self, flat: np.ndarray, out: List[np.ndarray]
             ) -> List[np.ndarray]:
-    """Rows ``flat`` of every array: views for runs of in-memory rows (as
-    ordered chains read them), else written into ``out``."""
+    """Rows ``flat`` of every array: views for runs of rows (as ordered
+    chains read them) in memory or in a memmap, else written into ``out``.
+    """
     self._check_files()
     run = is_run(flat)
     first = int(flat[0])
     leaves = []
-    for array, buffer in zip(self._leaves, out):
-      if isinstance(array, np.memmap):
-        leaves.append(read_memmap_rows(array, flat, buffer))
+    for array, mapped, buffer in zip(self._leaves, self._mapped, out):
+      if mapped is not None:
+        leaves.append(mapped.read(flat, buffer, run))
       elif not isinstance(array, np.ndarray):
         leaves.append(read_sliced_rows(array, flat, buffer))
       elif run and array.dtype == buffer.dtype:

@@ -269,16 +269,23 @@ def test_hdf5_datasets_and_records(tmp_path):
   with h5py.File(path, "w") as f:
     f["image"] = images
     f["label"] = labels
+    # Chunked and compressed: not a plain array in the file.
+    f.create_dataset("packed", data=images, chunks=(7, 28, 28),
+                     compression="gzip")
   records = SourceDataLoader(H5Records(path), workers=2)
   _assert_same_streams(records)
+  in_memory = NumpyDataLoader(image=images, label=labels)
   with h5py.File(path, "r") as f:
-    lazy = NumpyDataLoader(copy=False, image=f["image"], label=f["label"])
-    assert not isinstance(lazy._arrays["image"], np.ndarray)  # pylint: disable=protected-access
-    in_memory = NumpyDataLoader(image=images, label=labels)
-    for run in (_random_streams, _full_passes):
-      for got, want in zip(run(lazy), run(in_memory)):
-        np.testing.assert_array_equal(got, want)
-    assert lazy.content_digest() == in_memory.content_digest()
+    mapped = NumpyDataLoader(copy=False, image=f["image"], label=f["label"])
+    sliced = NumpyDataLoader(copy=False, image=f["packed"], label=f["label"])
+    # pylint: disable=protected-access
+    assert isinstance(mapped._arrays["image"], np.memmap)  # mapped, not read
+    assert not isinstance(sliced._arrays["image"], np.ndarray)  # h5py's
+    for lazy in (mapped, sliced):
+      for run in (_random_streams, _full_passes):
+        for got, want in zip(run(lazy), run(in_memory)):
+          np.testing.assert_array_equal(got, want)
+      assert lazy.content_digest() == in_memory.content_digest()
 
 
 # -- failures -----------------------------------------------------------------
