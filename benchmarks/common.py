@@ -193,6 +193,8 @@ class Section:
     notes: Remarks printed below the table.
     targets: Acceptance targets this case checks.
     memory: Rows of the device-memory table (pipeline, formula, bytes).
+    tables: Further tables, printed after the notes: (paragraph before
+      it, headers, rows, notes below it) each.
   """
   key: str
   title: str
@@ -202,12 +204,18 @@ class Section:
   notes: list[str] = dataclasses.field(default_factory=list)
   targets: list[Target] = dataclasses.field(default_factory=list)
   memory: list[list[str]] = dataclasses.field(default_factory=list)
+  tables: list[tuple[str, list[str], list[list[str]], list[str]]] = (
+      dataclasses.field(default_factory=list))
 
   def markdown(self) -> str:
     parts = [f"### {self.title}", "", self.description, "",
              markdown_table(self.headers, self.rows)]
     if self.notes:
       parts += [""] + [f"- {note}" for note in self.notes]
+    for before, headers, rows, notes in self.tables:
+      parts += ["", before, "", markdown_table(headers, rows)]
+      if notes:
+        parts += [""] + [f"- {note}" for note in notes]
     return "\n".join(parts)
 
 
