@@ -114,6 +114,30 @@ def round_keys(seed: int, epoch: Any, xp: Any = np) -> list:
   return [_absorb(base + (_u32(r, xp),), xp) for r in range(ROUNDS)]
 
 
+def _mix_int(x: int) -> int:
+  """:func:`_mix` of a Python int below ``2**32``: the same value, without
+  NumPy's per-call cost (a key is 17 of them)."""
+  x ^= x >> 16
+  x = (x * 0x85EBCA6B) & _U32
+  x ^= x >> 13
+  x = (x * 0xC2B2AE35) & _U32
+  return x ^ (x >> 16)
+
+
+def round_keys_int(seed: int, epoch: int) -> list:
+  """:func:`round_keys` of one epoch, as Python ints (the same values):
+  the hash of the words they share is taken once."""
+  h = _GOLDEN
+  for word in (_TAG_PERMUTE, *_words(seed), *_words(epoch)):
+    h = _mix_int(((h ^ word) * _GOLDEN) & _U32)
+  return [_mix_int(((h ^ r) * _GOLDEN) & _U32) for r in range(ROUNDS)]
+
+
+# A chunk whose offsets fall in at most this many epochs is permuted epoch
+# by epoch with scalar keys; more (tiny n), with one key per offset.
+_EPOCHS_ONE_BY_ONE = 8
+
+
 def _feistel(left: Any, right: Any, keys: list, bits: int, xp: Any
              ) -> Tuple[Any, Any]:
   """The network on halves ``left`` (``bits // 2`` bits) and ``right``
@@ -182,7 +206,25 @@ def permute(seed: int, epoch: Any, offsets: Any, n: int, xp: Any = np
 
 def _permute_host(seed: int, epoch: Any, offsets: np.ndarray, n: int,
                   bits: int) -> np.ndarray:
-  keys = round_keys(seed, epoch, np)
+  if not np.ndim(epoch):
+    return _permute_epoch(round_keys_int(int(seed), int(epoch)), offsets,
+                          n, bits)
+  low, high = (int(e) for e in (epoch.min(), epoch.max())) if epoch.size \
+      else (0, 0)
+  if high - low >= _EPOCHS_ONE_BY_ONE:
+    return _permute_epoch(round_keys(seed, epoch, np), offsets, n, bits)
+  values = np.empty(offsets.shape, np.int64)
+  for each in range(low, high + 1):
+    chosen = np.flatnonzero(epoch == each) if high > low else slice(None)
+    values[chosen] = _permute_epoch(round_keys_int(int(seed), each),
+                                    offsets[chosen], n, bits)
+  return values
+
+
+def _permute_epoch(keys: list, offsets: np.ndarray, n: int, bits: int
+                   ) -> np.ndarray:
+  """The network on ``offsets``, with cycle-walking; ``keys`` Python ints
+  (one epoch) or arrays (one key per offset)."""
   left, right = _split(offsets, bits, np)
   left, right = _feistel(left, right, keys, bits, np)
   values = _join(left, right, bits, np)

@@ -53,6 +53,29 @@ def test_large_domains_on_the_host():
     assert len(np.unique(drawn)) > 9_990  # collisions are rare at this n
 
 
+@pytest.mark.parametrize("epochs", [1, 2, 8, 9, 40])
+def test_an_epoch_per_offset_permutes_as_each_epoch_alone(epochs):
+  """The host permutes a chunk epoch by epoch with keys hashed in Python
+  ints, or (many epochs) with a key per offset: the same bijection either
+  way, and the same as the device's uint32 arithmetic."""
+  rng = np.random.default_rng(epochs)
+  for n, seed in ((3, 0), (1000, 5), (65_537, 2**40 + 3), (10**8, 2**64 - 1)):
+    offsets = rng.integers(0, n, 300)
+    epoch = np.sort(rng.integers(2**33, 2**33 + epochs, 300))
+    each = [int(cs.permute(seed, int(e), np.array([o]), n)[0])
+            for e, o in zip(epoch, offsets)]
+    assert cs.permute(seed, epoch, offsets, n).tolist() == each
+    for e in (0, 7, 2**33 + 1):
+      with np.errstate(over="ignore"):  # uint32 arithmetic wraps
+        keys = [int(k) for k in cs.round_keys(seed, e, np)]
+      assert cs.round_keys_int(seed, e) == keys
+  device = jax.jit(lambda e, o: cs.permute(5, e, o, 1000, jnp))(
+      jnp.asarray(epoch % 1000, jnp.uint32), jnp.asarray(offsets % 1000,
+                                                         jnp.uint32))
+  np.testing.assert_array_equal(
+      device, cs.permute(5, epoch % 1000, offsets % 1000, 1000))
+
+
 def test_position_of_an_index_is_uniform_across_seeds():
   """Where index 0 lands in a permutation of 16, over 4,000 seeds: a
   chi-square test of uniformity."""
