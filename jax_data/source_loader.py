@@ -109,6 +109,51 @@ class _Format:
     self.paths = paths
     self.shapes = [leaf.shape for leaf in leaves]
     self.dtypes = [leaf.dtype for leaf in leaves]
+    # Records that are one array, or a dict, tuple or list of arrays: their
+    # container and keys (positions), so that a batch of them is stacked
+    # leaf by leaf in C.
+    node = treedef.node_data()
+    self.container: Optional[type] = None
+    self.keys: Tuple[Any, ...] = ()
+    self.stackable = treedef.num_nodes == 1 or (
+        node is not None and node[0] in (dict, tuple, list)
+        and all(child.num_nodes == 1 for child in treedef.children()))
+    if treedef.num_nodes > 1 and self.stackable:
+      self.container = node[0]
+      self.keys = (tuple(node[1]) if node[0] is dict
+                   else tuple(range(treedef.num_leaves)))
+
+  def columns(self, records: List[Any]) -> Optional[List[List[Any]]]:
+    """The records' leaves, one list per leaf, if every record has the
+    first's structure at the top level (one array, or the same container
+    with the same keys or length); else None."""
+    if self.container is None:
+      return [records]
+    kind, count = self.container, len(self.keys)
+    try:
+      if not all(type(r) is kind and len(r) == count for r in records):
+        return None
+      return [[r[k] for r in records] for k in self.keys]
+    except KeyError:
+      return None
+
+  def stack(self, records: List[Any]) -> Optional[List[np.ndarray]]:
+    """The records stacked leaf by leaf, or None where one of them does
+    not match the first record (the record-by-record path then names it).
+    """
+    columns = self.columns(records) if self.stackable else None
+    if columns is None:
+      return None
+    stacked = []
+    for column, shape, dtype in zip(columns, self.shapes, self.dtypes):
+      try:
+        array = np.stack(column)
+      except (ValueError, TypeError):
+        return None
+      if array.shape[1:] != shape or array.dtype != dtype:
+        return None
+      stacked.append(array)
+    return stacked
 
   def describe(self) -> str:
     return "{" + ", ".join(
@@ -346,6 +391,11 @@ class SourceDataLoader(HostDataLoader):
     the next record, leaving the rest unwritten."""
     if self._batched is not None:
       records = self._records(indices)
+      stacked = self._first.stack(records) if len(records) > 1 else None
+      if stacked is not None:  # all alike: written leaf by leaf
+        for leaf, array in zip(out, stacked):
+          leaf[rows] = array
+        return
     else:  # one by one: a stop takes effect before the next
       records = (self._load(int(i)) for i in indices)
     for index, row, record in zip(indices, rows, records):

@@ -695,3 +695,50 @@ def test_release_does_not_wait_for_a_stuck_record_processes(tmp_path):
     assert not alive
   finally:
     open(gate, "w").close()
+
+
+class Batched(MapStyle):
+  """``__getitems__`` of records shaped by ``shape(i, record)``."""
+
+  def __init__(self, images, labels, shape):
+    super().__init__(images, labels)
+    self.shape = shape
+
+  def __getitem__(self, i):
+    return self.shape(i, super().__getitem__(i))
+
+  def __getitems__(self, indices):
+    return [self[i] for i in indices]
+
+
+@pytest.mark.parametrize("shape", [
+    lambda i, r: r,
+    lambda i, r: {"image": r[0], "label": r[1]},
+    lambda i, r: list(r),
+    lambda i, r: r[0]])
+def test_batched_records_are_stacked_as_read_one_by_one(shape):
+  images, labels = _images()
+  batched = SourceDataLoader(Batched(images, labels, shape), workers=2)
+  one_by_one = SourceDataLoader([shape(i, (im.astype(np.float32) / 255, lb))
+                                 for i, (im, lb) in
+                                 enumerate(zip(images, labels))], workers=2)
+  for run in (_random_streams, _full_passes):
+    for got, want in zip(run(batched), run(one_by_one)):
+      np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("odd, message", [
+    (lambda r: {"image": r[0]}, r"record 7 has the keys \['image'\]"),
+    (lambda r: {"image": r[0], "label": r[1], "x": 1.0},
+     r"record 7 has the keys \['image'\], \['label'\], \['x'\]"),
+    (lambda r: {"image": r[0][:3], "label": r[1]},
+     r"record 7 has \['image'\] of dtype float32 and shape \[3, 28\]"),
+    (lambda r: {"image": r[0], "label": float(r[1])},
+     r"record 7 has \['label'\] of dtype float64")])
+def test_a_batch_with_an_odd_record_names_it(odd, message):
+  def shape(i, r):
+    return odd(r) if i == 7 else {"image": r[0], "label": r[1]}
+  loader = SourceDataLoader(Batched(*_images(), shape), workers=0)
+  mapper_fn, _ = jax_data.full_data_mapper(loader, 2, 10)
+  with pytest.raises(Exception, match=message):
+    jax.block_until_ready(mapper_fn(lambda b, c: (b["label"], c), None))
