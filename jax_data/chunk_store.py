@@ -44,45 +44,17 @@ from jax_data.errors import PipelineReleasedError
 from jax_data.gather import BufferPool
 from jax_data.host_loader import HostDataLoader
 
-# Snapshots newer than this many chunks are all kept; older ones thin out to
-# about this many per doubling of age.
-RECENT_SNAPSHOTS = 16
-# Hard limit of stored chunks per chain, whatever device_count says.
-MAX_STORED = 32
 
-# Chunks of a chain produced ahead of its requests. Two, not one: the
-# thread then goes on producing while the device copies and computes, and
-# where producing a chunk takes about as long as the device takes to use one
-# (random rows of a large array), requests do not wait on every chunk.
-AHEAD = 2
-
-# The most chunks a request may make a chain replay from a snapshot: a
-# state far beyond anything its chain produced (a crafted checkpoint) is
-# refused rather than replayed for hours. Snapshots thin out to one per
-# 1/16 of a chunk's age, so honest replays stay far below this.
-MAX_REPLAY = 1 << 20
-# Stored chunks of all of a pipeline's chains together stay within this many
-# bytes, or within keep + AHEAD chunks per lane of the largest request if
-# that is more; the least recently used go first.
-STORE_BYTES = 128 << 20
-# What the cursors of a pipeline's chains hold for reuse (permutations, read
-# blocks) stays within STORE_BYTES too, or within this many times what the
-# chains of the largest request hold if that is more; the cursors of the
-# chains produced for least recently are trimmed first, those of the chains
-# of the last request never.
-HELD_REQUESTS = 4
-
-
-def keep_snapshot(index: int, newest: int) -> bool:
+def keep_snapshot(index: int, newest: int, recent: int) -> bool:
   """Whether the snapshot before chunk ``index`` survives thinning.
 
-  All of the last ``RECENT_SNAPSHOTS`` are kept; older ones are kept at a
-  spacing that doubles with age, so their number grows as ``log(newest)``.
+  All of the last ``recent`` are kept; older ones are kept at a spacing
+  that doubles with age, so their number grows as ``log(newest)``.
   """
   age = newest - index
-  if age < RECENT_SNAPSHOTS or index == 0:
+  if age < recent or index == 0:
     return True
-  spacing = 1 << max(0, (age // RECENT_SNAPSHOTS).bit_length() - 1)
+  spacing = 1 << max(0, (age // recent).bit_length() - 1)
   return index % spacing == 0
 
 
@@ -133,9 +105,10 @@ class ChainStore:
       (full-data passes); None for random chains.
     verify_calls: Warn when a chunk is produced again because a request
       came for one no longer stored (a state used twice).
-    keep: Served chunks kept per chain besides the ``AHEAD`` produced ahead.
+    keep: Served chunks kept per chain besides the ``ahead`` produced ahead.
       Chunks still awaited by some of ``device_count`` devices are kept too,
-      up to ``keep + AHEAD + 2 * device_count`` (at most ``MAX_STORED``).
+      up to ``keep + ahead + 2 * device_count`` (at most ``max_stored``; the
+      limits are the loader's :class:`~jax_data.host_loader.StoreLimits`).
   """
 
   def __init__(self, loader: HostDataLoader, layout: ChunkLayout, name: str,
@@ -147,6 +120,7 @@ class ChainStore:
     self.cycle = cycle
     self._verify_calls = verify_calls
     self._keep = keep
+    self._limits = loader.store_limits
     self._records: Dict[int, ChainRecord] = {}
     self._lock = threading.Lock()
     self._buffers = BufferPool()
@@ -281,7 +255,7 @@ class ChainStore:
 
   def note_lanes(self, lanes: int) -> None:
     """A request asked for ``lanes`` chunks at once: the store keeps room
-    for ``keep + AHEAD`` chunks per lane of the largest such request (the
+    for ``keep + ahead`` chunks per lane of the largest such request (the
     served ones kept and those produced ahead)."""
     self._lanes = max(self._lanes, lanes)
 
@@ -298,12 +272,14 @@ class ChainStore:
     del self._stored[(record.number, index)]
 
   def _evict(self, record: ChainRecord) -> None:
-    """Drops a chain's served chunks beyond ``keep + AHEAD`` (with ``_lock``
+    """Drops a chain's served chunks beyond ``keep + ahead`` (with ``_lock``
     held). Chunks that some device has yet to take stay, up to the hard
     cap."""
-    cap = min(MAX_STORED, self._keep + AHEAD + 2 * record.devices)
+    limits = self._limits
+    cap = min(limits.max_stored,
+              self._keep + limits.ahead + 2 * record.devices)
     chunks = record.chunks
-    while len(chunks) > self._keep + AHEAD:
+    while len(chunks) > self._keep + self._limits.ahead:
       oldest, served, newest = None, None, next(reversed(chunks))
       for i, entry in chunks.items():  # oldest first
         if i == newest:
@@ -322,12 +298,12 @@ class ChainStore:
 
   def _evict_across_chains(self) -> None:
     """Drops the least recently used chunks of any chain while the store
-    holds more than ``STORE_BYTES``, or ``keep + AHEAD`` chunks per lane of
+    holds more than ``store_bytes``, or ``keep + ahead`` chunks per lane of
     the largest request if that is more (with ``_lock`` held). Chunks still
     being produced stay; a dropped chunk is produced again if asked for. A chain
     left with no chunk trims its cursor's caches."""
-    limit = max(STORE_BYTES // max(self.layout.nbytes, 1),
-                (self._keep + AHEAD) * self._lanes)
+    limit = max(self._limits.store_bytes // max(self.layout.nbytes, 1),
+                (self._keep + self._limits.ahead) * self._lanes)
     if len(self._stored) <= limit:
       return
     for number, index in list(self._stored):
@@ -343,7 +319,7 @@ class ChainStore:
   def trim_idle(self) -> None:
     """Trims the cursors of chains whose chunks were all dropped for room,
     then those of the chains produced for least recently while all cursors
-    hold more than the budget (see ``HELD_REQUESTS``); a cursor that is
+    hold more than the budget (see ``held_requests``); a cursor that is
     producing is passed over. Housekeeping: producing never trims, and the
     host calls this once a request has its chunks, in its prefetch thread
     (trimming may drop a ``tf.data`` iterator of another chain)."""
@@ -406,12 +382,12 @@ class ChainStore:
   def _trim_held(self) -> None:
     """Trims the cursors of the chains produced for least recently while
     the cursors of all chains hold more than the budget (see
-    ``HELD_REQUESTS``). A cursor that is producing is passed over; the
+    ``held_requests``). A cursor that is producing is passed over; the
     chains of the last request never are trimmed."""
     with self._lock:
       protected = max(self._lanes, 1)
-      limit = max(STORE_BYTES,
-                  HELD_REQUESTS * protected * self._held_most)
+      limit = max(self._limits.store_bytes,
+                  self._limits.held_requests * protected * self._held_most)
       if self._held_total <= limit:
         return
       excess = self._held_total - limit
@@ -443,12 +419,12 @@ class ChainStore:
       record.next_index = index
     if record.next_index != index:
       base = max(i for i in record.snapshots if i <= index)
-      if index - base > MAX_REPLAY:
+      if index - base > self._limits.max_replay:
         raise ValueError(
             f"chunk {index} of chain {record.number} is {index - base} "
             f"chunks past its nearest snapshot (chunk {base}), more than "
-            f"the {MAX_REPLAY} a request may replay; the state's chunk "
-            "counter does not come from this chain")
+            f"the {self._limits.max_replay} a request may replay; the "
+            "state's chunk counter does not come from this chain")
       if self._verify_calls and record.next_index is not None:
         warnings.warn(
             f"{self.name}, chain {record.number}: chunk {index} was "
@@ -475,11 +451,13 @@ class ChainStore:
                  self._buffers.empty(layout.lead, bool))
 
   def _thin(self, record: ChainRecord) -> None:
-    if len(record.snapshots) <= 2 * record.pruned_size + RECENT_SNAPSHOTS:
+    recent = self._limits.recent_snapshots
+    if len(record.snapshots) <= 2 * record.pruned_size + recent:
       return
     newest = max(record.snapshots)
     record.snapshots = {i: s for i, s in record.snapshots.items()
-                        if keep_snapshot(i, newest)}
+                        if keep_snapshot(i, newest,
+                                         self._limits.recent_snapshots)}
     record.pruned_size = len(record.snapshots)
 
   def _check(self, chunk: Chunk) -> Chunk:

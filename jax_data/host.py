@@ -33,8 +33,6 @@ from jax_data.chains import ChunkLayout
 from jax_data.chains import RandomChain
 from jax_data.chains import spec_from_json
 from jax_data.chains import spec_to_json
-from jax_data.chunk_store import AHEAD
-from jax_data.chunk_store import MAX_REPLAY
 from jax_data.chunk_store import ChainRecord
 from jax_data.chunk_store import ChainStore
 from jax_data.chunk_store import settle
@@ -200,6 +198,7 @@ class Host:
     self.name = repr(loader)
     self.id = pipeline_id
     self.layout = layout
+    self._limits = loader.store_limits
     self._store = ChainStore(loader, layout, self.name, cycle, verify_calls)
     self._progress = progress
     self._prefetcher = Prefetcher() if prefetch else None
@@ -254,7 +253,8 @@ class Host:
 
     Raises:
       CheckpointError: the dict is not one of :meth:`save_chain`, ``chunk``
-        is not at or after its snapshot (within ``MAX_REPLAY`` chunks), or
+        is not at or after its snapshot (within the loader's
+        ``store_limits.max_replay`` chunks), or
         the loader refuses the spec or position; no chain is added then.
     """
     if not isinstance(saved, dict) or not {"spec", "snapshot_index",
@@ -268,12 +268,12 @@ class Host:
                         minimum=0)
       # A counter-based stream reaches any chunk at once: no replay bound.
       counter = isinstance(spec, RandomChain) and spec.stream == "counter"
-      replay = None if counter else MAX_REPLAY
+      replay = None if counter else self._limits.max_replay
       if chunk < index or (replay is not None and chunk > index + replay):
         raise ValueError(
             f"the state's chunk={chunk} must be between the chain's "
-            f"snapshot_index={index} and {index + MAX_REPLAY} (the snapshot "
-            f"plus MAX_REPLAY={MAX_REPLAY} chunks)")
+            f"snapshot_index={index} and {index + replay} (the snapshot "
+            f"plus max_replay={replay} chunks)")
       return self._store.add(spec, (index, saved["snapshot"])).number
     except (TypeError, ValueError) as e:
       raise CheckpointError(f"saved chain does not fit {self.name}: {e}"
@@ -292,7 +292,7 @@ class Host:
     ``device_count`` requests are expected for the chunk (one per device of
     a replicated state); it is kept until they all came, within a cap.
 
-    The production of the next ``AHEAD`` chunks starts now, or, if
+    The production of the next ``store_limits.ahead`` chunks starts now, or, if
     ``defer`` is a list and the chunk was ready when asked for (the device,
     not the host, sets the pace), is appended to ``defer`` for the caller to
     start once it has copied this chunk, so that the copy does not compete
@@ -328,13 +328,13 @@ class Host:
     return result
 
   def schedule_next(self, record: ChainRecord, index: int) -> None:
-    """Starts producing the ``AHEAD`` chunks after ``index`` in the
+    """Starts producing the ``store_limits.ahead`` chunks after ``index`` in the
     background (those not stored yet)."""
     prefetcher = self._prefetcher
     if prefetcher is None:
       return
     following = index
-    for _ in range(AHEAD):
+    for _ in range(self._limits.ahead):
       following = self._store.following(following)
       future = self._store.claim_ahead(record, following)
       if future is None:

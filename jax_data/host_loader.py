@@ -58,6 +58,46 @@ from jax_data.validation import check_keywords
 AUTO_COUNTER_ABOVE = 2**20
 
 
+@dataclasses.dataclass(frozen=True)
+class StoreLimits:
+  """How much a pipeline's host keeps for its chains: a value each loader
+  carries (:attr:`HostDataLoader.store_limits`) and the pipelines over it
+  use.
+
+  Attributes:
+    recent_snapshots: Snapshots of a chain's position newer than this many
+      chunks are all kept; older ones thin out to about this many per
+      doubling of age.
+    max_stored: Hard limit of stored chunks per chain, whatever the device
+      count.
+    ahead: Chunks of a chain produced ahead of its requests. Two, not one:
+      the thread then goes on producing while the device copies and
+      computes, and where producing a chunk takes about as long as the
+      device takes to use one (random rows of a large array), requests do
+      not wait on every chunk.
+    max_replay: The most chunks a request may make a chain replay from a
+      snapshot: a state far beyond anything its chain produced (a crafted
+      checkpoint) is refused rather than replayed for hours. Snapshots thin
+      out to one per 1/16 of a chunk's age, so honest replays stay far
+      below this.
+    store_bytes: Stored chunks of all of a pipeline's chains together stay
+      within this many bytes, or within ``keep + ahead`` chunks per lane of
+      the largest request if that is more; the least recently used go
+      first.
+    held_requests: What the cursors of a pipeline's chains hold for reuse
+      (permutations, read blocks) stays within ``store_bytes`` too, or
+      within this many times what the chains of the largest request hold if
+      that is more; the cursors of the chains produced for least recently
+      are trimmed first, those of the chains of the last request never.
+  """
+  recent_snapshots: int = 16
+  max_stored: int = 32
+  ahead: int = 2
+  max_replay: int = 1 << 20
+  store_bytes: int = 128 << 20
+  held_requests: int = 4
+
+
 @dataclasses.dataclass
 class _Numbering:
   """How many chains a loader has numbered, and the chains registered
@@ -88,6 +128,9 @@ class HostDataLoader(PredecessorAPI, DataLoader):
   #: With ``"stream"`` among the random keywords: ``stream="auto"`` draws
   #: counter-based streams above this many observations (None: never).
   auto_counter_above: ClassVar[Optional[int]] = AUTO_COUNTER_ABOVE
+  #: What the pipelines over this loader keep (:class:`StoreLimits`); set
+  #: another value on a loader before making pipelines over it.
+  store_limits: StoreLimits = StoreLimits()
 
   # -- the interface ------------------------------------------------------
 

@@ -19,6 +19,7 @@ from jax import lax
 
 import jax_data
 from jax_data import NumpyDataLoader
+from jax_data.host_loader import StoreLimits
 
 MODES = [dict(), dict(shuffle=True), dict(shuffle=True, in_epochs=True)]
 N, CACHE, MB = 37, 4, 5
@@ -291,6 +292,31 @@ def test_counters_out_of_range_are_refused(field, value, match):
   if value < 0 or field == "position":
     with pytest.raises(ValueError, match=f"{field}={value}"):
       pipeline[1](state._replace(**{field: jnp.int32(value)}))
+
+
+def test_a_loaders_store_limits_bound_replays():
+  """Limits are a value the loader carries: a pipeline over a loader with
+  max_replay=3 refuses a state 4 chunks past its snapshot, in a checkpoint
+  and inside jit, and serves one 3 chunks past."""
+  loader = NumpyDataLoader(x=np.arange(N))
+  loader.store_limits = StoreLimits(max_replay=3)
+  pipeline = jax_data.random_reference_data(loader, CACHE, MB)
+  init_fn, batch_fn, _ = pipeline
+  state = init_fn(seed=1)
+  tree = jax_data.state_to_pytree(pipeline, state)
+  with pytest.raises(jax_data.CheckpointError, match=r"chunk=4 must be "
+                     r"between the chain's snapshot_index=0 and 3 \(the "
+                     r"snapshot plus max_replay=3 chunks\)"):
+    jax_data.state_from_pytree(pipeline, dict(tree, chunk=np.int32(4)))
+  with pytest.raises(Exception, match="more than the 3 a request may "
+                     "replay"):
+    jax.block_until_ready(jax.jit(batch_fn)(state._replace(
+        chunk=jnp.int32(4))))
+  reference = _pipeline()
+  far, _ = _run(reference[1], 3 * CACHE)(reference[0](seed=1))
+  _, want = _run(reference[1], 2)(far)
+  _, got = _run(batch_fn, 2)(state._replace(chunk=jnp.int32(3)))
+  assert got[0].tolist() == want[0].tolist()
 
 
 def test_counters_out_of_range_inside_jit_are_refused_by_the_host():

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec
 
 import jax_data
 from jax_data import NumpyDataLoader
-from jax_data import chunk_store
+from jax_data.host_loader import StoreLimits
 from jax_data.rendezvous import Rendezvous
 
 # Tests that build pipelines with the `pipelines` fixture run with both ways
@@ -163,7 +163,7 @@ def test_replicated_state_gives_every_device_the_same_batches_once(pipelines):
   assert x[0].tolist() == expected
   chunks = -(-STEPS // CACHE)
   # Each chunk is generated once on the host (plus those produced ahead).
-  assert chunks <= len(produced) <= chunks + chunk_store.AHEAD
+  assert chunks <= len(produced) <= chunks + StoreLimits().ahead
 
 
 def test_wrong_device_count_keeps_memory_bounded(pipelines):
@@ -178,7 +178,7 @@ def test_wrong_device_count_keeps_memory_bounded(pipelines):
   record = pipeline.host.chain(int(state.chain))
   # 64 devices were announced but one asks: chunks wait for the other 63
   # only up to the documented cap.
-  assert len(record.chunks) <= chunk_store.MAX_STORED
+  assert len(record.chunks) <= StoreLimits().max_stored
 
 
 def test_shard_map_behaves_like_pmap(solo, pipelines):

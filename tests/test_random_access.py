@@ -14,8 +14,8 @@ import pytest
 from jax import lax
 
 import jax_data
-import jax_data.chunk_store
 from jax_data import NumpyDataLoader
+from jax_data.host_loader import StoreLimits
 
 # Tests that build pipelines with the `pipelines` fixture run with both ways
 # chunks reach compiled code (conftest.py).
@@ -233,7 +233,7 @@ def test_host_memory_bounded_over_100k_steps(pipelines):
   record = pipeline.host.chain(int(state.chain))
   assert int(state.chunk) * 5 == 100_000
   # Two served chunks kept, and those produced ahead.
-  assert len(record.chunks) <= 2 + jax_data.chunk_store.AHEAD
+  assert len(record.chunks) <= 2 + StoreLimits().ahead
   assert len(record.snapshots) < 400  # ~16 per doubling, not 100k
   assert grown < 30 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB"
 

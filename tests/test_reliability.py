@@ -13,9 +13,9 @@ import psutil
 from jax import lax
 
 import jax_data
-import jax_data.chunk_store
 import jax_data.full_access
 from jax_data import NumpyDataLoader
+from jax_data.host_loader import StoreLimits
 
 
 def _rss() -> int:
@@ -115,7 +115,7 @@ def test_million_steps_keep_host_memory_flat():
   grown = _rss() - start
   assert int(state.chunk) * 100 == 1_000_000
   record = pipeline.host.chain(int(state.chain))
-  assert len(record.chunks) <= 2 + jax_data.chunk_store.AHEAD
+  assert len(record.chunks) <= 2 + StoreLimits().ahead
   assert len(record.snapshots) < 400
   assert grown < 20 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB"
 
@@ -190,7 +190,7 @@ def test_a_new_chain_per_epoch_keeps_host_memory_flat():
   run = jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
                                    length=300)[0])
   chunk_bytes = pipeline.host.layout.nbytes
-  budget = max(jax_data.chunk_store.STORE_BYTES, 3 * chunk_bytes)
+  budget = max(StoreLimits().store_bytes, 3 * chunk_bytes)
   chains = []
   for epoch in range(120):
     state = jax.block_until_ready(run(init_fn(seed=epoch, shuffle=True)))
@@ -225,15 +225,14 @@ def test_a_chain_whose_chunks_were_dropped_continues_exactly():
   np.testing.assert_array_equal(again["x"], expected["x"])
 
 
-def test_permutations_of_many_small_chains_stay_within_the_budget(
-    monkeypatch):
+def test_permutations_of_many_small_chains_stay_within_the_budget():
   """A new shuffled chain per epoch with chunks too small for the chunk
   budget to act: the chains' permutations (8 bytes per observation each)
   are trimmed, least recently used first, and every chain continues
   exactly."""
-  monkeypatch.setattr(jax_data.chunk_store, "STORE_BYTES", 1 << 20)
   count = 20_000
   loader = NumpyDataLoader(x=np.arange(count, dtype=np.float32))
+  loader.store_limits = StoreLimits(store_bytes=1 << 20)
   init_fn, batch_fn, _ = pipeline = jax_data.random_reference_data(
       loader, 4, 32)
   run = jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
@@ -248,7 +247,7 @@ def test_permutations_of_many_small_chains_stay_within_the_budget(
     cursors = [host.chain(int(s.chain)).cursor for s in states]
     held = sum(cursor.held_bytes() for cursor in cursors)
     most = max(cursor.held_bytes() for cursor in cursors)
-    limit = max(1 << 20, jax_data.chunk_store.HELD_REQUESTS * 8 * count)
+    limit = max(1 << 20, StoreLimits().held_requests * 8 * count)
     assert held <= limit + most, (epoch, held)
   assert held > 0
   assert host.chain(int(states[0].chain)).cursor.held_bytes() == 0
