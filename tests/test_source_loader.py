@@ -56,8 +56,9 @@ def decode(record):
 
 def _stacked(loader):
   """A NumpyDataLoader over a source loader's records, stacked."""
-  records = [loader._leaves(i, loader._load(i))  # pylint: disable=protected-access
-             for i in range(len(loader._source))]  # pylint: disable=protected-access
+  reader = loader._reader  # pylint: disable=protected-access
+  records = [reader.leaves(i, reader.load(i))
+             for i in range(len(reader.source))]
   treedef = loader._first.treedef  # pylint: disable=protected-access
   columns = [np.stack(column) for column in zip(*records)]
   stacked = treedef.unflatten(columns)

@@ -1,0 +1,251 @@
+"""Records of a random-access source: reading, transforming and checking
+them against the first record's format.
+
+What :class:`~jax_data.SourceDataLoader` and its worker processes share: a
+:class:`RecordReader` reads records ``source[i]`` (or batches of them with
+``__getitems__``), applies the transform, checks each against the
+:class:`RecordFormat` of the first record (a record that differs is named
+by a :class:`RecordError`) and writes their leaves into rows of a chunk.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+from typing import Callable
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
+
+import jax
+import numpy as np
+
+from jax_data.validation import is_jax_dtype
+
+
+class RecordError(ValueError):
+  """A record of a source could not be read, or does not fit the format of
+  the first record."""
+
+
+class RecordFormat:
+  """The structure, key paths, shapes and dtypes of the first record."""
+
+  def __init__(self, treedef, paths: List[str], leaves: List[np.ndarray]):
+    self.treedef = treedef
+    self.paths = paths
+    self.shapes = [leaf.shape for leaf in leaves]
+    self.dtypes = [leaf.dtype for leaf in leaves]
+    # Records that are one array, or a dict, tuple or list of arrays: their
+    # container and keys (positions), so that a batch of them is stacked
+    # leaf by leaf in C.
+    node = treedef.node_data()
+    self.container: Optional[type] = None
+    self.keys: Tuple[Any, ...] = ()
+    self.stackable = treedef.num_nodes == 1 or (
+        node is not None and node[0] in (dict, tuple, list)
+        and all(child.num_nodes == 1 for child in treedef.children()))
+    if treedef.num_nodes > 1 and self.stackable:
+      self.container = node[0]
+      self.keys = (tuple(node[1]) if node[0] is dict
+                   else tuple(range(treedef.num_leaves)))
+
+  def columns(self, records: List[Any]) -> Optional[List[List[Any]]]:
+    """The records' leaves, one list per leaf, if every record has the
+    first's structure at the top level (one array, or the same container
+    with the same keys or length); else None."""
+    if self.container is None:
+      return [records]
+    kind, count = self.container, len(self.keys)
+    try:
+      if not all(type(r) is kind and len(r) == count for r in records):
+        return None
+      return [[r[k] for r in records] for k in self.keys]
+    except KeyError:
+      return None
+
+  def stack(self, records: List[Any]) -> Optional[List[np.ndarray]]:
+    """The records stacked leaf by leaf, or None where one of them does
+    not match the first record (the record-by-record path then names it).
+    """
+    columns = self.columns(records) if self.stackable else None
+    if columns is None:
+      return None
+    stacked = []
+    for column, shape, dtype in zip(columns, self.shapes, self.dtypes):
+      try:
+        array = np.stack(column)
+      except (ValueError, TypeError):
+        return None
+      if array.shape[1:] != shape or array.dtype != dtype:
+        return None
+      stacked.append(array)
+    return stacked
+
+  def describe(self) -> str:
+    return "{" + ", ".join(
+        f"{path}: {dtype}{list(shape)}" for path, shape, dtype in
+        zip(self.paths, self.shapes, self.dtypes)) + "}"
+
+
+def flatten_record(record: Any) -> Tuple[List[str], List[Any], Any]:
+  """Key paths, leaves and treedef of a record."""
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(record)
+  paths = [jax.tree_util.keystr(path) or "record" for path, _ in with_paths]
+  return paths, [leaf for _, leaf in with_paths], treedef
+
+
+def batched_read(source: Any) -> Optional[Callable[[List[int]], Any]]:
+  """The source's ``__getitems__``, if it has one that works: a list of
+  indices gives a list of as many records (PyTorch's convention, met by
+  Hugging Face, ArrayRecord and TFDS sources). One that raises on a probe
+  (a mocked TFDS source binds it wrongly) is not used."""
+  batched = getattr(source, "__getitems__", None)
+  if not callable(batched):
+    return None
+  try:
+    probe = batched([0])
+    if len(probe) != 1:
+      return None
+  except Exception:  # pylint: disable=broad-except
+    return None
+  return batched
+
+
+class RecordReader:
+  """Reads, transforms and checks the records of a source.
+
+  Args:
+    source: Has ``__len__`` and ``__getitem__(int)``.
+    transform: Turns a record into a pytree of array-likes; None takes
+      records as they are.
+    name: The loader's name, for messages.
+    first: The format of record 0, if known (a worker process receives
+      it); else record 0 is read and its format taken.
+
+  Raises:
+    TypeError: ``first`` is None and record 0 has a leaf that is not
+      numeric, or no leaves.
+    RecordError: ``first`` is None and record 0 cannot be read.
+  """
+
+  def __init__(self, source: Any, transform: Optional[Callable], name: str,
+               first: Optional[RecordFormat] = None):
+    self.source = source
+    self.transform = transform
+    self.name = name
+    self.batched = batched_read(source)
+    if first is None:
+      # Read as chunks read (sources may type a batched read differently).
+      paths, leaves, treedef = flatten_record(
+          self.records(np.zeros(1, int))[0])
+      first = RecordFormat(treedef, paths, self.check_first(paths, leaves))
+    self.first = first
+
+  def load(self, index: int) -> Any:
+    """Record ``index``, transformed; a failure names the index."""
+    try:
+      record = self.source[index]
+      return record if self.transform is None else self.transform(record)
+    except Exception as e:  # pylint: disable=broad-except
+      raise RecordError(
+          f"{self.name} over {type(self.source).__name__}: "
+          f"record {index}: {type(e).__name__}: {e}") from e
+
+  def check_first(self, paths: List[str], leaves: List[Any]
+                   ) -> List[np.ndarray]:
+    arrays = []
+    for path, leaf in zip(paths, leaves):
+      array = np.asarray(leaf)
+      if not is_jax_dtype(array.dtype):
+        raise TypeError(
+            f"record 0 has {path} of dtype {array.dtype} ({type(leaf).__name__}"
+            "), which cannot become a JAX array; drop it or turn it into "
+            "numbers with transform=")
+      arrays.append(array)
+    if not arrays:
+      raise TypeError("record 0 has no array leaves: " + repr(leaves))
+    return arrays
+
+  def leaves(self, index: int, record: Any) -> List[np.ndarray]:
+    """The leaves of record ``index``, checked against the first record
+    (key paths are computed only for a message)."""
+    first = self.first
+    leaves, treedef = jax.tree_util.tree_flatten(record)
+    if treedef != first.treedef:
+      paths, _, _ = flatten_record(record)
+      raise RecordError(
+          f"record {index} has the keys {', '.join(paths)}, but record 0 "
+          f"has {', '.join(first.paths)}: records must share one format; "
+          f"record 0 is {first.describe()}")
+    arrays = []
+    for leaf, shape, dtype in zip(leaves, first.shapes, first.dtypes):
+      array = leaf if type(leaf) is np.ndarray else np.asarray(leaf)
+      if array.shape != shape or array.dtype != dtype:
+        self.wrong_leaf(index, record)
+      arrays.append(array)
+    return arrays
+
+  def wrong_leaf(self, index: int, record: Any) -> None:
+    """Raises the error that names a leaf of another shape or dtype."""
+    first = self.first
+    paths, leaves, _ = flatten_record(record)
+    for path, leaf, shape, dtype in zip(paths, leaves, first.shapes,
+                                        first.dtypes):
+      array = np.asarray(leaf)
+      if array.shape != shape or array.dtype != dtype:
+        raise RecordError(
+            f"record {index} has {path} of dtype {array.dtype} and shape "
+            f"{list(array.shape)}, but record 0 has {dtype}{list(shape)}: "
+            f"records must share one format; record 0 is "
+            f"{first.describe()}")
+
+  def records(self, indices: np.ndarray) -> List[Any]:
+    """The transformed records of ``indices``, batched where the source
+    reads batches."""
+    if self.batched is None:
+      return [self.load(int(i)) for i in indices]
+    try:
+      records = list(self.batched([int(i) for i in indices]))
+    except Exception as e:  # pylint: disable=broad-except
+      raise RecordError(
+          f"{self.name} over {type(self.source).__name__}: "
+          f"records {indices.tolist()[:8]}{'...' if indices.size > 8 else ''}"
+          f": {type(e).__name__}: {e}") from e
+    if len(records) != indices.size:
+      raise RecordError(
+          f"__getitems__ of {type(self.source).__name__} returned "
+          f"{len(records)} records for {indices.size} indices")
+    if self.transform is None:
+      return records
+    out = []
+    for index, record in zip(indices, records):
+      try:
+        out.append(self.transform(record))
+      except Exception as e:  # pylint: disable=broad-except
+        raise RecordError(
+            f"{self.name} over {type(self.source).__name__}: "
+            f"record {int(index)}: {type(e).__name__}: {e}") from e
+    return out
+
+  def fill(self, indices: np.ndarray, rows: np.ndarray,
+           out: Sequence[np.ndarray],
+           stop: Optional[concurrent.futures.Future] = None) -> None:
+    """Reads records ``indices`` into rows ``rows`` of ``out``; once
+    ``stop`` is done (the chain's pipeline was released), it returns before
+    the next record, leaving the rest unwritten."""
+    if self.batched is not None:
+      records = self.records(indices)
+      stacked = self.first.stack(records) if len(records) > 1 else None
+      if stacked is not None:  # all alike: written leaf by leaf
+        for leaf, array in zip(out, stacked):
+          leaf[rows] = array
+        return
+    else:  # one by one: a stop takes effect before the next
+      records = (self.load(int(i)) for i in indices)
+    for index, row, record in zip(indices, rows, records):
+      for leaf, array in zip(out, self.leaves(int(index), record)):
+        leaf[row] = array
+      if stop is not None and stop.done():
+        return

@@ -1,0 +1,212 @@
+"""Worker processes of :class:`~jax_data.SourceDataLoader` (``processes=True``).
+
+The parent pickles ``(source, transform)`` once (:func:`pickle_for_workers`,
+which explains what ``spawn``ed children could not find); each worker
+process unpickles them in :func:`start_worker`, the pool's initializer, and
+reads blocks of records with :func:`read_block`. :func:`submit`,
+:func:`broke`, :func:`terminate` and :func:`wait` are how the parent hands
+out blocks, notices a worker that died, ends a pool and stops waiting when
+a pipeline is released.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import concurrent.futures.process
+import io
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import types
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
+
+import numpy as np
+
+from jax_data.errors import PipelineReleasedError
+from jax_data.source_records import RecordError
+from jax_data.source_records import RecordFormat
+from jax_data.source_records import RecordReader
+
+USE_THREADS = "or use processes=False (worker threads)"
+
+
+class _MainReferences(pickle.Pickler):
+  """Pickles, noting the classes and functions of ``__main__`` that the
+  pickle refers to by name."""
+
+  def __init__(self, file):
+    super().__init__(file)
+    self.names: List[str] = []
+
+  def reducer_override(self, obj):
+    if (isinstance(obj, (type, types.FunctionType))
+        and getattr(obj, "__module__", None) == "__main__"):
+      self.names.append(obj.__qualname__)
+    return NotImplemented
+
+
+def pickle_for_workers(source: Any, transform: Optional[Callable],
+                        workers: bool) -> bytes:
+  """``(source, transform)`` pickled for worker processes started with
+  ``spawn``, checked as a spawned child would see them.
+
+  A child runs the parent's main module again, by name or from its file,
+  then unpickles; with neither (a notebook, ``python -c``) it has no
+  ``__main__`` to find the classes and functions defined there in.
+
+  Raises:
+    TypeError: they do not pickle; or, if ``workers``, the main module is
+      not a file the children could run (``python -`` reads it from
+      stdin), or it has no file and they refer to what it defines.
+  """
+  main = sys.modules.get("__main__")
+  name = getattr(getattr(main, "__spec__", None), "name", None)
+  path = None if name is not None else getattr(main, "__file__", None)
+  if workers and path is not None:
+    if not os.path.isabs(path) and multiprocessing.process.ORIGINAL_DIR:
+      path = os.path.join(multiprocessing.process.ORIGINAL_DIR, path)
+    if not os.path.isfile(path):
+      raise TypeError(
+          "processes=True starts worker processes with spawn, which run the "
+          "main module again from its file, but __main__.__file__="
+          f"{main.__file__!r} is no file (a script read from stdin, as by "
+          "`python -`): run the script from a file, " + USE_THREADS)
+  scan = workers and name is None and path is None
+  buffer = io.BytesIO()
+  pickler = _MainReferences(buffer) if scan else pickle.Pickler(buffer)
+  try:
+    pickler.dump((source, transform))
+  except Exception as e:  # pylint: disable=broad-except
+    raise TypeError(
+        "processes=True sends source and transform to worker processes, "
+        f"but they do not pickle: {type(e).__name__}: {e}; define the "
+        "transform at module level, or use threads") from e
+  if scan and pickler.names:
+    names = ", ".join(f"__main__.{n}" for n in dict.fromkeys(pickler.names))
+    raise TypeError(
+        "processes=True sends source and transform to worker processes, "
+        f"which find {names} by name in __main__; but this __main__ has no "
+        "file (a notebook, `python -c`) that they could run again, so they "
+        "cannot: define it in a module they can import (a .py file on "
+        "sys.path, next to the notebook), " + USE_THREADS)
+  return buffer.getvalue()
+
+
+# In a worker process (processes=True) only: the reader of the loader's
+# source, transform and first record's format, set once by the pool's
+# initializer; or why they could not be unpickled.
+_WORKER: Dict[str, Any] = {}
+
+
+def start_worker(pickled: bytes, first: RecordFormat) -> None:
+  """The initializer of a worker process: a loader that reads records.
+
+  Ctrl-C (SIGINT to the process group) is ignored: the parent decides
+  what it interrupts. A source that cannot be unpickled here fails each
+  block with the reason, not the whole pool with none.
+  """
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  if hasattr(signal, "pthread_sigmask"):  # blocked until now: see submit
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+  try:
+    source, transform = pickle.loads(pickled)
+  except Exception as e:  # pylint: disable=broad-except
+    _WORKER["error"] = RecordError(
+        "a worker process (processes=True) cannot unpickle source and "
+        f"transform: {type(e).__name__}: {e}; define them in a module the "
+        "worker processes can import (not in a notebook, nor under `if "
+        "__name__ == '__main__':`), " + USE_THREADS)
+    return
+  _WORKER["reader"] = RecordReader(source, transform, "SourceDataLoader",
+                                   first)
+
+
+def read_block(indices: np.ndarray) -> List[np.ndarray]:
+  """Records ``indices``, read and checked in a worker process, stacked per
+  leaf."""
+  if "error" in _WORKER:
+    raise _WORKER["error"]
+  reader = _WORKER["reader"]
+  columns = [np.empty((indices.size,) + shape, dtype) for shape, dtype in
+             zip(reader.first.shapes, reader.first.dtypes)]
+  reader.fill(indices, np.arange(indices.size), columns)
+  return columns
+
+
+def submit(pool: concurrent.futures.Executor, fn: Callable, *args: Any
+            ) -> concurrent.futures.Future:
+  """``pool.submit(fn, *args)`` to a process pool; a pool found broken, or
+  ended by another thread, gives a future that failed with
+  ``BrokenProcessPool``.
+
+  The submitting thread starts the workers it needs, with SIGINT blocked:
+  a worker inherits the mask, so a Ctrl-C while it starts up (importing
+  jax) is held until its initializer ignores SIGINT, not raised.
+  """
+  mask = hasattr(signal, "pthread_sigmask")
+  if mask:
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+  try:
+    return pool.submit(fn, *args)
+  except (concurrent.futures.process.BrokenProcessPool, RuntimeError) as e:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    error = concurrent.futures.process.BrokenProcessPool(str(e))
+    error.__cause__ = e
+    future.set_exception(error)
+    return future
+  finally:
+    if mask:
+      signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def broke(future: concurrent.futures.Future) -> bool:
+  """Whether a done future failed because a worker process died."""
+  return not future.cancelled() and isinstance(
+      future.exception(), concurrent.futures.process.BrokenProcessPool)
+
+
+def terminate(pool: concurrent.futures.Executor) -> None:
+  """Shuts a process pool down without waiting, and ends its workers, so
+  that none stuck in a source outlives it (and holds up the interpreter's
+  exit)."""
+  terminate = getattr(pool, "terminate_workers", None)  # Python >= 3.14
+  if terminate is not None:
+    terminate()
+    return
+  # Before shutdown, which forgets them. Futures are not cancelled (see
+  # wait): those left fail with BrokenProcessPool.
+  processes = list((getattr(pool, "_processes", None) or {}).values())
+  pool.shutdown(wait=False)
+  for process in processes:
+    process.terminate()
+
+
+def wait(futures: Sequence[concurrent.futures.Future],
+          stop: Optional[concurrent.futures.Future],
+          cancel: bool = True) -> None:
+  """Waits until every future is done, or ``stop`` is: then (if
+  ``cancel``) the futures not started are cancelled, those running finish
+  in the background, and :class:`~jax_data.PipelineReleasedError` is
+  raised. (A process pool's futures are not cancelled: its manager thread
+  may fail them at the same time, and fails on a cancelled one.)"""
+  pending = [f for f in futures if not f.done()]
+  while pending and not (stop is not None and stop.done()):
+    concurrent.futures.wait(pending + ([] if stop is None else [stop]),
+                            return_when=concurrent.futures.FIRST_COMPLETED)
+    pending = [f for f in pending if not f.done()]
+  if stop is not None and stop.done():
+    for future in futures if cancel else ():
+      future.cancel()
+    raise stopped()
+
+
+def stopped() -> PipelineReleasedError:
+  return PipelineReleasedError(
+      "reading records stopped: the chain's pipeline was released")
