@@ -3,26 +3,18 @@
 
 from __future__ import annotations
 
-import collections
 import functools
-import math
-import re
-import sys
 import threading
-import types
 import weakref
 from typing import Any
 from typing import Callable
 from typing import Dict
 from typing import Optional
 from typing import Tuple
-from typing import Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.extend import core as jax_core
 
 from jax_data import device_loader
 from jax_data import pipeline as pl
@@ -31,311 +23,20 @@ from jax_data.bridge import check_callback
 from jax_data.host_loader import HostDataLoader
 from jax_data.loader import DataLoader
 from jax_data.loader import DeviceDataLoader
+from jax_data.pass_keys import MAX_COMPILED
+from jax_data.pass_keys import Recent
+from jax_data.pass_keys import Traced
+from jax_data.pass_loop import PassPlan
+from jax_data.pass_loop import Progress
+from jax_data.pass_loop import applier
+from jax_data.pass_loop import map_pass
+from jax_data.pass_loop import progress_reporter
 from jax_data.sampling import ObservationRange
 from jax_data.types import CacheState
-from jax_data.types import MiniBatchInformation
 from jax_data.types import PyTree
 from jax_data.validation import check_bool
 from jax_data.validation import check_int
 from jax_data.validation import check_keywords
-
-Progress = Union[None, bool, Callable[[int, int], None]]
-
-# Compiled passes a full-data pipeline keeps, one per function mapped.
-MAX_COMPILED = 16
-
-
-class Recent:
-  """The values of the ``size`` most recently used keys; an older one is
-  dropped, and with it whatever only it references (a compiled pass and
-  its executable)."""
-
-  def __init__(self, size: int):
-    self._size = size
-    self._values: "collections.OrderedDict[Any, Any]" = (
-        collections.OrderedDict())
-    self._lock = threading.Lock()
-
-  def get(self, key: Any, make: Callable[[], Any]) -> Any:
-    """The value of ``key``, made by ``make()`` if it is not kept."""
-    with self._lock:
-      if key in self._values:
-        self._values.move_to_end(key)
-        return self._values[key]
-    value = make()
-    with self._lock:
-      self._values[key] = value
-      while len(self._values) > self._size:
-        self._values.popitem(last=False)
-    return value
-
-  def __len__(self) -> int:
-    return len(self._values)
-
-
-def _progress_reporter(progress: Progress, plan: "_PassPlan"
-                       ) -> Optional[Callable[[int], None]]:
-  """Turns the ``progress`` argument into a host-side ``chunk -> None``."""
-  if progress is None or progress is False:
-    return None
-  if progress is True:
-    progress = _print_progress
-  elif not callable(progress):
-    raise TypeError(
-        "progress must be None, True or a callable progress(done, total), "
-        f"got progress={progress!r}")
-  total = plan.batches
-  lock = threading.Lock()
-  asked = [0]  # chunks asked for in the current pass
-
-  def report(chunk: int) -> None:
-    # Counted, not read off the chunk index: XLA may ask for the last
-    # chunk of a pass before the others.
-    del chunk
-    with lock:
-      asked[0] = asked[0] % plan.chunks + 1
-      done = asked[0]
-    progress(min(done * plan.cache_size, total), total)
-
-  return report
-
-
-def _print_progress(done: int, total: int) -> None:
-  end = "\n" if done >= total else ""
-  print(f"\rfull-data pass: {done}/{total} batches", end=end,
-        file=sys.stderr, flush=True)
-
-
-class _PassPlan:
-  """How one pass over ``count`` observations splits into chunks."""
-
-  def __init__(self, count: int, cache_size: int, mb_size: int):
-    self.count = count
-    self.mb_size = mb_size
-    self.batches = math.ceil(count / mb_size)
-    self.cache_size = min(cache_size, self.batches)
-    self.full_chunks, self.tail = divmod(self.batches, self.cache_size)
-    self.chunks = self.full_chunks + (1 if self.tail else 0)
-
-
-def _applier(fun: Callable, plan: _PassPlan, masking: bool,
-             information: bool) -> Callable:
-  """``apply(carry, (batch, mask)) -> (carry, result)``: ``fun`` called the
-  way ``masking`` and ``information`` say."""
-
-  def apply(carry, batch_and_mask):
-    batch, mask = batch_and_mask
-    if information:
-      batch = (batch, MiniBatchInformation(
-          observation_count=plan.count, mask=mask, batch_size=plan.mb_size))
-    if masking:
-      result, carry = fun(batch, mask, carry)
-    else:
-      result, carry = fun(batch, carry)
-    return carry, result
-
-  return apply
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-class _Same:
-  """Equal only to a wrapper of the same object (held, so its ``id`` is not
-  reused while a key holds it): for objects whose text hides their state."""
-
-  __slots__ = ("obj",)
-
-  def __init__(self, obj: Any):
-    self.obj = obj
-
-  def __eq__(self, other: Any) -> bool:
-    return isinstance(other, _Same) and other.obj is self.obj
-
-  def __hash__(self) -> int:
-    return id(self.obj)
-
-
-# Values that act alike when equal: kept in a key by value.
-_BY_VALUE = (type(None), bool, int, float, complex, str, bytes, np.dtype,
-             jax.tree_util.PyTreeDef)
-# How deep the functions a callback's closure holds are followed.
-_DEPTH = 4
-
-
-def _value_key(value: Any, depth: int = _DEPTH) -> Any:
-  """A key equal for values a host function cannot tell apart: equal
-  numbers, strings and tuples and small dicts of them; functions of the
-  same code over the same closure; otherwise the same object (an array, a
-  list or a model is read when the callback runs, through the object)."""
-  if isinstance(value, _BY_VALUE):
-    return (type(value), value)
-  if isinstance(value, tuple):
-    return tuple(_value_key(v, depth) for v in value)
-  if (isinstance(value, dict) and len(value) <= 64 and all(
-      isinstance(v, _BY_VALUE) for v in value.values())):
-    # Options built anew on each trace (JAX's print options, a callback's
-    # static arguments), read as they were then.
-    return (dict, tuple(sorted((repr(k), _value_key(v))
-                               for k, v in value.items())))
-  if depth > 0 and isinstance(value, functools.partial):
-    return (functools.partial, _value_key(value.func, depth - 1),
-            _value_key(value.args, depth - 1),
-            _value_key(tuple(sorted(value.keywords.items())), depth - 1))
-  if depth > 0 and isinstance(value, types.FunctionType):
-    # JAX wraps a callback in a new function on every trace, and user code
-    # often passes a new lambda: what it calls is its code and closure.
-    cells = []
-    for cell in value.__closure__ or ():
-      try:
-        cells.append(_value_key(cell.cell_contents, depth - 1))
-      except ValueError:  # an empty cell
-        cells.append(None)
-    return (value.__code__, tuple(cells),
-            _value_key(value.__defaults__, depth - 1),
-            _Same(value.__kwdefaults__) if value.__kwdefaults__ else None,
-            _Same(value.__globals__))
-  return _Same(value)
-
-
-def _callbacks(jaxpr: Any) -> list:
-  """The keys of the host callbacks of ``jaxpr`` and of its inner jaxprs, in
-  order. A jaxpr's text shows a callback only by its address, and the
-  function it calls may read values captured when ``fun`` was traced."""
-  keys = []
-  for eqn in jaxpr.eqns:
-    if "callback" in eqn.params:
-      callback = eqn.params["callback"]
-      keys.append(_value_key(getattr(callback, "callback_func", callback)))
-    for param in eqn.params.values():
-      for inner in _jaxprs(param):
-        keys.extend(_callbacks(inner))
-  return keys
-
-
-def _jaxprs(param: Any) -> list:
-  """The jaxprs in one equation parameter (a jaxpr, or a tuple of them)."""
-  if isinstance(param, jax_core.ClosedJaxpr):
-    return [param.jaxpr]
-  if isinstance(param, jax_core.Jaxpr):
-    return [param]
-  if isinstance(param, (tuple, list)):
-    return [j for p in param for j in _jaxprs(p)]
-  return []
-
-
-class _Traced:
-  """A mapped function traced for one batch: its jaxpr, without the arrays
-  it read from closures, globals or attributes (``consts``), which a
-  compiled pass takes as arguments. A pass is compiled once per function,
-  jaxpr and the host functions its callbacks call, so it never computes
-  with values of an earlier call: new arrays are new arguments, other
-  Python numbers another jaxpr, and a callback that calls a new function
-  (say, a closure over this call's values) another pass."""
-
-  def __init__(self, fun: Callable, apply: Callable, carry: PyTree,
-               batch: PyTree, mask: Any):
-    # A new function object: JAX's caches keyed by the function never hand
-    # back a trace of an earlier call.
-    closed, shapes = jax.make_jaxpr(lambda c, bm: apply(c, bm),
-                                    return_shape=True)(carry, (batch, mask))
-    self.jaxpr = closed.jaxpr
-    self.consts = list(closed.consts)
-    self.out_tree = jax.tree_util.tree_structure(shapes)
-    self.result_shapes = shapes[1]
-    # Host callbacks print as the addresses of wrappers made by each trace;
-    # they are keyed by the functions they call instead.
-    self.key = (fun, _ADDRESS.sub("", str(self.jaxpr)),
-                tuple(_callbacks(self.jaxpr)),
-                jax.tree_util.tree_structure((carry, (batch, mask))),
-                self.out_tree, tuple(jax.typeof(c) for c in self.consts))
-
-  def apply(self, consts: list, carry: PyTree, batch_and_mask: Any):
-    flat = jax.tree_util.tree_leaves((carry, batch_and_mask))
-    out = jax.core.eval_jaxpr(self.jaxpr, consts, *flat)
-    return jax.tree_util.tree_unflatten(self.out_tree, out)
-
-
-def _map_pass(fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]],
-              plan: _PassPlan, apply: Callable, carry: PyTree, masking: bool
-              ) -> Tuple[PyTree, PyTree]:
-  """Scans over the chunks of one pass and over the batches of each chunk;
-  ``apply`` is from :func:`_applier`."""
-
-  def scan_chunk(carry, batches, mask):
-    return lax.scan(apply, carry, (batches, mask))
-
-  def map_chunk(carry, batches, mask):
-    # The carry comes back unchanged: the batches of a chunk are
-    # independent, and one vectorised call maps them all.
-    results = jax.vmap(lambda b, m: apply(carry, (b, m))[1])(batches, mask)
-    return carry, results
-
-  over_chunk = (scan_chunk if _threads_carry(apply, carry, fetch_chunk)
-                or not _vmappable(map_chunk, carry, fetch_chunk)
-                else map_chunk)
-
-  def outer(carry, chunk):
-    batches, mask = fetch_chunk(chunk)
-    return over_chunk(carry, batches, mask)
-
-  carry, results = lax.scan(outer, carry,
-                            jnp.arange(plan.full_chunks, dtype=jnp.int32))
-  results = jax.tree_util.tree_map(
-      lambda r: r.reshape((plan.full_chunks * plan.cache_size,) + r.shape[2:]),
-      results)
-  if plan.tail:
-    # XLA may run this request before the loop's (it does not depend on
-    # them); the host copes with any order.
-    chunk = jnp.int32(plan.full_chunks)
-    batches, mask = fetch_chunk(chunk)
-    head = lambda x: x[:plan.tail]
-    carry, tail = over_chunk(carry, jax.tree_util.tree_map(head, batches),
-                             head(mask))
-    results = jax.tree_util.tree_map(
-        lambda a, b: jnp.concatenate([a, b], axis=0), results, tail)
-  if not masking:
-    # One result per observation: drop the fillers of the last batch.
-    results = jax.tree_util.tree_map(
-        lambda r: r.reshape((plan.batches * plan.mb_size,) + r.shape[2:])[
-            :plan.count], results)
-  return results, carry
-
-
-def _vmappable(map_chunk: Callable, carry: PyTree,
-               fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]]
-               ) -> bool:
-  """Whether ``map_chunk`` traces: ``fun`` may hold what ``vmap`` refuses,
-  such as a ``pure_callback`` without ``vmap_method`` or an ordered
-  ``io_callback``; such a ``fun`` is scanned over the batches instead."""
-  try:
-    jax.eval_shape(lambda c, k: map_chunk(c, *fetch_chunk(k)), carry,
-                   jnp.int32(0))
-  except Exception:  # noqa: BLE001 - the scan raises what fun itself does
-    return False
-  return True
-
-
-def _threads_carry(apply: Callable, carry: PyTree,
-                   fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]]
-                   ) -> bool:
-  """Whether ``apply(carry, (batch, mask))`` returns a carry that is not
-  the one it was given (traced once, abstractly)."""
-  leaves = jax.tree_util.tree_leaves(carry)
-  if not leaves:
-    return False
-  batches, mask = jax.eval_shape(fetch_chunk, jnp.int32(0))
-  one = lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype)
-  batch = jax.tree_util.tree_map(one, batches)
-
-  def step(carry, batch, mask):
-    return jax.tree_util.tree_leaves(apply(carry, (batch, mask))[0])
-
-  traced = jax.make_jaxpr(step)(carry, batch, one(mask)).jaxpr
-  given = traced.invars[:len(leaves)]
-  returned = traced.outvars
-  return len(returned) != len(given) or any(
-      r is not g for r, g in zip(returned, given))
 
 
 def full_reference_data(data_loader: DataLoader,
@@ -404,7 +105,7 @@ def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
                                                  shard_count)
   cache_size, mb_size = pl.check_sizes(loader, cached_batches_count, mb_size,
                                        observations.count)
-  plan = _PassPlan(observations.count, cache_size, mb_size)
+  plan = PassPlan(observations.count, cache_size, mb_size)
   pl.check_cache_bytes(loader, plan.cache_size, mb_size)
   if isinstance(loader, DeviceDataLoader):
     if progress is not None:
@@ -417,7 +118,7 @@ def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
     pl.warn_large_cache(cache_size, mb_size, observations.count, stacklevel)
     shard = ({} if shard_index is None else
              {"shard_index": shard_index, "shard_count": shard_count})
-    chunks = HostChunks(loader, plan, shard, _progress_reporter(progress,
+    chunks = HostChunks(loader, plan, shard, progress_reporter(progress,
                                                                 plan),
                         callback)
   return FullPipeline(chunks, plan, loader)
@@ -427,7 +128,7 @@ class HostChunks:
   """The chunks of full-data passes over a host loader: ordered chains
   served through the bridge."""
 
-  def __init__(self, loader: HostDataLoader, plan: _PassPlan,
+  def __init__(self, loader: HostDataLoader, plan: PassPlan,
                shard: Dict[str, Any],
                progress: Optional[Callable[[int], None]], callback: str):
     self.host, self._bridge = pl.assemble(
@@ -470,10 +171,10 @@ _SHARED_PASSES: "weakref.WeakValueDictionary[Any, Callable]" = (
 _SHARED_LOCK = threading.Lock()
 
 
-def _pass(fetch_fn: Callable, plan: _PassPlan, traced: _Traced, owner: Any,
+def _pass(fetch_fn: Callable, plan: PassPlan, traced: Traced, owner: Any,
           data_state: CacheState, carry: PyTree, consts: list,
           masking: bool, device_count: int):
-  results, carry = _map_pass(
+  results, carry = map_pass(
       lambda k: fetch_fn(owner, data_state, k, device_count), plan,
       functools.partial(traced.apply, consts), carry, masking)
   return data_state, (results, carry)
@@ -501,7 +202,7 @@ class FullPipeline(pl.Pipeline):
   #: Compiled passes kept, one per ``fun`` (the least recently used goes).
   max_compiled = MAX_COMPILED
 
-  def __init__(self, chunks: Any, plan: _PassPlan, loader: DataLoader):
+  def __init__(self, chunks: Any, plan: PassPlan, loader: DataLoader):
     self._chunks = chunks
     self._plan = plan
     super().__init__(chunks.host, states.new_state(chunks.id, 0,
@@ -519,7 +220,7 @@ class FullPipeline(pl.Pipeline):
 
   def _traced(self, fun: Callable, data_state: CacheState, carry: PyTree,
               masking: bool, information: bool, device_count: int
-              ) -> _Traced:
+              ) -> Traced:
     """``fun`` traced for one batch."""
     shapes = (device_count, tuple(np.shape(leaf) for leaf in
                                   jax.tree_util.tree_leaves(data_state)))
@@ -532,7 +233,7 @@ class FullPipeline(pl.Pipeline):
       one = lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype)
       batch = self._batch_shapes[shapes] = (
           jax.tree_util.tree_map(one, batches), one(mask))
-    return _Traced(fun, _applier(fun, self._plan, masking, information),
+    return Traced(fun, applier(fun, self._plan, masking, information),
                    carry, *batch)
 
   def _shared(self, key: Any, make: Callable[[], Callable]) -> Callable:

@@ -13,6 +13,7 @@ from jax import lax
 import jax_data
 from jax_data import DeviceNumpyDataLoader
 from jax_data import NumpyDataLoader
+from jax_data import pass_loop
 
 # Tests that build pipelines with the `pipelines` fixture run with both ways
 # chunks reach compiled code (conftest.py).
@@ -171,7 +172,6 @@ def test_untouched_carry_maps_chunks_at_once_with_the_same_results():
   """A fun that returns its carry unchanged is mapped over each chunk's
   batches in one vectorised call; the per-batch results are those of the
   batch-by-batch scan (exactly for integers, to rounding for floats)."""
-  from jax_data import full_access
   x = np.random.default_rng(0).normal(size=(103, 3)).astype(np.float32)
   ints = np.arange(103 * 2).reshape(103, 2)
   loader = jax_data.NumpyDataLoader(x=x, i=ints)
@@ -186,7 +186,7 @@ def test_untouched_carry_maps_chunks_at_once_with_the_same_results():
     result, _ = untouched(batch, mask, carry)
     return result, carry * 1.0 + 0.0 * jnp.sum(result[0])
 
-  assert not full_access._threads_carry(
+  assert not pass_loop.threads_carry(
       lambda c, bm: untouched(*bm, c)[::-1], w, lambda k: (
           {"x": jnp.zeros((4, 10, 3)), "i": jnp.zeros((4, 10, 2), int)},
           jnp.zeros((4, 10), bool)))

@@ -13,7 +13,7 @@ import psutil
 from jax import lax
 
 import jax_data
-import jax_data.full_access
+import jax_data.pass_keys
 from jax_data import NumpyDataLoader
 from jax_data.host_loader import StoreLimits
 
@@ -174,7 +174,7 @@ def test_mapper_compiles_once_per_function_and_keeps_a_bounded_set():
   assert len(client.live_executables()) == before  # nothing compiled again
   # A new function on every call (the user guide's lambdas): compiled each
   # time, but only the most recent passes are kept.
-  limit = jax_data.full_access.MAX_COMPILED
+  limit = jax_data.pass_keys.MAX_COMPILED
   for _ in range(3 * limit):
     mapper_fn(lambda o, c: (o["x"], c), None, batched=False)
   gc.collect()

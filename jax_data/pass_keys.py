@@ -1,0 +1,175 @@
+"""Keys of compiled full-data passes, and the cache that holds them.
+
+A full-data pipeline compiles one pass per function it maps. A pass must
+never compute with values of an earlier call, so it is keyed by what the
+traced function does (:class:`Traced`: its jaxpr, with the host callbacks it
+makes keyed by the functions they call, :func:`value_key`), not by the
+function object; the arrays it reads become arguments. :class:`Recent`
+keeps the most recently used passes.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+import threading
+import types
+from typing import Any
+from typing import Callable
+
+import jax
+import numpy as np
+from jax.extend import core as jax_core
+
+from jax_data.types import PyTree
+
+# Compiled passes a full-data pipeline keeps, one per function mapped.
+MAX_COMPILED = 16
+
+
+class Recent:
+  """The values of the ``size`` most recently used keys; an older one is
+  dropped, and with it whatever only it references (a compiled pass and
+  its executable)."""
+
+  def __init__(self, size: int):
+    self._size = size
+    self._values: "collections.OrderedDict[Any, Any]" = (
+        collections.OrderedDict())
+    self._lock = threading.Lock()
+
+  def get(self, key: Any, make: Callable[[], Any]) -> Any:
+    """The value of ``key``, made by ``make()`` if it is not kept."""
+    with self._lock:
+      if key in self._values:
+        self._values.move_to_end(key)
+        return self._values[key]
+    value = make()
+    with self._lock:
+      self._values[key] = value
+      while len(self._values) > self._size:
+        self._values.popitem(last=False)
+    return value
+
+  def __len__(self) -> int:
+    return len(self._values)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+class _Same:
+  """Equal only to a wrapper of the same object (held, so its ``id`` is not
+  reused while a key holds it): for objects whose text hides their state."""
+
+  __slots__ = ("obj",)
+
+  def __init__(self, obj: Any):
+    self.obj = obj
+
+  def __eq__(self, other: Any) -> bool:
+    return isinstance(other, _Same) and other.obj is self.obj
+
+  def __hash__(self) -> int:
+    return id(self.obj)
+
+
+# Values that act alike when equal: kept in a key by value.
+_BY_VALUE = (type(None), bool, int, float, complex, str, bytes, np.dtype,
+             jax.tree_util.PyTreeDef)
+# How deep the functions a callback's closure holds are followed.
+_DEPTH = 4
+
+
+def value_key(value: Any, depth: int = _DEPTH) -> Any:
+  """A key equal for values a host function cannot tell apart: equal
+  numbers, strings and tuples and small dicts of them; functions of the
+  same code over the same closure; otherwise the same object (an array, a
+  list or a model is read when the callback runs, through the object)."""
+  if isinstance(value, _BY_VALUE):
+    return (type(value), value)
+  if isinstance(value, tuple):
+    return tuple(value_key(v, depth) for v in value)
+  if (isinstance(value, dict) and len(value) <= 64 and all(
+      isinstance(v, _BY_VALUE) for v in value.values())):
+    # Options built anew on each trace (JAX's print options, a callback's
+    # static arguments), read as they were then.
+    return (dict, tuple(sorted((repr(k), value_key(v))
+                               for k, v in value.items())))
+  if depth > 0 and isinstance(value, functools.partial):
+    return (functools.partial, value_key(value.func, depth - 1),
+            value_key(value.args, depth - 1),
+            value_key(tuple(sorted(value.keywords.items())), depth - 1))
+  if depth > 0 and isinstance(value, types.FunctionType):
+    # JAX wraps a callback in a new function on every trace, and user code
+    # often passes a new lambda: what it calls is its code and closure.
+    cells = []
+    for cell in value.__closure__ or ():
+      try:
+        cells.append(value_key(cell.cell_contents, depth - 1))
+      except ValueError:  # an empty cell
+        cells.append(None)
+    return (value.__code__, tuple(cells),
+            value_key(value.__defaults__, depth - 1),
+            _Same(value.__kwdefaults__) if value.__kwdefaults__ else None,
+            _Same(value.__globals__))
+  return _Same(value)
+
+
+def callbacks(jaxpr: Any) -> list:
+  """The keys of the host callbacks of ``jaxpr`` and of its inner jaxprs, in
+  order. A jaxpr's text shows a callback only by its address, and the
+  function it calls may read values captured when ``fun`` was traced."""
+  keys = []
+  for eqn in jaxpr.eqns:
+    if "callback" in eqn.params:
+      callback = eqn.params["callback"]
+      keys.append(value_key(getattr(callback, "callback_func", callback)))
+    for param in eqn.params.values():
+      for inner in jaxprs(param):
+        keys.extend(callbacks(inner))
+  return keys
+
+
+def jaxprs(param: Any) -> list:
+  """The jaxprs in one equation parameter (a jaxpr, or a tuple of them)."""
+  if isinstance(param, jax_core.ClosedJaxpr):
+    return [param.jaxpr]
+  if isinstance(param, jax_core.Jaxpr):
+    return [param]
+  if isinstance(param, (tuple, list)):
+    return [j for p in param for j in jaxprs(p)]
+  return []
+
+
+class Traced:
+  """A mapped function traced for one batch: its jaxpr, without the arrays
+  it read from closures, globals or attributes (``consts``), which a
+  compiled pass takes as arguments. A pass is compiled once per function,
+  jaxpr and the host functions its callbacks call, so it never computes
+  with values of an earlier call: new arrays are new arguments, other
+  Python numbers another jaxpr, and a callback that calls a new function
+  (say, a closure over this call's values) another pass."""
+
+  def __init__(self, fun: Callable, apply: Callable, carry: PyTree,
+               batch: PyTree, mask: Any):
+    # A new function object: JAX's caches keyed by the function never hand
+    # back a trace of an earlier call.
+    closed, shapes = jax.make_jaxpr(lambda c, bm: apply(c, bm),
+                                    return_shape=True)(carry, (batch, mask))
+    self.jaxpr = closed.jaxpr
+    self.consts = list(closed.consts)
+    self.out_tree = jax.tree_util.tree_structure(shapes)
+    self.result_shapes = shapes[1]
+    # Host callbacks print as the addresses of wrappers made by each trace;
+    # they are keyed by the functions they call instead.
+    self.key = (fun, _ADDRESS.sub("", str(self.jaxpr)),
+                tuple(callbacks(self.jaxpr)),
+                jax.tree_util.tree_structure((carry, (batch, mask))),
+                self.out_tree, tuple(jax.typeof(c) for c in self.consts))
+
+  def apply(self, consts: list, carry: PyTree, batch_and_mask: Any):
+    flat = jax.tree_util.tree_leaves((carry, batch_and_mask))
+    out = jax.core.eval_jaxpr(self.jaxpr, consts, *flat)
+    return jax.tree_util.tree_unflatten(self.out_tree, out)

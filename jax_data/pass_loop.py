@@ -1,0 +1,174 @@
+"""The loop of a full-data pass inside compiled code.
+
+:class:`PassPlan` splits a pass over ``count`` observations into chunks;
+:func:`map_pass` scans over the chunks a ``fetch_chunk`` function brings in
+and maps the applied function (:func:`applier`) over each chunk's batches,
+with ``vmap`` where the function allows it and threads no carry, else with
+a scan; :func:`progress_reporter` turns the ``progress`` argument into what
+the host calls per chunk.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from typing import Callable
+from typing import Optional
+from typing import Tuple
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_data.types import MiniBatchInformation
+from jax_data.types import PyTree
+
+Progress = Union[None, bool, Callable[[int, int], None]]
+
+
+def progress_reporter(progress: Progress, plan: "PassPlan"
+                       ) -> Optional[Callable[[int], None]]:
+  """Turns the ``progress`` argument into a host-side ``chunk -> None``."""
+  if progress is None or progress is False:
+    return None
+  if progress is True:
+    progress = print_progress
+  elif not callable(progress):
+    raise TypeError(
+        "progress must be None, True or a callable progress(done, total), "
+        f"got progress={progress!r}")
+  total = plan.batches
+  lock = threading.Lock()
+  asked = [0]  # chunks asked for in the current pass
+
+  def report(chunk: int) -> None:
+    # Counted, not read off the chunk index: XLA may ask for the last
+    # chunk of a pass before the others.
+    del chunk
+    with lock:
+      asked[0] = asked[0] % plan.chunks + 1
+      done = asked[0]
+    progress(min(done * plan.cache_size, total), total)
+
+  return report
+
+
+def print_progress(done: int, total: int) -> None:
+  end = "\n" if done >= total else ""
+  print(f"\rfull-data pass: {done}/{total} batches", end=end,
+        file=sys.stderr, flush=True)
+
+
+class PassPlan:
+  """How one pass over ``count`` observations splits into chunks."""
+
+  def __init__(self, count: int, cache_size: int, mb_size: int):
+    self.count = count
+    self.mb_size = mb_size
+    self.batches = math.ceil(count / mb_size)
+    self.cache_size = min(cache_size, self.batches)
+    self.full_chunks, self.tail = divmod(self.batches, self.cache_size)
+    self.chunks = self.full_chunks + (1 if self.tail else 0)
+
+
+def applier(fun: Callable, plan: PassPlan, masking: bool,
+             information: bool) -> Callable:
+  """``apply(carry, (batch, mask)) -> (carry, result)``: ``fun`` called the
+  way ``masking`` and ``information`` say."""
+
+  def apply(carry, batch_and_mask):
+    batch, mask = batch_and_mask
+    if information:
+      batch = (batch, MiniBatchInformation(
+          observation_count=plan.count, mask=mask, batch_size=plan.mb_size))
+    if masking:
+      result, carry = fun(batch, mask, carry)
+    else:
+      result, carry = fun(batch, carry)
+    return carry, result
+
+  return apply
+
+
+def map_pass(fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]],
+              plan: PassPlan, apply: Callable, carry: PyTree, masking: bool
+              ) -> Tuple[PyTree, PyTree]:
+  """Scans over the chunks of one pass and over the batches of each chunk;
+  ``apply`` is from :func:`applier`."""
+
+  def scan_chunk(carry, batches, mask):
+    return lax.scan(apply, carry, (batches, mask))
+
+  def map_chunk(carry, batches, mask):
+    # The carry comes back unchanged: the batches of a chunk are
+    # independent, and one vectorised call maps them all.
+    results = jax.vmap(lambda b, m: apply(carry, (b, m))[1])(batches, mask)
+    return carry, results
+
+  over_chunk = (scan_chunk if threads_carry(apply, carry, fetch_chunk)
+                or not vmappable(map_chunk, carry, fetch_chunk)
+                else map_chunk)
+
+  def outer(carry, chunk):
+    batches, mask = fetch_chunk(chunk)
+    return over_chunk(carry, batches, mask)
+
+  carry, results = lax.scan(outer, carry,
+                            jnp.arange(plan.full_chunks, dtype=jnp.int32))
+  results = jax.tree_util.tree_map(
+      lambda r: r.reshape((plan.full_chunks * plan.cache_size,) + r.shape[2:]),
+      results)
+  if plan.tail:
+    # XLA may run this request before the loop's (it does not depend on
+    # them); the host copes with any order.
+    chunk = jnp.int32(plan.full_chunks)
+    batches, mask = fetch_chunk(chunk)
+    head = lambda x: x[:plan.tail]
+    carry, tail = over_chunk(carry, jax.tree_util.tree_map(head, batches),
+                             head(mask))
+    results = jax.tree_util.tree_map(
+        lambda a, b: jnp.concatenate([a, b], axis=0), results, tail)
+  if not masking:
+    # One result per observation: drop the fillers of the last batch.
+    results = jax.tree_util.tree_map(
+        lambda r: r.reshape((plan.batches * plan.mb_size,) + r.shape[2:])[
+            :plan.count], results)
+  return results, carry
+
+
+def vmappable(map_chunk: Callable, carry: PyTree,
+               fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]]
+               ) -> bool:
+  """Whether ``map_chunk`` traces: ``fun`` may hold what ``vmap`` refuses,
+  such as a ``pure_callback`` without ``vmap_method`` or an ordered
+  ``io_callback``; such a ``fun`` is scanned over the batches instead."""
+  try:
+    jax.eval_shape(lambda c, k: map_chunk(c, *fetch_chunk(k)), carry,
+                   jnp.int32(0))
+  except Exception:  # noqa: BLE001 - the scan raises what fun itself does
+    return False
+  return True
+
+
+def threads_carry(apply: Callable, carry: PyTree,
+                   fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]]
+                   ) -> bool:
+  """Whether ``apply(carry, (batch, mask))`` returns a carry that is not
+  the one it was given (traced once, abstractly)."""
+  leaves = jax.tree_util.tree_leaves(carry)
+  if not leaves:
+    return False
+  batches, mask = jax.eval_shape(fetch_chunk, jnp.int32(0))
+  one = lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype)
+  batch = jax.tree_util.tree_map(one, batches)
+
+  def step(carry, batch, mask):
+    return jax.tree_util.tree_leaves(apply(carry, (batch, mask))[0])
+
+  traced = jax.make_jaxpr(step)(carry, batch, one(mask)).jaxpr
+  given = traced.invars[:len(leaves)]
+  returned = traced.outvars
+  return len(returned) != len(given) or any(
+      r is not g for r, g in zip(returned, given))
