@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_data import counter_streams
+from jax_data import device_streams
 from jax_data import pipeline as pl
 from jax_data import states
 from jax_data.errors import PipelineReleasedError
@@ -77,7 +77,7 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
                     ) -> Optional[Tuple[int, jax.Array]]:
     """For ``init_fn`` keywords of a counter-based chain (``seed``,
     ``shuffle``, ``in_epochs``, ``stream="counter"``): its mode (an index
-    into :data:`~jax_data.counter_streams.DEVICE_MODES`) and its seed's
+    into :data:`~jax_data.device_streams.DEVICE_MODES`) and its seed's
     words; None for a ``jax.random`` chain (``key``, or no keyword)."""
     if not set(kwargs) & {"seed", "shuffle", "in_epochs", "stream"}:
       return None
@@ -111,7 +111,7 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
 
     def counter(mode):
       def branch(_):
-        indices, mask = counter_streams.device_batch(
+        indices, mask = device_streams.device_batch(
             state.key, state.chunk, batch_size, self._count, mode)
         return state.key, state.chunk + 1, indices, mask
       return branch

@@ -1,0 +1,106 @@
+"""Counter-based streams drawn on the device: :func:`device_batch`.
+
+The same batches as :func:`jax_data.counter_streams.stream_batches` on the
+host, bit for bit, in ``jax.numpy`` with 32-bit integers only (a
+device-resident loader's chains): positions are split into ``uint32`` words
+and multiplied and divided without 64-bit integers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import Tuple
+
+from jax_data.counter_streams import permute
+from jax_data.counter_streams import uniform
+
+#: Modes of :func:`device_batch`, in the order of its ``mode`` argument.
+DEVICE_MODES = ("independent", "shuffle", "epochs")
+
+
+def device_batch(seed: Any, batch: Any, mb_size: int, n: int, mode: Any
+                 ) -> Tuple[Any, Any]:
+  """Indices (uint32, ``(mb_size,)``) and mask of batch ``batch`` of a
+  counter-based stream, in ``jax.numpy`` with 32-bit integers only: what
+  ``stream_batches(seed, batch, 1, ...)`` gives on the host, for ``batch``
+  below ``2**31``, ``mb_size`` below ``2**16`` and ``n`` below ``2**32``.
+
+  Args:
+    seed: The seed's words, ``uint32[2]`` (low, high).
+    batch: The batch number (traced int32 or uint32).
+    mb_size: Observations per batch.
+    n: Observations.
+    mode: Index into :data:`DEVICE_MODES` (traced int32).
+  """
+  import jax.numpy as jnp
+  from jax import lax
+
+  if not (mb_size < 2**16 and n < 2**32):
+    raise ValueError(
+        f"counter streams on the device need mb_size below 2**16 and fewer "
+        f"than 2**32 observations, got mb_size={mb_size}, n={n}")
+  batch = jnp.asarray(batch).astype(jnp.uint32)
+  steps = jnp.arange(mb_size, dtype=jnp.uint32)
+  everything = jnp.ones(mb_size, bool)
+
+  def independent(_):
+    return uniform(seed, _times_plus(batch, mb_size, steps), n,
+                   jnp), everything
+
+  def shuffled(_):
+    # Position t = batch * mb + step, as epoch t // n and offset t % n
+    # without 64-bit integers: batch = q * n + r, then r * mb = p * n + s.
+    q, r = batch // jnp.uint32(n), batch % jnp.uint32(n)
+    p, s = _times_divmod(r, mb_size, n)
+    wraps = s >= jnp.uint32(n) - steps
+    offset = jnp.where(wraps, s - (jnp.uint32(n) - steps), s + steps)
+    epoch = q * jnp.uint32(mb_size) + p + wraps.astype(jnp.uint32)
+    return permute(seed, epoch, offset, n, jnp), everything
+
+  def in_epochs(_):
+    per_epoch = -(-n // mb_size)
+    epoch = batch // jnp.uint32(per_epoch)
+    positions = (batch % jnp.uint32(per_epoch)) * jnp.uint32(mb_size) + steps
+    valid = positions < jnp.uint32(n)
+    indices = permute(seed, jnp.broadcast_to(epoch, positions.shape),
+                      jnp.where(valid, positions, 0), n, jnp)
+    return jnp.where(valid, indices, jnp.uint32(0)), valid
+
+  return lax.switch(mode, [independent, shuffled, in_epochs], None)
+
+
+def _times_plus(batch: Any, mb_size: int, steps: Any) -> Tuple[Any, Any]:
+  """Low and high words of ``batch * mb_size + steps`` (``batch`` below
+  ``2**31``, ``mb_size`` below ``2**16``), in ``uint32``."""
+  import jax.numpy as jnp
+  mb = jnp.uint32(mb_size)
+  upper = (batch >> jnp.uint32(16)) * mb  # below 2**31
+  lower = (batch & jnp.uint32(0xFFFF)) * mb  # below 2**32
+  low = upper << jnp.uint32(16)
+  high = upper >> jnp.uint32(16)
+  summed = low + lower
+  high = high + (summed < low).astype(jnp.uint32)
+  final = summed + steps
+  high = high + (final < summed).astype(jnp.uint32)
+  return final, jnp.broadcast_to(high, final.shape)
+
+
+def _times_divmod(r: Any, mb_size: int, n: int) -> Tuple[Any, Any]:
+  """``divmod(r * mb_size, n)`` for ``r`` below ``n`` (below ``2**32``), in
+  ``uint32``: double-and-add over the bits of ``mb_size``, the remainder
+  kept below ``n`` throughout."""
+  import jax.numpy as jnp
+  n32 = jnp.uint32(n)
+  quotient = jnp.zeros_like(r)
+  remainder = jnp.zeros_like(r)
+
+  def add(quotient, remainder, value):
+    carry = remainder >= n32 - value
+    remainder = jnp.where(carry, remainder - (n32 - value), remainder + value)
+    return quotient + carry.astype(jnp.uint32), remainder
+
+  for bit in bin(mb_size)[2:]:
+    quotient, remainder = add(quotient + quotient, remainder, remainder)
+    if bit == "1":
+      quotient, remainder = add(quotient, remainder, r)
+  return quotient, remainder
