@@ -21,6 +21,7 @@ collect_ignore = ["docs/conf.py", "examples", "benchmarks", "setup.py"]
 # tests/test_tensorflow_loader.py skips itself.
 if importlib.util.find_spec("tensorflow") is None:
   collect_ignore += ["jax_data/tensorflow_loader.py",
+                     "jax_data/tensorflow_rows.py",
                      "jax_data/tensorflow_streams.py", "docs/tensorflow.rst"]
 # The sources page runs every kind of source (the sources extra).
 if any(importlib.util.find_spec(m) is None for m in (

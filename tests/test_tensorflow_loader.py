@@ -786,9 +786,9 @@ def test_a_trimmed_chain_drops_its_iterator_in_a_background_thread(
         threading.current_thread().name))
     return iterator
 
-  from jax_data import tensorflow_streams  # pylint: disable=g-import-not-at-top
-  in_order = tensorflow_streams.in_order
-  monkeypatch.setattr(tensorflow_streams, "in_order", observed)
+  from jax_data import tensorflow_rows  # pylint: disable=g-import-not-at-top
+  in_order = tensorflow_rows.in_order
+  monkeypatch.setattr(tensorflow_rows, "in_order", observed)
   loader = TensorflowDataLoader(_pipeline(100), shuffle_cache=8)
   pipeline = jax_data.random_reference_data(loader, 2, 4)
   init_fn, batch_fn, release_fn = pipeline
