@@ -32,7 +32,6 @@ for the whole copy. Other platforms, and ``callback="pure"`` everywhere, use
 
 from __future__ import annotations
 
-import atexit
 import math
 import threading
 from typing import Any
@@ -48,7 +47,7 @@ import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
 
-from jax_data.host import LIVE_HOSTS
+from jax_data.lifetime import LIVE_HOSTS
 from jax_data.types import PyTree
 
 try:  # experimental in JAX; absent or moved, pure_callback serves all
@@ -330,7 +329,7 @@ class _Callback:
           pipelines, chains, chunks, need, self._device_count,
           self._participants)
     except BaseException:
-      LIVE_HOSTS.callback_failed = True
+      LIVE_HOSTS.note_failed_callback()
       raise
 
   def into(self, context, outs, owners, pipelines, chains, chunks, need
@@ -343,7 +342,7 @@ class _Callback:
           np.asarray(chains), np.asarray(chunks), np.asarray(need),
           self._device_count, self._participants)
     except BaseException:
-      LIVE_HOSTS.callback_failed = True
+      LIVE_HOSTS.note_failed_callback()
       raise
 
 
@@ -352,49 +351,6 @@ def _owner(owners) -> int:
   (one pipeline's function made it; vmap only repeats it)."""
   owners = np.asarray(owners).reshape(-1)
   return int(owners[0]) if owners.size else 0
-
-
-# How long no host must have been called before the interpreter may finalize.
-_QUIET_AT_EXIT = 0.5
-
-
-@atexit.register
-def _settle_at_exit() -> None:
-  """Lets compiled work that calls jax_data finish before the interpreter
-  finalizes.
-
-  Registered when jax_data is imported, after JAX's own exit hooks, so it
-  runs before them. A callback that runs while the interpreter finalizes
-  aborts the process ("terminate called without an active exception"), and
-  JAX's exit hooks wait only for the computations whose runtime tokens they
-  keep: not for repeated calls of a jitted function, which take a fast path
-  that keeps none. So this hook waits for every live array, then until no
-  jax_data host has been called for ``_QUIET_AT_EXIT`` seconds (work whose
-  outputs were dropped), and stops the prefetch threads.
-
-  Then, if a callback raised: JAX keeps the error of such a computation in
-  its per-device runtime tokens, also after later ``pmap`` computations
-  succeed, and its exit hooks re-raise it ("Exception ignored in atexit
-  callback"); a successful jitted callback on each device replaces those
-  tokens.
-  """
-  if not LIVE_HOSTS.called:
-    return
-  try:
-    for array in jax.live_arrays():
-      try:
-        array.block_until_ready()
-      except Exception:  # pylint: disable=broad-except
-        pass  # a failed computation has ended too
-    LIVE_HOSTS.wait_until_quiet(_QUIET_AT_EXIT)
-    LIVE_HOSTS.stop_prefetching()
-    if LIVE_HOSTS.callback_failed:
-      noop = jax.jit(lambda x: jax.pure_callback(
-          lambda x: x, jax.ShapeDtypeStruct((), jnp.int32), x))
-      for device in jax.local_devices():
-        jax.block_until_ready(noop(jax.device_put(np.int32(0), device)))
-  except Exception:  # pylint: disable=broad-except
-    pass  # at exit, nothing is left to tell
 
 
 def _needs(cached_chunk: jax.Array, chunk: jax.Array) -> jax.Array:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 import weakref
 from typing import Any
 from typing import Callable
@@ -41,118 +40,13 @@ from jax_data.errors import HostLoaderError
 from jax_data.errors import PipelineReleasedError
 from jax_data.gather import Gatherer
 from jax_data.host_loader import HostDataLoader
+from jax_data.lifetime import LIVE_HOSTS
 from jax_data.prefetch import Prefetcher
 from jax_data.rendezvous import Rendezvous
 from jax_data.validation import check_int
 
 # Chunks whose production follows the copy of a served one: (chain, index).
 Deferred = List[Tuple[ChainRecord, int]]
-
-
-class LiveHosts:
-  """The hosts of this process, held weakly, and when compiled code last
-  called one: what jax_data's exit hook needs (``bridge``).
-
-  Compiled work can outlive a script's last line. JAX waits at exit for the
-  computations it keeps runtime tokens of, but not for every one that calls
-  back into Python; a callback that runs while the interpreter finalizes
-  aborts the process. So the exit hook waits until no host has been called
-  for a moment, then stops every prefetch thread.
-  """
-
-  def __init__(self):
-    self._hosts: "weakref.WeakValueDictionary[int, Host]" = (
-        weakref.WeakValueDictionary())
-    # Every prefetch thread's prefetcher, also of hosts dropped without
-    # release_fn (a running thread keeps its prefetcher alive).
-    self._prefetchers: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
-    self._changed = threading.Condition(threading.Lock())
-    self._busy = 0
-    self._last: Optional[float] = None  # when a request last started/ended
-    self.callback_failed = False  # a callback raised (see bridge)
-
-  @property
-  def called(self) -> bool:
-    """Whether compiled code ever called a host of this process."""
-    return self._last is not None
-
-  def add(self, host: "Host") -> None:
-    """Registers ``host`` under its pipeline's identity.
-
-    Raises:
-      ValueError: a live host has that identity already.
-    """
-    with self._changed:
-      if self._hosts.get(host.id) is not None:
-        raise ValueError(f"pipeline id {host.id} is in use")
-      self._hosts[host.id] = host
-
-  def track(self, prefetcher: Prefetcher) -> None:
-    """Registers a prefetcher, for :meth:`stop_prefetching`."""
-    self._prefetchers.add(prefetcher)
-
-  def taken(self, pipeline_id: int) -> bool:
-    """Whether a live host has identity ``pipeline_id``."""
-    return self._hosts.get(pipeline_id) is not None
-
-  def host(self, pipeline_id: int) -> "Host":
-    """The host of pipeline ``pipeline_id``, for compiled code's requests.
-
-    Raises:
-      PipelineReleasedError: no live pipeline has that identity.
-    """
-    host = self._hosts.get(pipeline_id)
-    if host is None:
-      raise PipelineReleasedError(
-          f"compiled code called a jax_data pipeline (id {pipeline_id}) "
-          "that no longer exists")
-    return host
-
-  def begin_request(self) -> None:
-    """Marks the start of answering one callback (:meth:`end_request`
-    marks its end; plain calls, not a context manager: this runs on every
-    refresh)."""
-    with self._changed:
-      self._busy += 1
-      self._last = time.monotonic()
-
-  def end_request(self) -> None:
-    """Marks the end of answering one callback."""
-    with self._changed:
-      self._busy -= 1
-      self._last = time.monotonic()
-      self._changed.notify_all()
-
-  def wait_until_quiet(self, quiet: float) -> None:
-    """Returns once no request has run for ``quiet`` seconds."""
-    with self._changed:
-      while True:
-        if self._busy:
-          self._changed.wait()
-          continue
-        idle = time.monotonic() - (self._last or 0.0)
-        if idle >= quiet:
-          return
-        self._changed.wait(quiet - idle)
-
-  def stop_prefetching(self, timeout: float = 2.0) -> None:
-    """Ends every prefetch thread, also those of hosts dropped without
-    ``release_fn``, and waits up to ``timeout`` seconds in all for their
-    running jobs: a thread that still runs Python or TensorFlow code while
-    the interpreter finalizes aborts the process."""
-    for host in list(self._hosts.values()):
-      host.stop_prefetching()
-    prefetchers = list(self._prefetchers)
-    error = PipelineReleasedError("the Python interpreter is exiting")
-    for prefetcher in prefetchers:
-      prefetcher.close(error)
-    deadline = time.monotonic() + timeout
-    for prefetcher in prefetchers:
-      prefetcher.join(max(0.0, deadline - time.monotonic()))
-
-
-#: The hosts of this process (see :class:`LiveHosts`).
-LIVE_HOSTS = LiveHosts()
 
 
 def _cancel(future, error: BaseException) -> None:

@@ -26,9 +26,9 @@ import numpy as np
 
 from jax_data import bridge as bridge_lib
 from jax_data.bridge import Bridge
-from jax_data.host import LIVE_HOSTS
 from jax_data.host import Host
 from jax_data.host_loader import HostDataLoader
+from jax_data.lifetime import LIVE_HOSTS
 from jax_data.loader import DataLoader
 from jax_data.loader import DeviceDataLoader
 from jax_data.types import CacheState

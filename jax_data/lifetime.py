@@ -1,0 +1,202 @@
+"""The process's lifetime as jax_data sees it: the live hosts, found by
+pipeline identity, and the exit hook that lets compiled work which calls
+them finish before the interpreter finalizes.
+
+The bridge's callback looks a host up here (:meth:`LiveHosts.host`) by the
+identity compiled code passes it; a host registers itself when it is made.
+Hosts are held weakly: compiled code kept in JAX's caches keeps no pipeline
+alive.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from typing import Optional
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_data.errors import PipelineReleasedError
+from jax_data.prefetch import Prefetcher
+
+
+class ServedHost(Protocol):
+  """What the bridge and the exit hook use of a pipeline's host
+  (:class:`jax_data.host.Host`)."""
+
+  id: int
+
+  def serve(self, pipelines, chains, chunks, need, device_count: int = 1,
+            participants: int = 1):
+    """The lanes' chunks, returned (``pure_callback``)."""
+
+  def serve_into(self, outs, pipelines, chains, chunks, need,
+                 device_count: int = 1, participants: int = 1) -> None:
+    """The lanes' chunks, written into XLA's buffers ``outs``."""
+
+  def stop_prefetching(self) -> None:
+    """Ends the host's prefetch thread."""
+
+
+class LiveHosts:
+  """The hosts of this process, held weakly, and when compiled code last
+  called one: what jax_data's exit hook (:func:`_settle_at_exit`) needs.
+
+  Compiled work can outlive a script's last line. JAX waits at exit for the
+  computations it keeps runtime tokens of, but not for every one that calls
+  back into Python; a callback that runs while the interpreter finalizes
+  aborts the process. So the exit hook waits until no host has been called
+  for a moment, then stops every prefetch thread.
+  """
+
+  def __init__(self):
+    self._hosts: "weakref.WeakValueDictionary[int, ServedHost]" = (
+        weakref.WeakValueDictionary())
+    # Every prefetch thread's prefetcher, also of hosts dropped without
+    # release_fn (a running thread keeps its prefetcher alive).
+    self._prefetchers: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
+    self._changed = threading.Condition(threading.Lock())
+    self._busy = 0
+    self._last: Optional[float] = None  # when a request last started/ended
+    self._callback_failed = False
+
+  @property
+  def callback_failed(self) -> bool:
+    """Whether a callback raised (see :func:`_settle_at_exit`)."""
+    return self._callback_failed
+
+  def note_failed_callback(self) -> None:
+    """Records that a callback raised: the exit hook then replaces the
+    runtime tokens that hold its error."""
+    self._callback_failed = True
+
+  @property
+  def called(self) -> bool:
+    """Whether compiled code ever called a host of this process."""
+    return self._last is not None
+
+  def add(self, host: ServedHost) -> None:
+    """Registers ``host`` under its pipeline's identity.
+
+    Raises:
+      ValueError: a live host has that identity already.
+    """
+    with self._changed:
+      if self._hosts.get(host.id) is not None:
+        raise ValueError(f"pipeline id {host.id} is in use")
+      self._hosts[host.id] = host
+
+  def track(self, prefetcher: Prefetcher) -> None:
+    """Registers a prefetcher, for :meth:`stop_prefetching`."""
+    self._prefetchers.add(prefetcher)
+
+  def taken(self, pipeline_id: int) -> bool:
+    """Whether a live host has identity ``pipeline_id``."""
+    return self._hosts.get(pipeline_id) is not None
+
+  def host(self, pipeline_id: int) -> ServedHost:
+    """The host of pipeline ``pipeline_id``, for compiled code's requests.
+
+    Raises:
+      PipelineReleasedError: no live pipeline has that identity.
+    """
+    host = self._hosts.get(pipeline_id)
+    if host is None:
+      raise PipelineReleasedError(
+          f"compiled code called a jax_data pipeline (id {pipeline_id}) "
+          "that no longer exists")
+    return host
+
+  def begin_request(self) -> None:
+    """Marks the start of answering one callback (:meth:`end_request`
+    marks its end; plain calls, not a context manager: this runs on every
+    refresh)."""
+    with self._changed:
+      self._busy += 1
+      self._last = time.monotonic()
+
+  def end_request(self) -> None:
+    """Marks the end of answering one callback."""
+    with self._changed:
+      self._busy -= 1
+      self._last = time.monotonic()
+      self._changed.notify_all()
+
+  def wait_until_quiet(self, quiet: float) -> None:
+    """Returns once no request has run for ``quiet`` seconds."""
+    with self._changed:
+      while True:
+        if self._busy:
+          self._changed.wait()
+          continue
+        idle = time.monotonic() - (self._last or 0.0)
+        if idle >= quiet:
+          return
+        self._changed.wait(quiet - idle)
+
+  def stop_prefetching(self, timeout: float = 2.0) -> None:
+    """Ends every prefetch thread, also those of hosts dropped without
+    ``release_fn``, and waits up to ``timeout`` seconds in all for their
+    running jobs: a thread that still runs Python or TensorFlow code while
+    the interpreter finalizes aborts the process."""
+    for host in list(self._hosts.values()):
+      host.stop_prefetching()
+    prefetchers = list(self._prefetchers)
+    error = PipelineReleasedError("the Python interpreter is exiting")
+    for prefetcher in prefetchers:
+      prefetcher.close(error)
+    deadline = time.monotonic() + timeout
+    for prefetcher in prefetchers:
+      prefetcher.join(max(0.0, deadline - time.monotonic()))
+
+
+#: The hosts of this process (see :class:`LiveHosts`).
+LIVE_HOSTS = LiveHosts()
+
+
+# How long no host must have been called before the interpreter may finalize.
+_QUIET_AT_EXIT = 0.5
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+  """Lets compiled work that calls jax_data finish before the interpreter
+  finalizes.
+
+  Registered when jax_data is imported, after JAX's own exit hooks, so it
+  runs before them. A callback that runs while the interpreter finalizes
+  aborts the process ("terminate called without an active exception"), and
+  JAX's exit hooks wait only for the computations whose runtime tokens they
+  keep: not for repeated calls of a jitted function, which take a fast path
+  that keeps none. So this hook waits for every live array, then until no
+  jax_data host has been called for ``_QUIET_AT_EXIT`` seconds (work whose
+  outputs were dropped), and stops the prefetch threads.
+
+  Then, if a callback raised: JAX keeps the error of such a computation in
+  its per-device runtime tokens, also after later ``pmap`` computations
+  succeed, and its exit hooks re-raise it ("Exception ignored in atexit
+  callback"); a successful jitted callback on each device replaces those
+  tokens.
+  """
+  if not LIVE_HOSTS.called:
+    return
+  try:
+    for array in jax.live_arrays():
+      try:
+        array.block_until_ready()
+      except Exception:  # pylint: disable=broad-except
+        pass  # a failed computation has ended too
+    LIVE_HOSTS.wait_until_quiet(_QUIET_AT_EXIT)
+    LIVE_HOSTS.stop_prefetching()
+    if LIVE_HOSTS.callback_failed:
+      noop = jax.jit(lambda x: jax.pure_callback(
+          lambda x: x, jax.ShapeDtypeStruct((), jnp.int32), x))
+      for device in jax.local_devices():
+        jax.block_until_ready(noop(jax.device_put(np.int32(0), device)))
+  except Exception:  # pylint: disable=broad-except
+    pass  # at exit, nothing is left to tell
