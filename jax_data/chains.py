@@ -146,6 +146,42 @@ class ChunkLayout:
     return rows * (1 + sum(int(np.prod(leaf.shape, dtype=np.int64))
                            * leaf.dtype.itemsize for leaf in self.leaves))
 
+  def new_chunk(self, allocate: Callable[..., np.ndarray] = np.empty
+                ) -> "Chunk":
+    """A chunk of this layout, its arrays made by ``allocate(shape,
+    dtype)``: ``np.empty`` (default), ``np.zeros``, a buffer pool's."""
+    return Chunk([allocate(shape, leaf.dtype) for shape, leaf in
+                  zip(self.leaf_shapes(), self.leaves)],
+                 allocate(self.lead, np.dtype(bool)))
+
+  def check(self, chunk: "Chunk") -> "Chunk":
+    """``chunk``, checked against the layout (what a cursor returned).
+
+    Raises:
+      ValueError: a leaf or the mask of another shape or dtype (a loader's
+        error, not something to cast).
+    """
+    layout = self
+    if len(chunk.leaves) != len(layout.leaves):
+      raise ValueError(
+          f"the cursor returned {len(chunk.leaves)} arrays, expected "
+          f"{len(layout.leaves)} as in the loader's observation_format")
+    for leaf, shape, fmt in zip(chunk.leaves, layout.leaf_shapes(),
+                                layout.leaves):
+      if not isinstance(leaf, np.ndarray) or leaf.shape != shape or (
+          leaf.dtype != fmt.dtype):
+        raise ValueError(
+            f"the cursor returned an array of shape {np.shape(leaf)} and "
+            f"dtype {getattr(leaf, 'dtype', type(leaf).__name__)}, expected "
+            f"shape {shape} and dtype {fmt.dtype}")
+    mask = chunk.mask
+    if (not isinstance(mask, np.ndarray) or mask.shape != layout.lead
+        or mask.dtype != np.bool_):
+      raise ValueError(
+          f"the cursor returned a mask of shape {np.shape(mask)}, expected "
+          f"{layout.lead} and dtype bool")
+    return chunk
+
 
 def readable() -> None:
   """The :attr:`Chunk.check` of chunks that can always be read."""

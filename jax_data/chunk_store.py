@@ -32,8 +32,6 @@ from typing import List
 from typing import Optional
 from typing import Tuple
 
-import numpy as np
-
 from jax_data.chains import ChainCursor
 from jax_data.chains import ChainSpec
 from jax_data.chains import Chunk
@@ -438,17 +436,12 @@ class ChainStore:
       if current not in record.snapshots:
         record.snapshots[current] = cursor.position()
       record.next_index = None  # unknown until the cursor returns
-      chunk = cursor.produce(current, self._buffers_for_chunk())
+      out = self.layout.new_chunk(self._buffers.empty)
+      chunk = cursor.produce(current, out)
       record.next_index = current + 1
       self._thin(record)
       if current == index:
-        return self._check(chunk)
-
-  def _buffers_for_chunk(self) -> Chunk:
-    layout = self.layout
-    return Chunk([self._buffers.empty(shape, leaf.dtype) for shape, leaf in
-                  zip(layout.leaf_shapes(), layout.leaves)],
-                 self._buffers.empty(layout.lead, bool))
+        return self.layout.check(chunk)
 
   def _thin(self, record: ChainRecord) -> None:
     recent = self._limits.recent_snapshots
@@ -459,29 +452,6 @@ class ChainStore:
                         if keep_snapshot(i, newest,
                                          self._limits.recent_snapshots)}
     record.pruned_size = len(record.snapshots)
-
-  def _check(self, chunk: Chunk) -> Chunk:
-    """Checks a chunk against the layout: a loader's error, not a cast."""
-    layout = self.layout
-    if len(chunk.leaves) != len(layout.leaves):
-      raise ValueError(
-          f"the cursor returned {len(chunk.leaves)} arrays, expected "
-          f"{len(layout.leaves)} as in the loader's observation_format")
-    for leaf, shape, fmt in zip(chunk.leaves, layout.leaf_shapes(),
-                                layout.leaves):
-      if not isinstance(leaf, np.ndarray) or leaf.shape != shape or (
-          leaf.dtype != fmt.dtype):
-        raise ValueError(
-            f"the cursor returned an array of shape {np.shape(leaf)} and "
-            f"dtype {getattr(leaf, 'dtype', type(leaf).__name__)}, expected "
-            f"shape {shape} and dtype {fmt.dtype}")
-    mask = chunk.mask
-    if (not isinstance(mask, np.ndarray) or mask.shape != layout.lead
-        or mask.dtype != np.bool_):
-      raise ValueError(
-          f"the cursor returned a mask of shape {np.shape(mask)}, expected "
-          f"{layout.lead} and dtype bool")
-    return chunk
 
   # -- release ------------------------------------------------------------
 

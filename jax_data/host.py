@@ -367,10 +367,7 @@ class Host:
 
   def _zero_chunk(self) -> Chunk:
     if self._zeros is None:
-      layout = self.layout
-      self._zeros = Chunk([np.zeros(shape, leaf.dtype) for shape, leaf in
-                           zip(layout.leaf_shapes(), layout.leaves)],
-                          np.zeros(layout.lead, bool))
+      self._zeros = self.layout.new_chunk(np.zeros)
     return self._zeros
 
   # -- release ------------------------------------------------------------

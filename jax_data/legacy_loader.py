@@ -205,11 +205,7 @@ class PredecessorAPI:
       NumPy arrays and does not call this method.)
     """
     chain = self._own_chain(chain_id)
-    layout = chain.layout
-    out = Chunk([np.empty(shape, leaf.dtype) for shape, leaf in
-                 zip(layout.leaf_shapes(), layout.leaves)],
-                np.empty(layout.lead, bool))
-    chunk = chain.cursor.produce(chain.next_index, out)
+    chunk = chain.cursor.produce(chain.next_index, chain.layout.new_chunk())
     chain.next_index += 1
     treedef = jax.tree_util.tree_structure(self.observation_format)
     return (treedef.unflatten([jnp.asarray(leaf) for leaf in chunk.leaves]),

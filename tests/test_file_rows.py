@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from jax_data import NumpyDataLoader
-from jax_data.chains import Chunk
 from jax_data.chains import OrderedChain
 from jax_data.file_rows import MappedRows
 from jax_data.file_rows import drop_pages
@@ -149,9 +148,7 @@ def test_chunks_read_ahead_are_checked_when_served(tmp_path):
   loader = NumpyDataLoader(copy=False, x=np.load(path, mmap_mode="r"))
   layout = loader.chunk_layout(2, 100)
   cursor = loader.open_chain(OrderedChain(ObservationRange(0, 1000)), layout)
-  out = Chunk([np.empty(shape, leaf.dtype) for shape, leaf in
-               zip(layout.leaf_shapes(), layout.leaves)],
-              np.empty(layout.lead, bool))
+  out = layout.new_chunk()
   chunk = cursor.produce(0, out)
   chunk.check()  # readable
   assert np.shares_memory(chunk.leaves[0], loader._arrays["x"])  # pylint: disable=protected-access

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 import jax_data
-from jax_data.chains import Chunk
 
 tf = pytest.importorskip("tensorflow")
 tensorflow_loader = pytest.importorskip("jax_data.tensorflow_loader")
@@ -496,9 +495,7 @@ def test_in_memory_reads_the_pipeline_once_and_converts_dtypes():
   # intact.
   layout = loader.chunk_layout(2, 3)
   cursor = loader.open_chain(loader.chain_spec(True), layout)
-  out = Chunk([np.empty(shape, leaf.dtype) for shape, leaf in
-               zip(layout.leaf_shapes(), layout.leaves)],
-              np.empty(layout.lead, bool))
+  out = layout.new_chunk()
   chunk = cursor.produce(0, out)
   with pytest.raises(ValueError, match="read-only"):
     chunk.leaves[0][0, 0] = 7
