@@ -345,12 +345,34 @@ class MemorySampler:
       return dict(self._peak)
 
 
+def log_likelihood_pass(loader: Any, config: Config) -> tuple:
+  """Case (c)'s full-data log-likelihood over ``loader``: a jitted
+  ``theta -> sum`` and the pipeline's ``release_fn``."""
+  import jax
+  import jax.numpy as jnp
+  from models import masked_log_likelihood
+
+  import jax_data
+
+  mapper_fn, release_fn = jax_data.full_data_mapper(loader, config.cache,
+                                                    config.full_mb)
+
+  @jax.jit
+  def log_likelihood(theta):
+    sums, _ = mapper_fn(
+        lambda batch, mask, carry: (
+            masked_log_likelihood(theta, batch, mask), carry),
+        None, masking=True)
+    return jnp.sum(sums)
+
+  return log_likelihood, release_fn
+
+
 def child(request: dict[str, Any]) -> dict[str, Any]:
   """Measures both phases in this (fresh) process."""
   import jax
   import jax.numpy as jnp
   from common import settle
-  from models import masked_log_likelihood
   from models import sgld_sampler
 
   import jax_data
@@ -390,17 +412,7 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
       drop_pages(y)
 
     sampler.reset()
-    mapper_fn, release_fn = jax_data.full_data_mapper(
-        loader, config.cache, config.full_mb)
-
-    @jax.jit
-    def log_likelihood(theta):
-      sums, _ = mapper_fn(
-          lambda batch, mask, carry: (
-              masked_log_likelihood(theta, batch, mask), carry),
-          None, masking=True)
-      return jnp.sum(sums)
-
+    log_likelihood, release_fn = log_likelihood_pass(loader, config)
     compiled = log_likelihood.lower(theta).compile()
     start = time.perf_counter()
     jax.block_until_ready(compiled(theta))
@@ -486,7 +498,6 @@ def speed_child(request: dict[str, Any]) -> dict[str, Any]:
   from common import scan_contender
   from common import settle
   from models import data_only_scan_sampler
-  from models import masked_log_likelihood
   from models import sgld_scan_sampler
 
   import jax_data
@@ -516,17 +527,7 @@ def speed_child(request: dict[str, Any]) -> dict[str, Any]:
     return data_only_scan_sampler(batch_fn, steps)
 
   def pass_contender(name, loader):
-    mapper_fn, _ = jax_data.full_data_mapper(loader, config.cache,
-                                             config.full_mb)
-
-    @jax.jit
-    def log_likelihood(theta):
-      sums, _ = mapper_fn(
-          lambda batch, mask, carry: (
-              masked_log_likelihood(theta, batch, mask), carry),
-          None, masking=True)
-      return jnp.sum(sums)
-
+    log_likelihood, _ = log_likelihood_pass(loader, config)
     return Contender(name, lambda: jax.block_until_ready(
         log_likelihood(theta)), 1)
 
