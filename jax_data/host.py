@@ -291,9 +291,11 @@ class Host:
               f"a state of another pipeline (id {pipeline}) was given "
               f"to a pipeline over {self.name} (id {self.id}); use the "
               "states of this pipeline's init_fn")
-        chunk = self.chunk(chain, index, device_count, defer)
-        chunk.check()
-        lanes.append(chunk)
+        lanes.append(self.chunk(chain, index, device_count, defer))
+      # Each distinct check once per request (the lanes of one loader
+      # share one: an fstat per memmap, not per lane).
+      for check in dict.fromkeys(lane.check for lane in lanes):
+        check()
     except Exception as e:  # pylint: disable=broad-except
       error = e
     if participants > 1 and any(need):
