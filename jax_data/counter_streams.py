@@ -97,9 +97,11 @@ def _seed_words(seed: Any, xp: Any) -> Tuple[Any, Any]:
 def round_keys(seed: int, epoch: Any, xp: Any = np) -> list:
   """The :data:`ROUNDS` keys of the bijection of ``epoch`` of ``seed``.
 
-  ``epoch`` may be a Python int (below ``2**64``), an int64 array (one
-  epoch per index, NumPy) or, with ``xp`` = ``jax.numpy``, ``uint32``
-  (traced) values.
+  ``seed`` may be a Python int (below ``2**64``) or, with NumPy, a pair of
+  ``uint32`` arrays of seeds' low and high words (one seed per epoch of an
+  array ``epoch``). ``epoch`` may be a Python int (below ``2**64``), an
+  int64 array (one epoch per index, NumPy) or, with ``xp`` =
+  ``jax.numpy``, ``uint32`` (traced) values.
   """
   seed_lo, seed_hi = _seed_words(seed, xp)
   if isinstance(epoch, (int, np.integer)):
@@ -207,24 +209,26 @@ def permute(seed: int, epoch: Any, offsets: Any, n: int, xp: Any = np
 def _permute_host(seed: int, epoch: Any, offsets: np.ndarray, n: int,
                   bits: int) -> np.ndarray:
   if not np.ndim(epoch):
-    return _permute_epoch(round_keys_int(int(seed), int(epoch)), offsets,
-                          n, bits)
+    return permute_keyed(round_keys_int(int(seed), int(epoch)), offsets,
+                         n, bits)
   low, high = (int(e) for e in (epoch.min(), epoch.max())) if epoch.size \
       else (0, 0)
   if high - low >= _EPOCHS_ONE_BY_ONE:
-    return _permute_epoch(round_keys(seed, epoch, np), offsets, n, bits)
+    return permute_keyed(round_keys(seed, epoch, np), offsets, n, bits)
   values = np.empty(offsets.shape, np.int64)
   for each in range(low, high + 1):
     chosen = np.flatnonzero(epoch == each) if high > low else slice(None)
-    values[chosen] = _permute_epoch(round_keys_int(int(seed), each),
-                                    offsets[chosen], n, bits)
+    values[chosen] = permute_keyed(round_keys_int(int(seed), each),
+                                   offsets[chosen], n, bits)
   return values
 
 
-def _permute_epoch(keys: list, offsets: np.ndarray, n: int, bits: int
-                   ) -> np.ndarray:
-  """The network on ``offsets``, with cycle-walking; ``keys`` Python ints
-  (one epoch) or arrays (one key per offset)."""
+def permute_keyed(keys: list, offsets: np.ndarray, n: int, bits: int
+                  ) -> np.ndarray:
+  """The network on ``offsets`` (flat, on the host), with cycle-walking:
+  ``permute`` once the round keys are known. ``keys``: the
+  :func:`round_keys` of one epoch as Python ints, or arrays with one key
+  per offset; ``bits``: ``domain_bits(n)``."""
   left, right = _split(offsets, bits, np)
   left, right = _feistel(left, right, keys, bits, np)
   values = _join(left, right, bits, np)
@@ -250,9 +254,10 @@ def uniform(seed: Any, positions: Any, n: int, xp: Any = np) -> Any:
   the next taken, so the draw is exactly uniform (a rejection has
   probability below ``n / 2**32``).
 
-  NumPy takes int64 positions below ``2**63``; ``jax.numpy`` ``uint32``
-  positions, or a pair of arrays of their low and high ``uint32`` words,
-  and ``n`` below ``2**32``.
+  NumPy takes int64 positions below ``2**63`` and a Python int seed, or a
+  pair of ``uint32`` arrays of the seeds' low and high words, one seed per
+  position; ``jax.numpy`` ``uint32`` positions, or a pair of arrays of
+  their low and high ``uint32`` words, and ``n`` below ``2**32``.
   """
   _check_device_size(n, domain_bits(n), xp)
   if xp is np:
@@ -279,9 +284,10 @@ def _uniform(seed: Any, positions: Any, n: int, xp: Any) -> Any:
   limit = span - span % n  # hashes below it reduce uniformly
 
   def draw(attempt: Any, some=None):
-    lo = pos_lo if some is None else pos_lo[some]
-    hi = pos_hi if some is None else pos_hi[some]
-    words = (seed_lo, seed_hi, lo, hi, attempt)
+    words = (seed_lo, seed_hi, pos_lo, pos_hi)
+    if some is not None:  # seeds are scalars, or arrays like the positions
+      words = tuple(w if w.ndim == 0 else w[some] for w in words)
+    words += (attempt,)
     low = _absorb((_u32(_TAG_UNIFORM_LO, xp),) + words, xp)
     if not wide:
       return low
@@ -370,10 +376,16 @@ class CounterStream:
   def held_bytes(self) -> int:
     return 0
 
+  def advance(self, count: int) -> int:
+    """Moves past the next ``count`` batches; returns the first of them
+    (whose indices :func:`stream_batches` then gives)."""
+    first, self._batch = self._batch, self._batch + count
+    return first
+
   def draw(self, count: int) -> Tuple[np.ndarray, Any]:
     """Indices of the next ``count`` batches, and their mask (None when
     every position is valid)."""
-    first, self._batch = self._batch, self._batch + count
+    first = self.advance(count)
     return stream_batches(self.seed, first, count, self.mb_size,
                           self.observations.count, self.shuffle,
                           self.in_epochs, self.observations.start)
