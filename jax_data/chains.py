@@ -17,9 +17,11 @@ import functools
 from typing import Any
 from typing import Callable
 from typing import Dict
+from typing import Hashable
 from typing import List
 from typing import Mapping
 from typing import Optional
+from typing import Sequence
 from typing import Tuple
 from typing import Union
 
@@ -267,3 +269,24 @@ class ChainCursor(abc.ABC):
     cursors of the chains used least recently while those of all chains
     together hold more than its budget."""
     return 0
+
+  def group_key(self) -> Optional[Hashable]:
+    """Cursors with equal keys (not None) can produce their chunks together
+    through :meth:`produce_group`: the host produces the chunks of several
+    chains that one request (vmapped chains) needs in one call. None (the
+    default): chunk by chunk."""
+    return None
+
+  @classmethod
+  def produce_group(cls, cursors: Sequence["ChainCursor"],
+                    indices: Sequence[int], layout: ChunkLayout,
+                    allocate: Callable[..., np.ndarray]) -> List["Chunk"]:
+    """Chunk ``indices[i]`` of ``cursors[i]`` for every ``i``, each cursor
+    moved past it, as :meth:`produce` gives them one by one: cursors of
+    this class with one :meth:`group_key`, each positioned at its chunk.
+    ``allocate(shape, dtype)`` makes buffers to write into.
+
+    The default produces them one by one.
+    """
+    return [cursor.produce(index, layout.new_chunk(allocate))
+            for cursor, index in zip(cursors, indices)]

@@ -28,8 +28,10 @@ import threading
 import warnings
 from typing import Any
 from typing import Dict
+from typing import Hashable
 from typing import List
 from typing import Optional
+from typing import Sequence
 from typing import Tuple
 
 from jax_data.chains import ChainCursor
@@ -41,6 +43,10 @@ from jax_data.errors import HostLoaderError
 from jax_data.errors import PipelineReleasedError
 from jax_data.gather import BufferPool
 from jax_data.host_loader import HostDataLoader
+
+#: A chunk to produce: its chain, its index, the future its requests wait
+#: on.
+Job = Tuple["ChainRecord", int, concurrent.futures.Future]
 
 
 def keep_snapshot(index: int, newest: int, recent: int) -> bool:
@@ -347,6 +353,86 @@ class ChainStore:
     else:
       settle(future, chunk)
 
+  def produce_many(self, jobs: Sequence[Job]) -> None:
+    """Produces the chunks ``(chain, index, future)`` of ``jobs`` and
+    settles their futures as :meth:`produce_into` does. The chains whose
+    cursors share a :meth:`~jax_data.chains.ChainCursor.group_key` are
+    produced together, in one :meth:`~jax_data.chains.ChainCursor.
+    produce_group` call (the vmapped chains of one request); the others
+    one by one."""
+    groups: Dict[Hashable, List[Job]] = {}
+    alone: List[Job] = []
+    grouped = set()
+    for job in jobs:
+      key = job[0].cursor.group_key()
+      if key is None or job[0].number in grouped:
+        alone.append(job)  # a chain twice: its second chunk after
+      else:
+        grouped.add(job[0].number)
+        groups.setdefault(key, []).append(job)
+    for group in groups.values():
+      if len(group) > 1:
+        alone.extend(self._produce_group(group))
+      else:
+        alone.extend(group)
+    for job in alone:
+      self.produce_into(*job)
+
+  def _produce_group(self, group: List[Job]) -> List[Job]:
+    """Produces a group's chunks in one call (with every chain's
+    ``produce_lock`` held, taken in chain order); returns the jobs left to
+    produce one by one (chains closed meanwhile, cursors that cannot
+    seek directly)."""
+    try:
+      _ = self.loader  # not after release
+    except PipelineReleasedError as e:
+      for _, _, future in group:
+        settle(future, error=e)
+      return []
+    group = sorted(group, key=lambda job: job[0].number)
+    locked, ready, left = [], [], []
+    try:
+      for record, index, future in group:
+        record.produce_lock.acquire()
+        locked.append(record)
+        try:
+          stands = not record.closed and _stand_at(record, index)
+        except BaseException as e:  # a seek refused: this chain's failure
+          settle(future, error=self._wrap(record, index, e))
+          continue
+        (ready if stands else left).append((record, index, future))
+      if ready:
+        self._produce_ready(ready)
+    finally:
+      for record in locked:
+        record.produce_lock.release()
+      if self._loader is None:  # released while producing
+        for record in locked:
+          _close(record, blocking=True)
+    return left
+
+  def _produce_ready(self, ready: List[Job]) -> None:
+    """:meth:`_produce_group` once each cursor stands at its chunk."""
+    cursors = [record.cursor for record, _, _ in ready]
+    try:
+      for record, index, _ in ready:
+        if index not in record.snapshots:
+          record.snapshots[index] = record.cursor.position()
+        record.next_index = None  # unknown until the cursors return
+      chunks = type(cursors[0]).produce_group(
+          cursors, [index for _, index, _ in ready], self.layout,
+          self._buffers.empty)
+      chunks = [self.layout.check(chunk) for chunk in chunks]
+    except BaseException as e:  # every failure reaches the waiting requests
+      for record, index, future in ready:
+        settle(future, error=self._wrap(record, index, e))
+      return
+    for (record, index, future), chunk in zip(ready, chunks):
+      record.next_index = index + 1
+      self._thin(record)
+      self._note_held(record.number, record.cursor.held_bytes())
+      settle(future, chunk)
+
   def _wrap(self, record: ChainRecord, index: int, e: BaseException):
     if isinstance(e, (HostLoaderError, PipelineReleasedError)):
       return e
@@ -488,6 +574,21 @@ def _close(record: ChainRecord, blocking: bool) -> None:
       record.cursor.close()
   finally:
     record.produce_lock.release()
+
+
+def _stand_at(record: ChainRecord, index: int) -> bool:
+  """Moves a chain's cursor to chunk ``index`` if it can seek there
+  directly (a counter-based stream), with its ``produce_lock`` held;
+  whether it stands there."""
+  if record.next_index == index:
+    return True
+  direct = record.cursor.position_at(index)
+  if direct is None:
+    return False
+  record.next_index = None
+  record.cursor.seek(direct)
+  record.next_index = index
+  return True
 
 
 def settle(future: concurrent.futures.Future, result: Any = None,

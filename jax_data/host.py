@@ -13,6 +13,7 @@ Only NumPy runs here; nothing calls JAX.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import threading
 import weakref
@@ -36,7 +37,6 @@ from jax_data.chunk_store import ChainRecord
 from jax_data.chunk_store import ChainStore
 from jax_data.chunk_store import settle
 from jax_data.errors import CheckpointError
-from jax_data.errors import HostLoaderError
 from jax_data.errors import PipelineReleasedError
 from jax_data.gather import Gatherer
 from jax_data.host_loader import HostDataLoader
@@ -49,8 +49,10 @@ from jax_data.validation import check_int
 Deferred = List[Tuple[ChainRecord, int]]
 
 
-def _cancel(future, error: BaseException) -> None:
-  settle(future, error=error)
+def _cancel(futures: Sequence[concurrent.futures.Future],
+            error: BaseException) -> None:
+  for future in futures:
+    settle(future, error=error)
 
 
 def _trim(store: ChainStore, queued: threading.Event) -> None:
@@ -179,65 +181,98 @@ class Host:
 
   # -- serving ------------------------------------------------------------
 
-  def chunk(self, chain: int, index: int, device_count: int = 1,
-            defer: Optional[Deferred] = None) -> Chunk:
-    """Chunk ``index`` of a chain.
+  def chunk(self, chain: int, index: int, device_count: int = 1) -> Chunk:
+    """Chunk ``index`` of a chain (see :meth:`chunks`)."""
+    return self.chunks([(chain, index)], device_count)[0]
 
-    ``device_count`` requests are expected for the chunk (one per device of
-    a replicated state); it is kept until they all came, within a cap.
+  def chunks(self, wanted: Sequence[Tuple[int, int]], device_count: int = 1,
+             defer: Optional[Deferred] = None) -> List[Chunk]:
+    """Chunk ``index`` of chain ``chain`` for each ``(chain, index)``.
 
-    The production of the next ``store_limits.ahead`` chunks starts now, or, if
-    ``defer`` is a list and the chunk was ready when asked for (the device,
-    not the host, sets the pace), is appended to ``defer`` for the caller to
-    start once it has copied this chunk, so that the copy does not compete
-    with it.
+    The chunks not stored yet are produced now, those of chains whose
+    cursors produce together in one call (vmapped counter-based chains:
+    one draw of all their indices, one read of all their rows). A chunk
+    still queued behind other productions is produced here.
+
+    ``device_count`` requests are expected for each chunk (one per device
+    of a replicated state); it is kept until they all came, within a cap.
+
+    The production of the next ``store_limits.ahead`` chunks of every
+    chain starts now, together, or, if ``defer`` is a list and the chunks
+    were ready when asked for (the device, not the host, sets the pace) or
+    are several, is appended to ``defer`` for the caller to start once it
+    has copied the chunks, so that the copy does not compete with it.
+
+    Raises:
+      HostLoaderError: the loader failed (the first failure in lane
+        order); a later request tries the failed chunks again.
     """
     store = self._store
-    record = store.record(chain)
-    if index < 0:
-      raise ValueError(
-          f"chunk={index} of chain {chain} requested: a state's chunk "
-          "counter is never negative; was the state built by hand?")
-    if self._progress is not None:
-      self._progress(index)
-    future, produce = store.claim(record, index, device_count)
-    ready = future.done()
-    if produce:
-      store.produce_into(record, index, future)
-    elif not ready:
+    claims, mine = [], []
+    for chain, index in wanted:
+      record = store.record(chain)
+      if index < 0:
+        raise ValueError(
+            f"chunk={index} of chain {chain} requested: a state's chunk "
+            "counter is never negative; was the state built by hand?")
+      if self._progress is not None:
+        self._progress(index)
+      future, produce = store.claim(record, index, device_count)
+      claims.append((record, index, future, future.done()))
+      if produce:
+        mine.append((record, index, future))
+    if mine:
+      store.produce_many(mine)
+    prefetcher = self._prefetcher
+    for record, index, future, _ in claims:
       # Still queued behind other chains' chunks: produce it here.
-      prefetcher = self._prefetcher
-      run = prefetcher and prefetcher.take((record.number, index))
+      run = (None if future.done() or prefetcher is None
+             else prefetcher.take((record.number, index)))
       if run is not None:
         run()
-    try:
-      result = future.result()
-    except HostLoaderError:
-      store.forget(record, index, future)
-      raise
-    if ready and defer is not None:
-      defer.append((record, index))
-    else:
-      self.schedule_next(record, index)
-    return result
+    failure = None
+    for record, index, future, _ in claims:
+      if future.exception() is not None:
+        store.forget(record, index, future)
+        failure = failure or future.exception()
+    now = []
+    for record, index, _, ready in claims:
+      # Several lanes: their copies are many short calls that need the GIL
+      # the production would hold; the next chunks wait for them too.
+      later = defer is not None and (ready or len(claims) > 1)
+      (defer if later else now).append((record, index))
+    self.schedule_next(now)
+    if failure is not None:
+      raise failure
+    return [future.result() for _, _, future, _ in claims]
 
-  def schedule_next(self, record: ChainRecord, index: int) -> None:
-    """Starts producing the ``store_limits.ahead`` chunks after ``index`` in the
-    background (those not stored yet)."""
+  def schedule_next(self, served: Sequence[Tuple[ChainRecord, int]]
+                    ) -> None:
+    """Starts producing the ``store_limits.ahead`` chunks after each served
+    ``(chain, index)`` in the background (those not stored yet): one job
+    per step ahead, which produces that chunk of every chain together."""
     prefetcher = self._prefetcher
-    if prefetcher is None:
+    if prefetcher is None or not served:
       return
-    following = index
+    store = self._store
+    following = list(served)
     for _ in range(self._limits.ahead):
-      following = self._store.following(following)
-      future = self._store.claim_ahead(record, following)
-      if future is None:
+      following = [(record, store.following(index))
+                   for record, index in following]
+      jobs = []
+      for record, index in {(record.number, index): (record, index)
+                            for record, index in following}.values():
+        future = store.claim_ahead(record, index)
+        if future is not None:
+          jobs.append((record, index, future))
+      if not jobs:
         continue
-      run = functools.partial(self._store.produce_into, record, following,
-                              future)
-      cancel = functools.partial(_cancel, future)
-      if not prefetcher.submit((record.number, following), run, cancel):
-        settle(future, error=self._released())
+      futures = [future for _, _, future in jobs]
+      if not prefetcher.submit(
+          [(record.number, index) for record, index, _ in jobs],
+          functools.partial(store.produce_many, jobs),
+          functools.partial(_cancel, futures)):
+        _cancel(futures, self._released())
         return
 
   def _released(self) -> PipelineReleasedError:
@@ -281,17 +316,18 @@ class Host:
     self._store.note_lanes(sum(need))
     lanes, error = [], None
     try:
-      for pipeline, chain, index, wanted in zip(pipelines, chains, chunks,
-                                                need):
-        if not wanted:
-          lanes.append(self._zero_chunk())
-          continue
-        if pipeline != self.id:
+      for pipeline, wanted in zip(pipelines, need):
+        if wanted and pipeline != self.id:
           raise ValueError(
               f"a state of another pipeline (id {pipeline}) was given "
               f"to a pipeline over {self.name} (id {self.id}); use the "
               "states of this pipeline's init_fn")
-        lanes.append(self.chunk(chain, index, device_count, defer))
+      served = iter(self.chunks(
+          [(chain, index) for chain, index, wanted in zip(chains, chunks,
+                                                          need) if wanted],
+          device_count, defer))
+      lanes = [next(served) if wanted else self._zero_chunk()
+               for wanted in need]
       # Each distinct check once per request (the lanes of one loader
       # share one: an fstat per memmap, not per lane).
       for check in dict.fromkeys(lane.check for lane in lanes):
@@ -338,8 +374,7 @@ class Host:
         for out, leaf in zip(outs, list(chunk.leaves) + [chunk.mask]):
           self._copier.copy(out[lane], leaf)
     finally:
-      for record, index in deferred:
-        self.schedule_next(record, index)
+      self.schedule_next(deferred)
       self.trim_later()
 
   def trim_later(self) -> None:

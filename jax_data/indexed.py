@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import copy
 from typing import Callable
+from typing import Hashable
 from typing import List
 from typing import Optional
+from typing import Sequence
 from typing import Union
 
 import numpy as np
@@ -23,6 +25,7 @@ from jax_data.chains import ChunkLayout
 from jax_data.chains import OrderedChain
 from jax_data.chains import Position
 from jax_data.chains import readable
+from jax_data.counter_chains import chain_batches
 from jax_data.counter_streams import CounterStream
 from jax_data.sampling import OrderedStream
 from jax_data.sampling import RandomStream
@@ -49,19 +52,30 @@ def stream_of(spec: ChainSpec, mb_size: int
 class IndexedCursor(ChainCursor):
   """A chain whose chunks are rows picked by an index stream.
 
+  Chains with counter-based streams produce their chunks together
+  (:meth:`produce_group`): all chains' indices in one vectorised draw
+  (:func:`jax_data.counter_chains.chain_batches`), all their rows in one
+  call of ``read``.
+
   Args:
     spec: The chain.
     layout: Its chunks.
     read: Reads rows by index (see :data:`ReadRows`).
     check: Each chunk's :attr:`~jax_data.chains.Chunk.check`.
+    rows: Identifies the rows ``read`` reads, for grouping: the cursors
+      of chains over the same rows (and with the same ``check``) may read
+      them through each other's ``read``. Default: ``read`` itself (a
+      loader's bound method).
   """
 
   def __init__(self, spec: ChainSpec, layout: ChunkLayout, read: ReadRows,
-               check: Callable[[], None] = readable):
+               check: Callable[[], None] = readable,
+               rows: Optional[Hashable] = None):
     self._stream = stream_of(spec, layout.mb_size)
     self._layout = layout
     self._read = read
     self._check = check
+    self._rows = read if rows is None else rows
     self._all_valid = np.ones(layout.lead, bool)
     self._all_valid.setflags(write=False)
 
@@ -75,6 +89,41 @@ class IndexedCursor(ChainCursor):
               zip(leaves, self._layout.leaf_shapes())]
     return Chunk(leaves, self._all_valid if mask is None else mask,
                  self._check)
+
+  def group_key(self) -> Optional[Hashable]:
+    stream = self._stream
+    if not isinstance(stream, CounterStream):
+      return None
+    return (IndexedCursor, self._rows, self._check, self._layout,
+            stream.observations, stream.mode)
+
+  @classmethod
+  def produce_group(cls, cursors: Sequence[ChainCursor],
+                    indices: Sequence[int], layout: ChunkLayout,
+                    allocate: Callable[..., np.ndarray]) -> List[Chunk]:
+    """The chunks of counter-based chains over the same rows: one draw of
+    every chain's indices, one ``read`` of all their rows into one buffer
+    per leaf, of which each chunk is a slice."""
+    del indices  # each cursor stands at its chunk
+    streams = [cursor._stream for cursor in cursors]  # pylint: disable=protected-access
+    first = streams[0]
+    count = layout.cache_size
+    indices, mask = chain_batches(
+        [stream.seed for stream in streams],
+        [stream.advance(count) for stream in streams], count,
+        layout.mb_size, first.observations.count, first.shuffle,
+        first.in_epochs, first.observations.start)
+    rows = count * layout.mb_size
+    flat_out = [allocate((indices.size,) + leaf.shape, leaf.dtype)
+                for leaf in layout.leaves]
+    leaves = cursors[0]._read(indices.reshape(-1), flat_out)  # pylint: disable=protected-access
+    chunks = []
+    for g, cursor in enumerate(cursors):
+      part = [leaf[g * rows:(g + 1) * rows].reshape(shape)
+              for leaf, shape in zip(leaves, layout.leaf_shapes())]
+      valid = cursor._all_valid if mask is None else mask[g]  # pylint: disable=protected-access
+      chunks.append(Chunk(part, valid, cursor._check))  # pylint: disable=protected-access
+    return chunks
 
   def trim(self) -> None:
     self._stream.trim()

@@ -18,13 +18,15 @@ import dataclasses
 import threading
 from typing import Callable
 from typing import Deque
+from typing import FrozenSet
 from typing import Hashable
+from typing import Iterable
 from typing import Optional
 
 
 @dataclasses.dataclass
 class _Job:
-  key: Hashable
+  keys: FrozenSet[Hashable]
   run: Callable[[], None]
   cancel: Callable[[BaseException], None]
 
@@ -44,9 +46,10 @@ class Prefetcher:
     self._closed = False
     self._running = False
 
-  def submit(self, key: Hashable, run: Callable[[], None],
+  def submit(self, keys: Iterable[Hashable], run: Callable[[], None],
              cancel: Callable[[BaseException], None]) -> bool:
-    """Queues ``run()`` under ``key``; if the prefetcher closes before it
+    """Queues ``run()`` under ``keys`` (what it produces: the chunks of
+    several chains, produced together); if the prefetcher closes before it
     starts, ``cancel(error)`` is called instead.
 
     Returns:
@@ -55,7 +58,7 @@ class Prefetcher:
     with self._changed:
       if self._closed:
         return False
-      self._jobs.append(_Job(key, run, cancel))
+      self._jobs.append(_Job(frozenset(keys), run, cancel))
       if self._thread is None:
         # A daemon: the interpreter's exit does not wait for it.
         self._thread = threading.Thread(target=self._work, name=self._name,
@@ -65,11 +68,12 @@ class Prefetcher:
     return True
 
   def take(self, key: Hashable) -> Optional[Callable[[], None]]:
-    """Removes the queued job ``key`` and returns its ``run``, for the
-    caller to run now; None if it is not queued (running or done)."""
+    """Removes the queued job with ``key`` among its keys and returns its
+    ``run``, for the caller to run now; None if it is not queued (running
+    or done)."""
     with self._changed:
       for job in self._jobs:
-        if job.key == key:
+        if key in job.keys:
           self._jobs.remove(job)
           self._changed.notify_all()  # for wait_idle
           return job.run

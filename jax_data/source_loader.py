@@ -387,8 +387,11 @@ class _SourceCursor(IndexedCursor):
                loader: SourceDataLoader):
     # Done once cancelled: reads stop between records, and their waits end.
     self._stop: concurrent.futures.Future = concurrent.futures.Future()
+    # Grouped by loader: chains read together read through the first
+    # one's stop, and release cancels them all.
     super().__init__(spec, layout, functools.partial(
-        loader._read, stop=self._stop))  # pylint: disable=protected-access
+        loader._read, stop=self._stop),  # pylint: disable=protected-access
+                     rows=loader)
     self._loader: Optional[SourceDataLoader] = loader
 
   def cancel(self) -> None:

@@ -398,7 +398,8 @@ class TensorflowDataLoader(HostDataLoader):
       if isinstance(spec, RandomChain) and spec.stream == "counter":
         rows = MemoryRows(self._arrays, ObservationRange(0, self._count),
                           self._gatherer)
-        return IndexedCursor(spec, layout, rows.gather)
+        # Grouped by loader: every such chain reads the same rows.
+        return IndexedCursor(spec, layout, rows.gather, rows=self)
       source = MemoryRows(self._arrays, shard, self._gatherer)
       if isinstance(spec, OrderedChain):
         return OrderedMemoryCursor(source, spec, layout)

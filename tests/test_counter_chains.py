@@ -1,9 +1,15 @@
-"""The counter-based batches of many chains in one vectorised draw: the same
-batches as chain by chain."""
+"""Many counter-based chains produced together: one draw of all chains'
+indices, one read of all their rows, the same batches as chain by chain."""
 
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_data
 from jax_data import counter_streams as cs
 from jax_data.counter_chains import chain_batches
 
@@ -43,3 +49,178 @@ def test_chain_batches_of_one_chain_and_of_many_blocks():
   for c in (0, 17, 39):
     np.testing.assert_array_equal(
         got[c], cs.stream_batches(c, 2, 40, 64, 10**6, True, False)[0])
+
+
+class _Virtual:
+  """``n`` records computed from the index, read in batches; counts the
+  batched reads."""
+
+  def __init__(self, n, fail_at=None):
+    self.n = n
+    self.fail_at = fail_at
+    self.reads = 0
+
+  def __len__(self):
+    return self.n
+
+  def __getitem__(self, i):
+    if i == self.fail_at:
+      raise KeyError(f"record {i} is unreadable")
+    return {"x": np.int64(i)}
+
+  def __getitems__(self, indices):
+    self.reads += 1
+    return [self[i] for i in indices]
+
+
+def _loaders(n):
+  loaders = [jax_data.NumpyDataLoader(x=np.arange(n)),
+             jax_data.SourceDataLoader(_Virtual(n), workers=0)]
+  try:
+    import tensorflow as tf
+
+    from jax_data.tensorflow_loader import TensorflowDataLoader
+    loaders.append(TensorflowDataLoader(
+        tf.data.Dataset.from_tensor_slices({"x": np.arange(n)}),
+        in_memory=True))
+  except ImportError:  # the tensorflow extra is optional
+    pass
+  return loaders
+
+
+@pytest.mark.parametrize("mode", [{}, {"shuffle": True},
+                                  {"shuffle": True, "in_epochs": True}])
+def test_vmapped_chains_draw_each_chains_stream(mode, pipelines):
+  """Chains served together under vmap (and one of them restored at
+  another position) get exactly the batches each chain's stream gives on
+  its own, on every loader and callback path."""
+  n, cache, mb, chains = 103, 3, 8, 6
+  shuffle, in_epochs = (mode.get("shuffle", False),
+                        mode.get("in_epochs", False))
+  for loader in _loaders(n):
+    pipeline = pipelines.random_reference_data(loader, cache, mb)
+    init_fn, batch_fn, release_fn = pipeline
+    states = [init_fn(seed=20 + c, stream="counter", **mode)
+              for c in range(chains)]
+    tree = jax_data.state_to_pytree(pipeline, states[2])
+    tree["chunk"] = np.int32(40)  # far ahead of the others
+    states[2] = jax_data.state_from_pytree(pipeline, tree)
+    stacked = jax.tree_util.tree_map(lambda *s: jnp.stack(s), *states)
+    step = jax.jit(jax.vmap(functools.partial(batch_fn, information=True)))
+    got = []
+    for _ in range(2 * cache + 1):
+      stacked, (batch, info) = step(stacked)
+      got.append(np.where(info.mask, batch["x"], -1))
+    got = np.stack(got, axis=1)  # (chains, steps, mb)
+    for c in range(chains):
+      first = 40 * cache if c == 2 else 0
+      expected, mask = cs.stream_batches(20 + c, first, 2 * cache + 1, mb,
+                                         n, shuffle, in_epochs)
+      if mask is not None:
+        expected = np.where(mask, expected, -1)
+      np.testing.assert_array_equal(got[c], expected, err_msg=repr(loader))
+    release_fn()
+
+
+def test_a_refresh_of_many_chains_reads_once():
+  """The chunks of 16 vmapped chains come from one batched read of the
+  source, and their next chunks from one more per step ahead."""
+  source = _Virtual(10_000)
+  loader = jax_data.SourceDataLoader(source, workers=0)
+  pipeline = jax_data.random_reference_data(loader, 4, 8)
+  init_fn, batch_fn, release_fn = pipeline
+  stacked = jax.tree_util.tree_map(
+      lambda *s: jnp.stack(s),
+      *[init_fn(seed=c, shuffle=True, stream="counter") for c in range(16)])
+  step = jax.jit(jax.vmap(batch_fn)).lower(stacked).compile()
+  before = source.reads  # the loader probed the source
+  jax.block_until_ready(step(stacked))
+  assert pipeline.host.wait_idle()
+  # Chunk 0 of all chains, then chunks 1 and 2 ahead: 3 reads, not 48.
+  assert source.reads - before == 3, source.reads - before
+  release_fn()
+
+
+def test_the_same_chain_twice_in_one_request():
+  """Two lanes of one chain at different chunks (a state used twice, once
+  advanced) are served, each its own chunk; nothing deadlocks."""
+  n, cache, mb = 500, 2, 4
+  loader = jax_data.NumpyDataLoader(x=np.arange(n))
+  pipeline = jax_data.random_reference_data(loader, cache, mb)
+  init_fn, batch_fn, release_fn = pipeline
+  state = init_fn(seed=3, shuffle=True, stream="counter")
+  later = jax_data.state_to_pytree(pipeline, state)
+  later["chunk"] = np.int32(7)
+  later = jax_data.state_from_pytree(pipeline, later)
+  stacked = jax.tree_util.tree_map(lambda *s: jnp.stack(s), state, later,
+                                   state)
+  _, batch = jax.jit(jax.vmap(batch_fn))(stacked)
+  x = np.asarray(batch["x"])
+  stream = cs.stream_batches(3, 0, 8 * cache, mb, n, True, False)[0]
+  np.testing.assert_array_equal(x[0], stream[0])
+  np.testing.assert_array_equal(x[1], stream[7 * cache])
+  np.testing.assert_array_equal(x[2], stream[0])
+  release_fn()
+
+
+def test_a_failing_record_fails_the_request_and_is_retried():
+  """A record that cannot be read fails the refresh of all chains read
+  with it, naming the record; once readable, the same request succeeds
+  with the chains' exact streams."""
+  n, cache, mb, chains = 50, 2, 5, 4
+  source = _Virtual(n)
+  loader = jax_data.SourceDataLoader(source, workers=0)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      loader, cache, mb)
+  stacked = jax.tree_util.tree_map(
+      lambda *s: jnp.stack(s),
+      *[init_fn(seed=c, shuffle=True, stream="counter")
+        for c in range(chains)])
+  source.fail_at = int(cs.stream_batches(1, 0, 1, mb, n, True,
+                                         False)[0][0, 0])
+  step = jax.jit(jax.vmap(batch_fn))
+  with pytest.raises(Exception, match=f"record {source.fail_at}"):
+    jax.block_until_ready(step(stacked))
+  source.fail_at = None
+  _, batch = step(stacked)
+  for c in range(chains):
+    np.testing.assert_array_equal(
+        np.asarray(batch["x"])[c],
+        cs.stream_batches(c, 0, 1, mb, n, True, False)[0][0])
+  release_fn()
+
+
+def test_release_while_a_group_is_read():
+  """Releasing the pipeline while a group of chains is being read ends
+  the waiting request with PipelineReleasedError, not a hang."""
+  started, go_on = threading.Event(), threading.Event()
+
+  class Slow(_Virtual):
+    def __getitems__(self, indices):
+      started.set()
+      go_on.wait(10)
+      return super().__getitems__(indices)
+
+  loader = jax_data.SourceDataLoader(Slow(100), workers=0)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      loader, 2, 4)
+  stacked = jax.tree_util.tree_map(
+      lambda *s: jnp.stack(s),
+      *[init_fn(seed=c, shuffle=True, stream="counter") for c in range(4)])
+  step = jax.jit(jax.vmap(batch_fn))
+  errors = []
+
+  def run():
+    try:
+      jax.block_until_ready(step(stacked))
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  thread = threading.Thread(target=run)
+  thread.start()
+  assert started.wait(30)
+  release_fn()
+  go_on.set()
+  thread.join(30)
+  assert not thread.is_alive()
+  assert errors and "released" in str(errors[0])
