@@ -29,6 +29,7 @@ integers, which only the host has.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 from typing import Tuple
@@ -155,6 +156,42 @@ def _feistel(left: Any, right: Any, keys: list, bits: int, xp: Any
   return left, right
 
 
+# The most values of a half (2**(bits - bits // 2)) for which the host
+# tabulates the round functions of an epoch (see _round_tables).
+_TABLE_MAX = 1 << 12
+
+
+def _round_tables(keys: list, bits: int) -> list:
+  """The round functions of :func:`_feistel` for one epoch's keys as
+  tables over every value of the half they read: a half-round is then one
+  lookup and one XOR instead of eleven NumPy calls. The same values, for
+  halves of at most 12 bits (``n`` up to ``2**24``), where the tables are
+  small next to a chunk's indices."""
+  low = bits - bits // 2
+  words = np.asarray(keys, np.uint32)[:, None]
+  # Even half-rounds read the right half and write the left; odd ones the
+  # other way round. All rounds of a kind in one (rounds, values) array.
+  even = _mix(np.arange(1 << low, dtype=np.uint32) ^ words[0::2], np) & (
+      np.uint32((1 << (bits // 2)) - 1))
+  odd = _mix(np.arange(1 << (bits // 2), dtype=np.uint32) ^ words[1::2],
+             np) & np.uint32((1 << low) - 1)
+  return [(even if r % 2 == 0 else odd)[r // 2] for r in range(len(keys))]
+
+
+def _feistel_tables(left: np.ndarray, right: np.ndarray, keys: list,
+                    tables: list) -> Tuple[np.ndarray, np.ndarray]:
+  """:func:`_feistel` through :func:`_round_tables` (``keys`` unused: the
+  tables hold them)."""
+  del keys
+  left, right = left.copy(), right.copy()
+  for r, table in enumerate(tables):
+    if r % 2 == 0:
+      np.bitwise_xor(left, table.take(right), out=left)
+    else:
+      np.bitwise_xor(right, table.take(left), out=right)
+  return left, right
+
+
 def _split(values: Any, bits: int, xp: Any) -> Tuple[Any, Any]:
   low = bits - bits // 2
   if xp is np:
@@ -230,7 +267,13 @@ def permute_keyed(keys: list, offsets: np.ndarray, n: int, bits: int
   :func:`round_keys` of one epoch as Python ints, or arrays with one key
   per offset; ``bits``: ``domain_bits(n)``."""
   left, right = _split(offsets, bits, np)
-  left, right = _feistel(left, right, keys, bits, np)
+  low = bits - bits // 2
+  if not np.ndim(keys[0]) and offsets.size >= (1 << low) <= _TABLE_MAX:
+    network = functools.partial(_feistel_tables, tables=_round_tables(
+        keys, bits))
+  else:
+    network = functools.partial(_feistel, bits=bits, xp=np)
+  left, right = network(left, right, keys=keys)
   values = _join(left, right, bits, np)
   outside = np.flatnonzero(values >= n)
   while outside.size:
@@ -238,7 +281,7 @@ def permute_keyed(keys: list, offsets: np.ndarray, n: int, bits: int
     # [0, 2**b) again; each lands inside with probability n / 2**b, above
     # 1/2 for n of 3 or more.
     some = [k[outside] if np.ndim(k) else k for k in keys]
-    l2, r2 = _feistel(left[outside], right[outside], some, bits, np)
+    l2, r2 = network(left[outside], right[outside], keys=some)
     left[outside], right[outside] = l2, r2
     again = _join(l2, r2, bits, np)
     values[outside] = again

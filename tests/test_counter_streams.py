@@ -385,3 +385,24 @@ def test_the_device_loader_draws_the_host_loaders_stream(mode, tmp_path):
         np.where(expected_info.mask, expected["x"], 0))
   with pytest.raises(ValueError, match="stream='counter'"):
     init_fn(seed=5, shuffle=True)
+
+
+@pytest.mark.parametrize("n", [3, 5, 17, 1000, 4097, 65_537, 10**6,
+                               2**24, 2**24 + 1])
+def test_tabulated_rounds_give_the_same_permutation(n):
+  """The host tabulates an epoch's round functions when a chunk has more
+  indices than a half has values (n up to 2**24): the same indices as the
+  network computed index by index (keys given per index), and as the
+  device."""
+  bits = cs.domain_bits(n)
+  keys = cs.round_keys_int(7, 3)
+  offsets = np.random.default_rng(n).integers(0, n, 20_000)
+  tabulated = cs.permute_keyed(keys, offsets, n, bits)
+  with np.errstate(over="ignore"):
+    direct = cs.permute_keyed(
+        [np.full(offsets.size, k, np.uint32) for k in keys], offsets, n, bits)
+  np.testing.assert_array_equal(tabulated, direct)
+  if n < 2**32:
+    device = jax.jit(lambda o: cs.permute(7, 3, o, n, jnp))(
+        jnp.asarray(offsets, jnp.uint32))
+    np.testing.assert_array_equal(np.asarray(device), tabulated)
