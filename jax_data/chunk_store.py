@@ -96,6 +96,7 @@ class ChainRecord:
   pruned_size: int = 0
   devices: int = 1
   closed: bool = False
+  keep: int = 2
 
 
 class ChainStore:
@@ -109,7 +110,9 @@ class ChainStore:
       (full-data passes); None for random chains.
     verify_calls: Warn when a chunk is produced again because a request
       came for one no longer stored (a state used twice).
-    keep: Served chunks kept per chain besides the ``ahead`` produced ahead.
+    keep: Served chunks kept per chain besides the ``ahead`` produced ahead
+      (none for chains whose cursors reach any chunk directly, counter-based
+      streams: a chunk asked for again is produced again, as cheaply).
       Chunks still awaited by some of ``device_count`` devices are kept too,
       up to ``keep + ahead + 2 * device_count`` (at most ``max_stored``; the
       limits are the loader's :class:`~jax_data.host_loader.StoreLimits`).
@@ -174,8 +177,9 @@ class ChainStore:
       except BaseException:
         cursor.close()
         raise
+    direct = cursor.position_at(index + 1) is not None
     record = ChainRecord(number, spec, cursor, {index: cursor.position()},
-                         index)
+                         index, keep=0 if direct else self._keep)
     with self._lock:
       self._records[number] = record
     return record
@@ -263,6 +267,15 @@ class ChainStore:
     served ones kept and those produced ahead)."""
     self._lanes = max(self._lanes, lanes)
 
+  def ahead(self) -> int:
+    """Chunks produced ahead of each chain's requests: ``store_limits.
+    ahead``, or fewer (at least one) where that many chunks for every lane
+    of the largest request would pass ``store_bytes`` (1,024 vmapped
+    chains, each chunk a large cache)."""
+    limits = self._limits
+    step = self._lanes * self.layout.nbytes
+    return max(1, min(limits.ahead, limits.store_bytes // max(step, 1)))
+
   def _store(self, record: ChainRecord, index: int, entry: Entry) -> None:
     """Stores an entry, then drops chunks beyond the bounds (with ``_lock``
     held)."""
@@ -276,14 +289,14 @@ class ChainStore:
     del self._stored[(record.number, index)]
 
   def _evict(self, record: ChainRecord) -> None:
-    """Drops a chain's served chunks beyond ``keep + ahead`` (with ``_lock``
-    held). Chunks that some device has yet to take stay, up to the hard
-    cap."""
+    """Drops a chain's served chunks beyond its ``keep`` plus
+    :meth:`ahead` (with ``_lock`` held). Chunks that some device has yet to
+    take stay, up to the hard cap."""
     limits = self._limits
-    cap = min(limits.max_stored,
-              self._keep + limits.ahead + 2 * record.devices)
+    kept = record.keep + self.ahead()
+    cap = min(limits.max_stored, kept + 2 * record.devices)
     chunks = record.chunks
-    while len(chunks) > self._keep + self._limits.ahead:
+    while len(chunks) > kept:
       oldest, served, newest = None, None, next(reversed(chunks))
       for i, entry in chunks.items():  # oldest first
         if i == newest:

@@ -197,11 +197,12 @@ class Host:
     ``device_count`` requests are expected for each chunk (one per device
     of a replicated state); it is kept until they all came, within a cap.
 
-    The production of the next ``store_limits.ahead`` chunks of every
-    chain starts now, together, or, if ``defer`` is a list and the chunks
-    were ready when asked for (the device, not the host, sets the pace) or
-    are several, is appended to ``defer`` for the caller to start once it
-    has copied the chunks, so that the copy does not compete with it.
+    The production of the next chunks of every chain
+    (:meth:`ChainStore.ahead`) starts now, together, or, if ``defer`` is a
+    list and the chunks were ready when asked for (the device, not the
+    host, sets the pace) or are several, is appended to ``defer`` for the
+    caller to start once it has copied the chunks, so that the copy does
+    not compete with it.
 
     Raises:
       HostLoaderError: the loader failed (the first failure in lane
@@ -248,7 +249,7 @@ class Host:
 
   def schedule_next(self, served: Sequence[Tuple[ChainRecord, int]]
                     ) -> None:
-    """Starts producing the ``store_limits.ahead`` chunks after each served
+    """Starts producing the :meth:`ChainStore.ahead` chunks after each served
     ``(chain, index)`` in the background (those not stored yet): one job
     per step ahead, which produces that chunk of every chain together."""
     prefetcher = self._prefetcher
@@ -256,7 +257,7 @@ class Host:
       return
     store = self._store
     following = list(served)
-    for _ in range(self._limits.ahead):
+    for _ in range(store.ahead()):
       following = [(record, store.following(index))
                    for record, index in following]
       jobs = []

@@ -74,7 +74,8 @@ class StoreLimits:
       the thread then goes on producing while the device copies and
       computes, and where producing a chunk takes about as long as the
       device takes to use one (random rows of a large array), requests do
-      not wait on every chunk.
+      not wait on every chunk. Fewer, at least one, where this many for
+      every vmapped chain of a request would pass ``store_bytes``.
     max_replay: The most chunks a request may make a chain replay from a
       snapshot: a state far beyond anything its chain produced (a crafted
       checkpoint) is refused rather than replayed for hours. Snapshots thin
