@@ -9,7 +9,7 @@ Usage (from the repository root)::
   python benchmarks/run.py --smoke --only sgld full
 
 Cases: ``sgld`` (a), ``mlp`` (b), ``full`` (c), ``tf`` (d), ``sources`` (e),
-``streams`` (f) and ``memmap``
+``streams`` (f), ``chains`` (g) and ``memmap``
 (out-of-core; the full run writes 4 GiB of memmap files to the temporary
 directory, ``TMPDIR``, and deletes them afterwards). The script prints
 every case's table as it finishes, then the acceptance targets and the
@@ -30,6 +30,7 @@ from collections.abc import Sequence
 # Quiet TensorFlow's C++ logging (read when TensorFlow is imported).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import chains
 import full_pass
 import mlp
 import out_of_core
@@ -52,6 +53,7 @@ CASES = {
     "sources": sources,
     "memmap": out_of_core,
     "streams": streams,
+    "chains": chains,
 }
 
 

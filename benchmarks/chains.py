@@ -1,0 +1,324 @@
+"""Case (g): many vmapped chains, SGLD for Bayesian logistic regression.
+
+C chains of the same sampler as case (a) in one jitted ``jax.vmap``, each
+call a ``lax.scan`` of ``steps`` steps:
+
+* compute only: every chain reuses one fixed batch (no data access);
+* device-resident: the data on the device, each chain's indices drawn with
+  ``jax.random.randint`` and gathered inside the scan;
+* jax_data: ``jax.vmap`` of ``jax_data.scan`` over the stacked states of
+  ``init_fn(seed=c)`` (independent draws, the default stream at these
+  sizes), and with ``stream="counter"``, whose chains a refresh draws and
+  reads together;
+* gather floor: NumPy gathering the rows of one refresh (C x cache x mb
+  rows of x and y) into reused buffers, split over the usable cores, per
+  step (a refresh serves ``cache`` steps).
+
+Each row runs in a fresh child process; the contenders of a row are timed
+round-robin. Peak RSS is measured in another child for jax_data alone: the
+peak resident set (``VmHWM``, reset when the chains are made) above the
+resident set before, against the bytes of the device caches.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+from common import Section
+from common import Target
+from common import Timing
+from common import format_bytes
+from common import format_count
+from common import format_ratio
+from common import format_timing
+
+COMPUTE = "compute only"
+DEVICE = "device-resident"
+JAX_DATA = "jax_data"
+COUNTER = "jax_data counter"
+FLOOR = "gather floor"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Sizes of case (g): (N, chains) per row."""
+  rows: tuple[tuple[int, int], ...]
+  features: int = 32
+  mb: int = 64
+  cache: int = 100
+  steps: int = 2_000
+
+
+FULL = Config(rows=tuple((n, c) for n in (100_000, 1_000_000)
+                         for c in (1, 16, 256, 1024)))
+SMOKE = Config(rows=((10_000, 1), (10_000, 8)), cache=10, steps=100)
+
+
+def run(config: Config, repeats: int) -> Section:
+  """Measures every row in its own child processes."""
+  results = []
+  for n, chains in config.rows:
+    request = {"n": n, "chains": chains, "repeats": repeats,
+               **dataclasses.asdict(config)}
+    del request["rows"]
+    timing = _child_run({**request, "what": "time"})
+    memory = _child_run({**request, "what": "memory"})
+    print(f"  N={format_count(n)}, {chains} chains: " + ", ".join(
+        f"{k} {v['median'] * 1e6:.1f} us" for k, v in timing.items())
+          + f"; peak RSS +{format_bytes(memory['peak'])}", flush=True)
+    results.append((n, chains, timing, memory))
+  return _section(config, results)
+
+
+def _child_run(request: dict[str, Any]) -> dict[str, Any]:
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  done = subprocess.run(
+      [sys.executable, os.path.abspath(__file__), "--child",
+       json.dumps(request)], capture_output=True, text=True, check=False,
+      env=env)
+  if done.returncode != 0:
+    raise RuntimeError(f"chains child process failed ({done.returncode}):\n"
+                       f"{done.stderr[-4000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _ratio(timing: dict[str, Any], a: str, b: str) -> float:
+  """Median of the per-repeat ratios a / b."""
+  return float(np.median(np.asarray(timing[a]["samples"])
+                         / np.asarray(timing[b]["samples"])))
+
+
+def _section(config: Config, results: list) -> Section:
+  rows, device_ok, compute_ok, memory_ok, bests = [], [], [], [], []
+  for n, chains, timing, memory in results:
+    timings = {k: Timing(tuple(v["samples"]), 1) for k, v in timing.items()}
+    floor = timing[COMPUTE]["median"] + timing[FLOOR]["median"]
+    best = min(_ratio(timing, JAX_DATA, COMPUTE),
+               _ratio(timing, COUNTER, COMPUTE))
+    fastest = min(timing[JAX_DATA]["median"], timing[COUNTER]["median"])
+    to_device = min(_ratio(timing, JAX_DATA, DEVICE),
+                    _ratio(timing, COUNTER, DEVICE))
+    rows.append([
+        format_count(n), str(chains),
+        *(format_timing(timings[k], "us")
+          for k in (COMPUTE, DEVICE, JAX_DATA, COUNTER, FLOOR)),
+        format_ratio(_ratio(timing, JAX_DATA, COMPUTE)),
+        format_ratio(_ratio(timing, COUNTER, COMPUTE)),
+        format_ratio(to_device), format_ratio(fastest / floor),
+        format_bytes(memory["peak"]), format_bytes(memory["caches"])])
+    bests.append(f"{chains}: {format_ratio(best)}")
+    device_ok.append(to_device <= 0.8)
+    limit = 2.0 if chains <= 16 else 4.0
+    floor_bound = timing[FLOOR]["median"] > timing[COMPUTE]["median"]
+    compute_ok.append(best <= limit or (floor_bound
+                                        and fastest / floor <= 1.3))
+    memory_ok.append(memory["peak"] <= 2 * memory["caches"] + (256 << 20))
+  full = config is FULL
+  return Section(
+      key="chains",
+      title="(g) Many vmapped chains: SGLD, logistic regression",
+      description=(
+          f"C chains of case (a)'s SGLD sampler (D={config.features}, "
+          f"mb={config.mb}, cache={config.cache}) in one jitted jax.vmap, "
+          f"{config.steps:,} steps per call; times per step of all C "
+          "chains, medians over the repeats. 'jax_data' is "
+          "init_fn(seed=c) (independent draws, the exact stream at these "
+          "sizes), 'jax_data counter' the same with stream='counter'; "
+          "'gather floor' is NumPy gathering one refresh's rows into "
+          "reused buffers over the usable cores, per step. Peak RSS: "
+          "jax_data with counter streams in a fresh process, VmHWM above "
+          "the resident set before the chains were made; caches: the "
+          "device caches' bytes (C x cache x mb observations and masks)."),
+      headers=["N", "C", COMPUTE, DEVICE, JAX_DATA, COUNTER, FLOOR,
+               "jax_data / compute", "counter / compute",
+               "best / device", "best / (compute + floor)", "peak RSS",
+               "device caches"],
+      rows=rows,
+      targets=[
+          Target("(g) jax_data / device-resident, every C", "<= 0.8x",
+                 ", ".join(r[9] for r in rows),
+                 all(device_ok) if full else None),
+          Target("(g) jax_data / compute only (C <= 16 / C = 1,024), or "
+                 "within 1.3x of compute + gather floor", "<= 2x / <= 4x",
+                 ", ".join(bests),
+                 all(compute_ok) if full else None),
+          Target("(g) peak RSS above baseline", "<= 2 x caches + 256 MiB",
+                 ", ".join(r[11] for r in rows),
+                 all(memory_ok) if full else None),
+      ])
+
+
+# -- child process -------------------------------------------------------
+
+
+def _rss(field: str = "VmRSS") -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1]) * 1024
+  return 0
+
+
+def _samplers(request: dict[str, Any], data: dict[str, np.ndarray]):
+  import jax
+  import jax.numpy as jnp
+  from models import device_batch_fn
+  from models import sgld_update
+
+  n, chains, steps = request["n"], request["chains"], request["steps"]
+  step_size = 1e-5
+
+  def vmapped(run_one):
+    return jax.jit(jax.vmap(run_one))
+
+  def scan_fixed(theta, batch, key):
+    def step(carry, _):
+      theta, key = carry
+      return sgld_update(theta, key, batch, n, step_size), None
+    (theta, key), _ = jax.lax.scan(step, (theta, key), None, length=steps)
+    return theta, batch, key
+
+  arrays = {k: jnp.asarray(v) for k, v in data.items()}
+  device_fn = device_batch_fn(arrays, request["mb"])
+
+  def scan_device(theta, data_key, key):
+    def step(carry, _):
+      theta, data_key, key = carry
+      data_key, batch = device_fn(data_key)
+      theta, key = sgld_update(theta, key, batch, n, step_size)
+      return (theta, data_key, key), None
+    carry, _ = jax.lax.scan(step, (theta, data_key, key), None, length=steps)
+    return carry
+
+  theta = jnp.zeros((chains, request["features"]), jnp.float32)
+  keys = jax.random.split(jax.random.key(0), chains)
+  fixed = {k: jnp.broadcast_to(v[:request["mb"]], (chains,) + v[
+      :request["mb"]].shape) for k, v in arrays.items()}
+  return {
+      COMPUTE: (vmapped(scan_fixed), (theta, fixed, keys)),
+      DEVICE: (vmapped(scan_device),
+               (theta, jax.random.split(jax.random.key(1), chains), keys)),
+  }, theta, keys, step_size
+
+
+def _jax_data(request, data, theta, keys, step_size, stream):
+  import jax
+  import jax.numpy as jnp
+  from models import sgld_update
+
+  import jax_data
+
+  n = request["n"]
+  loader = jax_data.NumpyDataLoader(**data)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      loader, request["cache"], request["mb"])
+
+  def step(carry, batch):
+    theta, key = carry
+    return sgld_update(theta, key, batch, n, step_size), None
+
+  def one(theta, state, key):
+    ((theta, key), state), _ = jax_data.scan(
+        step, (theta, key), state, batch_fn=batch_fn,
+        length=request["steps"])
+    return theta, state, key
+
+  states = jax.tree_util.tree_map(
+      lambda *s: jnp.stack(s),
+      *[init_fn(seed=c, stream=stream) for c in range(request["chains"])])
+  return jax.jit(jax.vmap(one)), (theta, states, keys), release_fn
+
+
+def _floor(request, data):
+  """Seconds per step of gathering a refresh's rows into reused buffers."""
+  import time
+
+  rows = request["chains"] * request["cache"] * request["mb"]
+  rng = np.random.default_rng(0)
+  indices = rng.integers(0, request["n"], rows)
+  outs = {k: np.empty((rows,) + v.shape[1:], v.dtype)
+          for k, v in data.items()}
+  cores = max(1, len(os.sched_getaffinity(0)))
+  parts = np.array_split(np.arange(rows), min(cores, max(1, rows // 8192)))
+  pool = concurrent.futures.ThreadPoolExecutor(cores)
+
+  def gather(part):
+    for k, v in data.items():
+      np.take(v, indices[part[0]:part[-1] + 1], axis=0,
+              out=outs[k][part[0]:part[-1] + 1])
+
+  def once():
+    list(pool.map(gather, parts))
+
+  once()
+  best = []
+  for _ in range(5):
+    start = time.perf_counter()
+    once()
+    best.append(time.perf_counter() - start)
+  pool.shutdown()
+  return float(np.median(best)) / request["cache"]
+
+
+def child(request: dict[str, Any]) -> dict[str, Any]:
+  import jax
+  from common import settle
+  from models import logistic_data
+
+  data = logistic_data(request["n"], request["features"])
+  if request["what"] == "memory":
+    import jax.numpy as jnp
+    theta = jnp.zeros((request["chains"], request["features"]))
+    keys = jax.random.split(jax.random.key(0), request["chains"])
+    jax.block_until_ready(theta)
+    before = _rss()
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")  # resets VmHWM to the current resident set
+    run_fn, carry, release_fn = _jax_data(request, data, theta, keys, 1e-5,
+                                          "counter")
+    for _ in range(3):
+      carry = jax.block_until_ready(run_fn(*carry))
+    peak = _rss("VmHWM") - before
+    release_fn()
+    caches = request["chains"] * request["cache"] * request["mb"] * (
+        4 * (request["features"] + 1) + 1)
+    return {"peak": peak, "caches": caches}
+  import time
+
+  contenders, theta, keys, step_size = _samplers(request, data)
+  releases = []
+  for name, stream in ((JAX_DATA, "auto"), (COUNTER, "counter")):
+    run_fn, carry, release_fn = _jax_data(request, data, theta, keys,
+                                          step_size, stream)
+    contenders[name] = (run_fn, carry)
+    releases.append(release_fn)
+  carries = {}
+  for name, (run_fn, carry) in contenders.items():
+    carries[name] = jax.block_until_ready(run_fn(*carry))  # compile
+  samples = {name: [] for name in contenders}
+  for _ in range(request["repeats"]):
+    for name, (run_fn, _) in contenders.items():
+      settle()
+      start = time.perf_counter()
+      carries[name] = jax.block_until_ready(run_fn(*carries[name]))
+      samples[name].append((time.perf_counter() - start) / request["steps"])
+  floor = _floor(request, data)
+  samples[FLOOR] = [floor] * request["repeats"]
+  for release_fn in releases:
+    release_fn()
+  return {name: {"samples": s, "median": float(np.median(s))}
+          for name, s in samples.items()}
+
+
+if __name__ == "__main__":
+  if len(sys.argv) == 3 and sys.argv[1] == "--child":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    print(json.dumps(child(json.loads(sys.argv[2]))))
