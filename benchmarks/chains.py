@@ -26,7 +26,6 @@ import concurrent.futures
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -38,6 +37,7 @@ from common import format_bytes
 from common import format_count
 from common import format_ratio
 from common import format_timing
+from common import run_child
 
 COMPUTE = "compute only"
 DEVICE = "device-resident"
@@ -58,7 +58,7 @@ class Config:
 
 FULL = Config(rows=tuple((n, c) for n in (100_000, 1_000_000)
                          for c in (1, 16, 256, 1024)))
-SMOKE = Config(rows=((10_000, 1), (10_000, 8)), cache=10, steps=100)
+SMOKE = Config(rows=((10_000, 4),), cache=10, steps=100)
 
 
 def run(config: Config, repeats: int) -> Section:
@@ -78,16 +78,7 @@ def run(config: Config, repeats: int) -> Section:
 
 
 def _child_run(request: dict[str, Any]) -> dict[str, Any]:
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  done = subprocess.run(
-      [sys.executable, os.path.abspath(__file__), "--child",
-       json.dumps(request)], capture_output=True, text=True, check=False,
-      env=env)
-  if done.returncode != 0:
-    raise RuntimeError(f"chains child process failed ({done.returncode}):\n"
-                       f"{done.stderr[-4000:]}")
-  return json.loads(done.stdout.strip().splitlines()[-1])
+  return run_child(os.path.abspath(__file__), "--child", request)
 
 
 def _ratio(timing: dict[str, Any], a: str, b: str) -> float:

@@ -16,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -154,6 +156,34 @@ def timed(fn: Callable[[], None]) -> float:
   start = time.perf_counter()
   fn()
   return time.perf_counter() - start
+
+
+def run_child(script: str, flag: str, request: dict,
+              one_device: bool = True) -> dict:
+  """Runs ``script flag <request as JSON>`` in a fresh Python process (a
+  measurement of memory, or of a first call, that nothing before may
+  disturb) and returns the JSON object on the last line it printed.
+
+  Args:
+    script: The benchmark file, which handles ``flag``.
+    flag: Its command-line switch, e.g. ``"--child"``.
+    request: What to measure, passed as JSON.
+    one_device: Drop ``XLA_FLAGS`` (the tests' several virtual devices):
+      the benchmarks measure one device.
+
+  Raises:
+    RuntimeError: the process failed; the message ends with its stderr.
+  """
+  env = dict(os.environ)
+  if one_device:
+    env.pop("XLA_FLAGS", None)
+  done = subprocess.run([sys.executable, script, flag, json.dumps(request)],
+                        capture_output=True, text=True, check=False, env=env)
+  if done.returncode != 0:
+    raise RuntimeError(
+        f"{os.path.basename(script)} {flag} failed ({done.returncode}):\n"
+        f"{done.stderr[-4000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # -- reporting -----------------------------------------------------------

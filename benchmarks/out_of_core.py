@@ -29,7 +29,6 @@ import functools
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,6 +43,7 @@ from common import Target
 from common import format_bytes
 from common import format_count
 from common import memory_row
+from common import run_child
 
 _STATUS_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
 
@@ -140,14 +140,8 @@ def run(config: Config, repeats: int) -> Section:
 
 def _in_child(mode: str, request: dict[str, Any]) -> dict[str, Any]:
   """Runs this file's ``mode`` in a fresh process; its JSON result."""
-  completed = subprocess.run(
-      [sys.executable, os.path.abspath(__file__), mode, json.dumps(request)],
-      capture_output=True, text=True, check=False)
-  if completed.returncode != 0:
-    raise RuntimeError(
-        f"out-of-core child process {mode} failed ({completed.returncode}):"
-        f"\n{completed.stderr[-4000:]}")
-  return json.loads(completed.stdout.strip().splitlines()[-1])
+  return run_child(os.path.abspath(__file__), mode, request,
+                   one_device=False)
 
 
 def _speed_tables(config: Config, speed: dict[str, Any]

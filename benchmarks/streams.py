@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -32,6 +31,7 @@ from common import Section
 from common import Target
 from common import format_bytes
 from common import format_count
+from common import run_child
 
 RECORD_BYTES = 16  # 4 float32
 CACHE, MB = 10, 64
@@ -73,17 +73,7 @@ def run(config: Config, repeats: int) -> Section:
 
 
 def _child_run(request: dict[str, Any]) -> dict[str, Any]:
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  completed = subprocess.run(
-      [sys.executable, os.path.abspath(__file__), "--child",
-       json.dumps(request)], capture_output=True, text=True, check=False,
-      env=env)
-  if completed.returncode != 0:
-    raise RuntimeError(
-        f"streams child process failed ({completed.returncode}):\n"
-        f"{completed.stderr[-4000:]}")
-  return json.loads(completed.stdout.strip().splitlines()[-1])
+  return run_child(os.path.abspath(__file__), "--child", request)
 
 
 def _section(config: Config, results: list, seek: dict[str, Any]
