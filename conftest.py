@@ -44,28 +44,3 @@ def pipelines(request):
       random_reference_data=bind(jax_data.random_reference_data),
       full_reference_data=bind(jax_data.full_reference_data),
       full_data_mapper=bind(jax_data.full_data_mapper))
-
-
-# Interpreter exit after the session. Once in two fresh-clone CI runs (a
-# session of 2026-11-25), after every test had passed, the interpreter's
-# exit hung: CPython 3.11's ProcessPoolExecutor manager thread of a broken
-# worker pool (the worker-process fault tests) looped in shutdown_workers,
-# its dead worker never reported as dead, and concurrent.futures' exit hook
-# waited for it forever. Until that is understood, the test process ends
-# with pytest's own status once pytest has printed its summary, instead of
-# waiting on threads that no test depends on.
-_EXIT_STATUS = []
-
-
-def pytest_sessionfinish(session, exitstatus):
-  del session
-  _EXIT_STATUS.append(int(exitstatus))
-
-
-def pytest_unconfigure(config):
-  del config
-  if _EXIT_STATUS and os.environ.get("CI"):
-    import sys
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(_EXIT_STATUS[-1])

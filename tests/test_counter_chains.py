@@ -193,12 +193,13 @@ def test_a_failing_record_fails_the_request_and_is_retried():
 def test_release_while_a_group_is_read():
   """Releasing the pipeline while a group of chains is being read ends
   the waiting request with PipelineReleasedError, not a hang."""
-  started, go_on = threading.Event(), threading.Event()
+  armed, started, go_on = (threading.Event() for _ in range(3))
 
   class Slow(_Virtual):
     def __getitems__(self, indices):
-      started.set()
-      go_on.wait(10)
+      if armed.is_set():  # not the reads of the loader's set-up
+        started.set()
+        go_on.wait(10)
       return super().__getitems__(indices)
 
   loader = jax_data.SourceDataLoader(Slow(100), workers=0)
@@ -209,6 +210,7 @@ def test_release_while_a_group_is_read():
       *[init_fn(seed=c, shuffle=True, stream="counter") for c in range(4)])
   step = jax.jit(jax.vmap(batch_fn))
   errors = []
+  armed.set()
 
   def run():
     try:
