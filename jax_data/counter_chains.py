@@ -1,18 +1,29 @@
-"""The counter-based batches of many chains in one vectorised draw.
+"""Counter-based batches drawn on the host, for one chain or many at once.
 
-A refresh of ``C`` vmapped chains asks for a chunk of every chain at once.
-Drawn chain by chain (:func:`jax_data.counter_streams.stream_batches`),
-each chunk costs about a hundred NumPy calls on a few hundred indices, so
-the calls' overhead, not the arithmetic, sets the pace, and 1,024 chains
-pay it 1,024 times. :func:`chain_batches` draws the same indices, bit for
-bit, for all chains in one pass: the same NumPy calls on ``C`` times as
-many indices, the round keys of each (chain, epoch) hashed once.
+:mod:`jax_data.counter_streams` defines the streams: a batch's indices as a
+pure function of (seed, position), for any positions, on the host and on
+the device. This module draws what a host cursor asks for, the same values
+bit for bit, faster:
+
+* a refresh of ``C`` vmapped chains asks for a chunk of every chain at
+  once. Drawn chain by chain, each chunk costs about a hundred NumPy calls
+  on a few thousand indices, and 1,024 chains pay the calls' overhead 1,024
+  times. :func:`chain_batches` draws all chains in one pass: the same NumPy
+  calls on ``C`` times as many indices, the round keys of each (chain,
+  epoch) hashed once;
+* independent draws hash runs of consecutive positions: the words of the
+  seed are hashed once per chain, the positions' words are made from the
+  run's start without 64-bit arithmetic, and the hash is computed in place
+  on blocks that stay in the CPU's caches (:func:`uniform_runs`).
+
+:class:`CounterStream` is a chain's stream as a cursor holds it.
 
 Pure NumPy, on the host.
 """
 
 from __future__ import annotations
 
+from typing import Any
 from typing import Optional
 from typing import Sequence
 from typing import Tuple
@@ -20,11 +31,16 @@ from typing import Tuple
 import numpy as np
 
 from jax_data import counter_streams as cs
+from jax_data.sampling import random_mode
 
 # Indices permuted per pass: the temporaries of one pass (a few dozen
 # arrays of this many words) stay in the caches; 1,024 chunks of 640
 # indices took 0.75x the time of one pass over all of them.
 _BLOCK = 65_536
+# Words hashed in place per block of uniform_runs (two uint32 buffers of
+# this many words stay in the L2 cache).
+_HASH_BLOCK = 16_384
+_U32 = 0xFFFFFFFF
 
 
 def _words(values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -32,6 +48,116 @@ def _words(values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
   values = values.astype(np.uint64)
   return ((values & np.uint64(0xFFFFFFFF)).astype(np.uint32),
           (values >> np.uint64(32)).astype(np.uint32))
+
+
+def _prefix(tag: int, seed: int) -> int:
+  """The hash state after absorbing ``tag`` and the seed's two words
+  (``counter_streams._absorb``'s first three steps), as a Python int."""
+  h = cs.GOLDEN
+  for word in (tag, seed & _U32, seed >> 32):
+    h = cs.mix_int(((h ^ word) * cs.GOLDEN) & _U32)
+  return h
+
+
+def _absorb_into(x: np.ndarray, word: Any, tmp: np.ndarray) -> None:
+  """``x = mix((x ^ word) * GOLDEN)`` in place (``word``: a scalar or an
+  array that broadcasts to ``x``; 0 is skipped, XOR with it changes
+  nothing)."""
+  if not (np.ndim(word) == 0 and int(word) == 0):
+    np.bitwise_xor(x, word, out=x)
+  np.multiply(x, np.uint32(cs.GOLDEN), out=x)
+  np.right_shift(x, np.uint32(16), out=tmp)
+  np.bitwise_xor(x, tmp, out=x)
+  np.multiply(x, np.uint32(0x85EBCA6B), out=x)
+  np.right_shift(x, np.uint32(13), out=tmp)
+  np.bitwise_xor(x, tmp, out=x)
+  np.multiply(x, np.uint32(0xC2B2AE35), out=x)
+  np.right_shift(x, np.uint32(16), out=tmp)
+  np.bitwise_xor(x, tmp, out=x)
+
+
+def _remainder(x: np.ndarray, n: Any, out: np.ndarray) -> np.ndarray:
+  """``x % n`` into ``out`` for unsigned ``x`` and ``n``: NumPy divides by
+  a scalar through libdivide, about 8x faster than its remainder."""
+  np.floor_divide(x, n, out=out)
+  np.multiply(out, n, out=out)
+  return np.subtract(x, out, out=out)
+
+
+def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
+                 n: int) -> np.ndarray:
+  """``uniform(seeds[c], starts[c] + arange(length), n)`` for every ``c``
+  (:func:`jax_data.counter_streams.uniform`, the same values): shape
+  ``(C, length)``, int64. ``starts[c] + length`` must stay below
+  ``2**63``."""
+  seeds = [int(s) for s in seeds]
+  starts = [int(s) for s in starts]
+  chains = len(seeds)
+  out = np.empty((chains, length), np.int64)
+  if not chains or not length:
+    return out
+  wide = n > 2**32
+  span = 2**64 if wide else 2**32
+  limit = span - span % n
+  tags = (cs.TAG_UNIFORM_LO, cs.TAG_UNIFORM_HI) if wide else (
+      cs.TAG_UNIFORM_LO,)
+  prefixes = [np.asarray([_prefix(tag, s) for s in seeds], np.uint32)
+              for tag in tags]
+  lows = np.asarray([s & _U32 for s in starts], np.uint32)
+  highs = np.asarray([s >> 32 for s in starts], np.uint32)
+  # A run whose low words wrap past 2**32 changes its high word midway:
+  # those few chains take the general function.
+  crossing = [c for c, s in enumerate(starts)
+              if (s & _U32) + length > 2**32]
+  rows = max(1, min(chains, _HASH_BLOCK // length))
+  cols = min(length, _HASH_BLOCK)
+  x = np.empty((rows, cols), np.uint32)
+  tmp = np.empty_like(x)
+  count = np.arange(length, dtype=np.uint32)
+  redraw = False
+  with np.errstate(over="ignore"):
+    for c0 in range(0, chains, rows):
+      c1 = min(chains, c0 + rows)
+      for k0 in range(0, length, cols):
+        k1 = min(length, k0 + cols)
+        hashes = []
+        for prefix in prefixes:
+          h, t = x[:c1 - c0, :k1 - k0], tmp[:c1 - c0, :k1 - k0]
+          # The positions' low words, wrapping like uint32.
+          np.add(count[k0:k1], lows[c0:c1, None], out=h)
+          np.bitwise_xor(h, prefix[c0:c1, None], out=h)
+          # (prefix ^ low) then the mix: _absorb_into with the XOR done.
+          _absorb_into(h, 0, t)
+          high = highs[c0:c1, None]
+          _absorb_into(h, high if high.any() else 0, t)
+          _absorb_into(h, 0, t)  # attempt 0
+          hashes.append(h.copy() if wide else h)
+        if wide:
+          h = ((hashes[1].astype(np.uint64) << np.uint64(32))
+               | hashes[0].astype(np.uint64))
+          reduced, dtype = _remainder(h, np.uint64(n), np.empty_like(h)), (
+              np.uint64)
+        else:
+          h, dtype = hashes[0], np.uint32
+          reduced = h if n == span else _remainder(
+              h, np.uint32(n), tmp[:c1 - c0, :k1 - k0])
+        block = out[c0:c1, k0:k1]
+        block[...] = reduced
+        if limit < span:
+          # Marked, then drawn again below: rare (below n / 2**32 of them).
+          rejected = h >= dtype(limit)
+          if rejected.any():
+            block[rejected] = -1
+            redraw = True
+  if redraw:
+    chain, column = np.nonzero(out < 0)
+    if chain.size:
+      out[chain, column] = cs.uniform(
+          _words(np.asarray(seeds, np.uint64)[chain]),
+          np.asarray(starts, np.int64)[chain] + column, n)
+  for c in crossing:
+    out[c] = cs.uniform(seeds[c], starts[c] + np.arange(length), n)
+  return out
 
 
 def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
@@ -44,6 +170,10 @@ def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
   ``stream_batches(seeds[c], firsts[c], count, mb_size, n, shuffle,
   in_epochs, start)``.
   """
+  if shuffle and len(seeds) == 1:  # one chain: epoch by epoch, tabulated
+    indices, mask = cs.stream_batches(int(seeds[0]), int(firsts[0]), count,
+                                      mb_size, n, shuffle, in_epochs, start)
+    return indices[None], None if mask is None else mask[None]
   seeds = np.asarray([int(s) for s in seeds], np.uint64)
   firsts = np.asarray([int(f) for f in firsts], np.int64)
   chains = seeds.size
@@ -54,9 +184,8 @@ def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
       if shuffle:
         indices = _permute(seeds, positions // n, positions % n, n)
       else:
-        seed_lo, seed_hi = (np.repeat(w, positions.shape[1])
-                            for w in _words(seeds))
-        indices = cs.uniform((seed_lo, seed_hi), positions.reshape(-1), n)
+        indices = uniform_runs(seeds.tolist(), (firsts * mb_size).tolist(),
+                               count * mb_size, n)
       mask = None
     else:
       per_epoch = -(-n // mb_size)
@@ -94,3 +223,65 @@ def _permute(seeds: np.ndarray, epochs: np.ndarray, offsets: np.ndarray,
     values[part] = cs.permute_keyed([np.take(k, entry[part]) for k in table],
                                     offsets[part], n, bits)
   return values
+
+
+class CounterStream:
+  """Random mini-batch indices of a counter-based stream: batch ``j`` is a
+  pure function of (seed, ``j``), so the position is the batch count and
+  any position is reached at once. The interface of
+  :class:`jax_data.sampling.RandomStream`, in O(1) memory.
+  """
+
+  def __init__(self, observations: Any, mb_size: int, seed: int,
+               shuffle: bool, in_epochs: bool):
+    self.observations = observations
+    self.mb_size = mb_size
+    self.seed = seed
+    self.shuffle = shuffle
+    self.in_epochs = in_epochs
+    self._batch = 0
+
+  @property
+  def mode(self) -> str:
+    return random_mode(self.shuffle, self.in_epochs)
+
+  def get_state(self) -> dict:
+    return {"stream": "counter", "mode": self.mode, "seed": self.seed,
+            "batch": self._batch}
+
+  def set_state(self, state: dict) -> None:
+    if state.get("stream") != "counter":
+      raise ValueError(
+          "the position is one of an exact stream (stream='exact'), but "
+          "this chain draws a counter-based stream (stream='counter')")
+    if state.get("mode") != self.mode:
+      raise ValueError(
+          f"state is for a chain in mode {state.get('mode')!r}, but this "
+          f"chain is in mode {self.mode!r}")
+    self.seed = int(state["seed"])
+    self._batch = int(state["batch"])
+
+  def seek_batch(self, batch: int) -> None:
+    """Moves to batch ``batch`` of the stream."""
+    self._batch = batch
+
+  def trim(self) -> None:
+    """Nothing is kept."""
+
+  def held_bytes(self) -> int:
+    return 0
+
+  def advance(self, count: int) -> int:
+    """Moves past the next ``count`` batches; returns the first of them
+    (whose indices :func:`stream_batches` then gives)."""
+    first, self._batch = self._batch, self._batch + count
+    return first
+
+  def draw(self, count: int) -> Tuple[np.ndarray, Any]:
+    """Indices of the next ``count`` batches, and their mask (None when
+    every position is valid)."""
+    first = self.advance(count)
+    indices, mask = chain_batches(
+        [self.seed], [first], count, self.mb_size, self.observations.count,
+        self.shuffle, self.in_epochs, self.observations.start)
+    return indices[0], None if mask is None else mask[0]

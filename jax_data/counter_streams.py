@@ -36,8 +36,6 @@ from typing import Tuple
 
 import numpy as np
 
-from jax_data.sampling import random_mode
-
 #: Half-rounds of the Feistel network: each half is mixed into the other
 #: six times. Eight (four rounds of the classic network, Luby and
 #: Rackoff's bound for random round functions) fail the pair test of
@@ -45,11 +43,11 @@ from jax_data.sampling import random_mode
 ROUNDS = 12
 
 _U32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B9
+GOLDEN = 0x9E3779B9
 # Tags that keep the hashes of the two modes and of their words apart.
-_TAG_PERMUTE = 0x243F6A88
-_TAG_UNIFORM_LO = 0x85A308D3
-_TAG_UNIFORM_HI = 0x13198A2E
+TAG_PERMUTE = 0x243F6A88
+TAG_UNIFORM_LO = 0x85A308D3
+TAG_UNIFORM_HI = 0x13198A2E
 
 
 def domain_bits(n: int) -> int:
@@ -76,9 +74,9 @@ def _mix(x: Any, xp: Any) -> Any:
 def _absorb(words: Tuple[Any, ...], xp: Any) -> Any:
   """A 32-bit hash of several ``uint32`` words (arrays or scalars): each is
   XORed into the state and mixed."""
-  h = xp.uint32(_GOLDEN)
+  h = xp.uint32(GOLDEN)
   for word in words:
-    h = _mix((h ^ word) * xp.uint32(_GOLDEN), xp)
+    h = _mix((h ^ word) * xp.uint32(GOLDEN), xp)
   return h
 
 
@@ -113,11 +111,11 @@ def round_keys(seed: int, epoch: Any, xp: Any = np) -> list:
     epoch_hi = (epoch >> np.uint64(32)).astype(np.uint32)
   else:
     epoch_lo, epoch_hi = _u32(epoch, xp), _u32(0, xp)
-  base = (_u32(_TAG_PERMUTE, xp), seed_lo, seed_hi, epoch_lo, epoch_hi)
+  base = (_u32(TAG_PERMUTE, xp), seed_lo, seed_hi, epoch_lo, epoch_hi)
   return [_absorb(base + (_u32(r, xp),), xp) for r in range(ROUNDS)]
 
 
-def _mix_int(x: int) -> int:
+def mix_int(x: int) -> int:
   """:func:`_mix` of a Python int below ``2**32``: the same value, without
   NumPy's per-call cost (a key is 17 of them)."""
   x ^= x >> 16
@@ -130,10 +128,10 @@ def _mix_int(x: int) -> int:
 def round_keys_int(seed: int, epoch: int) -> list:
   """:func:`round_keys` of one epoch, as Python ints (the same values):
   the hash of the words they share is taken once."""
-  h = _GOLDEN
-  for word in (_TAG_PERMUTE, *_words(seed), *_words(epoch)):
-    h = _mix_int(((h ^ word) * _GOLDEN) & _U32)
-  return [_mix_int(((h ^ r) * _GOLDEN) & _U32) for r in range(ROUNDS)]
+  h = GOLDEN
+  for word in (TAG_PERMUTE, *_words(seed), *_words(epoch)):
+    h = mix_int(((h ^ word) * GOLDEN) & _U32)
+  return [mix_int(((h ^ r) * GOLDEN) & _U32) for r in range(ROUNDS)]
 
 
 # A chunk whose offsets fall in at most this many epochs is permuted epoch
@@ -331,10 +329,10 @@ def _uniform(seed: Any, positions: Any, n: int, xp: Any) -> Any:
     if some is not None:  # seeds are scalars, or arrays like the positions
       words = tuple(w if w.ndim == 0 else w[some] for w in words)
     words += (attempt,)
-    low = _absorb((_u32(_TAG_UNIFORM_LO, xp),) + words, xp)
+    low = _absorb((_u32(TAG_UNIFORM_LO, xp),) + words, xp)
     if not wide:
       return low
-    high = _absorb((_u32(_TAG_UNIFORM_HI, xp),) + words, xp)
+    high = _absorb((_u32(TAG_UNIFORM_HI, xp),) + words, xp)
     return (high.astype(np.uint64) << np.uint64(32)) | low.astype(np.uint64)
 
   if xp is np:
@@ -348,11 +346,14 @@ def _uniform(seed: Any, positions: Any, n: int, xp: Any) -> Any:
       again = draw(np.uint32(attempt), outside)
       hashes[outside] = again
       outside = outside[again >= dtype(limit)]
-    return (hashes % dtype(n)).astype(np.int64)
+    if n < span:  # n = 2**32 keeps the hash as it is
+      hashes = hashes % dtype(n)
+    return hashes.astype(np.int64)
   from jax import lax
 
-  if limit == span:
-    return draw(xp.uint32(0)) % xp.uint32(n)
+  if limit == span:  # n a power of two: no hash is rejected
+    hashes = draw(xp.uint32(0))
+    return hashes if n == span else hashes % xp.uint32(n)
 
   def step(carry):
     attempt, hashes = carry
@@ -371,67 +372,6 @@ def _check_device_size(n: int, bits: int, xp: Any) -> None:
     raise ValueError(
         f"counter streams on the device need at most 2**32 observations, "
         f"got n={n}")
-
-
-class CounterStream:
-  """Random mini-batch indices of a counter-based stream: batch ``j`` is a
-  pure function of (seed, ``j``), so the position is the batch count and
-  any position is reached at once. The interface of
-  :class:`jax_data.sampling.RandomStream`, in O(1) memory.
-  """
-
-  def __init__(self, observations: Any, mb_size: int, seed: int,
-               shuffle: bool, in_epochs: bool):
-    self.observations = observations
-    self.mb_size = mb_size
-    self.seed = seed
-    self.shuffle = shuffle
-    self.in_epochs = in_epochs
-    self._batch = 0
-
-  @property
-  def mode(self) -> str:
-    return random_mode(self.shuffle, self.in_epochs)
-
-  def get_state(self) -> dict:
-    return {"stream": "counter", "mode": self.mode, "seed": self.seed,
-            "batch": self._batch}
-
-  def set_state(self, state: dict) -> None:
-    if state.get("stream") != "counter":
-      raise ValueError(
-          "the position is one of an exact stream (stream='exact'), but "
-          "this chain draws a counter-based stream (stream='counter')")
-    if state.get("mode") != self.mode:
-      raise ValueError(
-          f"state is for a chain in mode {state.get('mode')!r}, but this "
-          f"chain is in mode {self.mode!r}")
-    self.seed = int(state["seed"])
-    self._batch = int(state["batch"])
-
-  def seek_batch(self, batch: int) -> None:
-    """Moves to batch ``batch`` of the stream."""
-    self._batch = batch
-
-  def trim(self) -> None:
-    """Nothing is kept."""
-
-  def held_bytes(self) -> int:
-    return 0
-
-  def advance(self, count: int) -> int:
-    """Moves past the next ``count`` batches; returns the first of them
-    (whose indices :func:`stream_batches` then gives)."""
-    first, self._batch = self._batch, self._batch + count
-    return first
-
-  def draw(self, count: int) -> Tuple[np.ndarray, Any]:
-    """Indices of the next ``count`` batches, and their mask (None when
-    every position is valid)."""
-    first = self.advance(count)
-    return stream_batches(self.seed, first, count, self.mb_size,
-                          self.observations.count, self.shuffle,
-                          self.in_epochs, self.observations.start)
 
 
 def stream_batches(seed: int, first: Any, count: int, mb_size: int, n: int,

@@ -25,8 +25,8 @@ from jax_data.chains import ChunkLayout
 from jax_data.chains import OrderedChain
 from jax_data.chains import Position
 from jax_data.chains import readable
+from jax_data.counter_chains import CounterStream
 from jax_data.counter_chains import chain_batches
-from jax_data.counter_streams import CounterStream
 from jax_data.sampling import OrderedStream
 from jax_data.sampling import RandomStream
 

@@ -12,6 +12,7 @@ import pytest
 import jax_data
 from jax_data import counter_streams as cs
 from jax_data.counter_chains import chain_batches
+from jax_data.counter_chains import uniform_runs
 
 MODES = [(False, False), (True, False), (True, True)]
 
@@ -36,6 +37,23 @@ def test_chain_batches_equal_each_chains_stream(n, shuffle, in_epochs):
         assert mask is None
       else:
         np.testing.assert_array_equal(mask[c], expected_mask)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 1000, 10**6, 2**31 + 1, 2**32,
+                               2**32 + 1, 10**12, 3 * 2**62])
+def test_uniform_runs_equal_the_streams_definition(n):
+  """The in-place hash of runs of positions is ``uniform``'s, bit for bit:
+  seeds up to 2**64 - 1; n whose hashes are rejected half the time
+  (2**31 + 1) or never (2**32, 3); runs whose positions' low words wrap
+  past 2**32; runs longer than a block."""
+  seeds = [0, 1, 5, 2**40 + 3, 2**64 - 1]
+  starts = [0, 37, 2**32 - 5, 10**15, 2**62]
+  for length in (1, 7, 6400, 40_000):
+    got = uniform_runs(seeds, starts, length, n)
+    assert got.shape == (5, length) and got.dtype == np.int64
+    for c in range(5):
+      np.testing.assert_array_equal(
+          got[c], cs.uniform(seeds[c], starts[c] + np.arange(length), n))
 
 
 def test_chain_batches_of_one_chain_and_of_many_blocks():

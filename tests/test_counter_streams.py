@@ -9,6 +9,7 @@ from scipy import stats
 
 import jax_data
 from jax_data import counter_streams as cs
+from jax_data.counter_chains import CounterStream
 
 # Significance of the statistical tests: with fixed seeds each test is
 # deterministic; a correct generator fails one with this probability.
@@ -38,6 +39,17 @@ def test_the_device_draws_the_host_stream(n):
       np.testing.assert_array_equal(np.asarray(device_mask), mask)
     else:
       assert mask is None and device_mask is None
+
+
+def test_independent_draws_over_two_to_the_32_observations():
+  """n = 2**32, the most the device takes and the one n whose hash needs
+  no reduction: host and device agree (it overflowed once)."""
+  positions = np.arange(1000) + 2**31
+  host = cs.uniform(7, positions, 2**32)
+  assert host.min() >= 0 and host.max() < 2**32
+  device = jax.jit(lambda p: cs.uniform(7, p, 2**32, jnp))(
+      jnp.asarray(positions, jnp.uint32))
+  np.testing.assert_array_equal(np.asarray(device).astype(np.int64), host)
 
 
 def test_large_domains_on_the_host():
@@ -123,7 +135,7 @@ def test_chains_of_different_seeds_share_no_structure():
 def test_a_chunk_costs_no_replay():
   """A stream positioned at batch 1e9 draws what a stream that got there
   batch by batch would: the same function of the batch number."""
-  stream = cs.CounterStream(jax_data.sampling.ObservationRange(0, 10**8),
+  stream = CounterStream(jax_data.sampling.ObservationRange(0, 10**8),
                             64, 4, True, True)
   stream.seek_batch(10**9)
   indices, mask = stream.draw(10)
@@ -206,7 +218,7 @@ def test_stream_keyword_defaults_and_errors():
 def test_a_position_of_the_other_kind_is_refused():
   from jax_data.sampling import ObservationRange
   from jax_data.sampling import RandomStream
-  counter = cs.CounterStream(ObservationRange(0, 10), 2, 0, True, False)
+  counter = CounterStream(ObservationRange(0, 10), 2, 0, True, False)
   exact = RandomStream(ObservationRange(0, 10), 2, 0, True, False)
   with pytest.raises(ValueError, match="counter-based stream"):
     exact.set_state(counter.get_state())
