@@ -24,15 +24,19 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import math
 import threading
 import warnings
 from typing import Any
+from typing import Callable
 from typing import Dict
 from typing import Hashable
 from typing import List
 from typing import Optional
 from typing import Sequence
 from typing import Tuple
+
+import numpy as np
 
 from jax_data.chains import ChainCursor
 from jax_data.chains import ChainSpec
@@ -276,6 +280,25 @@ class ChainStore:
     step = self._lanes * self.layout.nbytes
     return max(1, min(limits.ahead, limits.store_bytes // max(step, 1)))
 
+  def reads_in_place(self, lanes: int) -> bool:
+    """Whether a request of ``lanes`` chunks is read straight into compiled
+    code's buffers, where its chains allow (:meth:`regenerates`), rather
+    than produced ahead into the store's: when one chunk for every lane
+    would pass ``store_bytes`` (hundreds of vmapped chains). Then nothing
+    is kept between requests, and no chunk is copied once more."""
+    return lanes * self.layout.nbytes > self._limits.store_bytes
+
+  @staticmethod
+  def regenerates(record: ChainRecord) -> bool:
+    """Whether a chain's cursor reaches any chunk at once (a
+    counter-based stream): its chunks need not be stored."""
+    return record.keep == 0
+
+  def holds(self, record: ChainRecord, index: int) -> bool:
+    """Whether chunk ``index`` of a chain is stored or being produced."""
+    with self._lock:
+      return index in record.chunks
+
   def _store(self, record: ChainRecord, index: int, entry: Entry) -> None:
     """Stores an entry, then drops chunks beyond the bounds (with ``_lock``
     held)."""
@@ -355,24 +378,33 @@ class ChainStore:
   # -- production ---------------------------------------------------------
 
   def produce_into(self, record: ChainRecord, index: int,
-                   future: concurrent.futures.Future) -> None:
-    """Produces chunk ``index`` and sets ``future`` to it, or to the
-    failure (named :class:`HostLoaderError`); a future that release failed
+                   future: concurrent.futures.Future,
+                   out: Optional[Chunk] = None) -> None:
+    """Produces chunk ``index`` (into ``out`` if given, see
+    :meth:`produce_many`) and sets ``future`` to it, or to the failure
+    (named :class:`HostLoaderError`); a future that release failed
     meanwhile keeps its answer."""
     try:
-      chunk = self._produce(record, index)
+      chunk = self._produce(record, index, out)
     except BaseException as e:  # every failure reaches the waiting request
       settle(future, error=self._wrap(record, index, e))
     else:
       settle(future, chunk)
 
-  def produce_many(self, jobs: Sequence[Job]) -> None:
+  def produce_many(self, jobs: Sequence[Job],
+                   into: Optional[Dict[int, Chunk]] = None) -> None:
     """Produces the chunks ``(chain, index, future)`` of ``jobs`` and
     settles their futures as :meth:`produce_into` does. The chains whose
     cursors share a :meth:`~jax_data.chains.ChainCursor.group_key` are
     produced together, in one :meth:`~jax_data.chains.ChainCursor.
     produce_group` call (the vmapped chains of one request); the others
-    one by one."""
+    one by one.
+
+    ``into`` maps a job's future (by ``id``) to the buffers its chunk is
+    written into (compiled code's own, see :meth:`reads_in_place`) instead
+    of the store's: a group whose buffers follow each other in memory, in
+    chain order, is read into them in one piece. Such chunks are not
+    stored."""
     groups: Dict[Hashable, List[Job]] = {}
     alone: List[Job] = []
     grouped = set()
@@ -383,15 +415,17 @@ class ChainStore:
       else:
         grouped.add(job[0].number)
         groups.setdefault(key, []).append(job)
+    into = into or {}
     for group in groups.values():
       if len(group) > 1:
-        alone.extend(self._produce_group(group))
+        alone.extend(self._produce_group(group, into))
       else:
         alone.extend(group)
-    for job in alone:
-      self.produce_into(*job)
+    for record, index, future in alone:
+      self.produce_into(record, index, future, into.get(id(future)))
 
-  def _produce_group(self, group: List[Job]) -> List[Job]:
+  def _produce_group(self, group: List[Job], into: Dict[int, Chunk]
+                     ) -> List[Job]:
     """Produces a group's chunks in one call (with every chain's
     ``produce_lock`` held, taken in chain order); returns the jobs left to
     produce one by one (chains closed meanwhile, cursors that cannot
@@ -415,7 +449,7 @@ class ChainStore:
           continue
         (ready if stands else left).append((record, index, future))
       if ready:
-        self._produce_ready(ready)
+        self._produce_ready(ready, into)
     finally:
       for record in locked:
         record.produce_lock.release()
@@ -424,17 +458,21 @@ class ChainStore:
           _close(record, blocking=True)
     return left
 
-  def _produce_ready(self, ready: List[Job]) -> None:
+  def _produce_ready(self, ready: List[Job], into: Dict[int, Chunk]
+                     ) -> None:
     """:meth:`_produce_group` once each cursor stands at its chunk."""
     cursors = [record.cursor for record, _, _ in ready]
+    allocate = self._buffers.empty
+    targets = [into.get(id(future)) for _, _, future in ready]
+    if all(target is not None for target in targets):
+      allocate = _Regions(targets, allocate)
     try:
       for record, index, _ in ready:
         if index not in record.snapshots:
           record.snapshots[index] = record.cursor.position()
         record.next_index = None  # unknown until the cursors return
       chunks = type(cursors[0]).produce_group(
-          cursors, [index for _, index, _ in ready], self.layout,
-          self._buffers.empty)
+          cursors, [index for _, index, _ in ready], self.layout, allocate)
       chunks = [self.layout.check(chunk) for chunk in chunks]
     except BaseException as e:  # every failure reaches the waiting requests
       for record, index, future in ready:
@@ -455,11 +493,12 @@ class ChainStore:
     error.__cause__ = e
     return error
 
-  def _produce(self, record: ChainRecord, index: int) -> Chunk:
+  def _produce(self, record: ChainRecord, index: int,
+               out: Optional[Chunk] = None) -> Chunk:
     _ = self.loader  # not after release
     try:
       with record.produce_lock:
-        chunk = self._produce_locked(record, index)
+        chunk = self._produce_locked(record, index, out)
         self._note_held(record.number, record.cursor.held_bytes())
     finally:
       if self._loader is None:  # released while producing
@@ -504,9 +543,11 @@ class ChainStore:
       finally:
         record.produce_lock.release()
 
-  def _produce_locked(self, record: ChainRecord, index: int) -> Chunk:
+  def _produce_locked(self, record: ChainRecord, index: int,
+                      out: Optional[Chunk] = None) -> Chunk:
     """Produces chunk ``index`` (with the chain's ``produce_lock`` held),
-    moving the cursor back to a snapshot first if it stands elsewhere."""
+    moving the cursor back to a snapshot first if it stands elsewhere;
+    into ``out`` if given."""
     cursor = record.cursor
     direct = (None if record.next_index == index
               else cursor.position_at(index))
@@ -535,8 +576,8 @@ class ChainStore:
       if current not in record.snapshots:
         record.snapshots[current] = cursor.position()
       record.next_index = None  # unknown until the cursor returns
-      out = self.layout.new_chunk(self._buffers.empty)
-      chunk = cursor.produce(current, out)
+      chunk = cursor.produce(current, out if out is not None and (
+          current == index) else self.layout.new_chunk(self._buffers.empty))
       record.next_index = current + 1
       self._thin(record)
       if current == index:
@@ -574,6 +615,48 @@ class ChainStore:
     for record in records:
       record.cursor.cancel()  # a production stops soon, and raises
       _close(record, blocking=False)  # if producing, it closes when done
+
+
+class _Regions:
+  """The ``allocate`` of a group produced into given chunks (see
+  :meth:`ChainStore.produce_many`): a group's cursors ask for one buffer
+  per leaf for all their rows, in leaf order; where the given chunks'
+  leaves follow each other in memory, in the group's order, that buffer is
+  the span of them, so the rows land in place. Other requests get
+  ``fallback``'s buffers."""
+
+  def __init__(self, chunks: Sequence[Chunk],
+               fallback: Callable[..., np.ndarray]):
+    self._spans = [_span([chunk.leaves[k] for chunk in chunks])
+                   for k in range(len(chunks[0].leaves))]
+    self._next = 0
+    self._fallback = fallback
+
+  def __call__(self, shape: Tuple[int, ...], dtype: Any) -> np.ndarray:
+    k, self._next = self._next, self._next + 1
+    span = self._spans[k] if k < len(self._spans) else None
+    if span is not None and span.size == math.prod(shape) and (
+        span.dtype == np.dtype(dtype)):
+      return span.reshape(shape)  # a view: the span is contiguous
+    return self._fallback(shape, dtype)
+
+
+def _span(arrays: Sequence[np.ndarray]) -> Optional[np.ndarray]:
+  """One writable array over ``arrays`` (C-contiguous, alike, each
+  starting where the one before ends), stacked on a new leading axis; None
+  if they are not laid out so."""
+  first = arrays[0]
+  if not all(a.flags.c_contiguous and a.flags.writeable
+             and a.shape == first.shape and a.dtype == first.dtype
+             for a in arrays):
+    return None
+  start = first.__array_interface__["data"][0]
+  if any(a.__array_interface__["data"][0] != start + g * first.nbytes
+         for g, a in enumerate(arrays)):
+    return None
+  return np.lib.stride_tricks.as_strided(
+      first, (len(arrays),) + first.shape, (first.nbytes,) + first.strides,
+      writeable=True)
 
 
 def _close(record: ChainRecord, blocking: bool) -> None:

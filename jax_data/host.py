@@ -61,6 +61,13 @@ def _trim(store: ChainStore, queued: threading.Event) -> None:
   store.trim_idle()
 
 
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+  """Whether two arrays are the same memory, laid out alike (a chunk read
+  in place)."""
+  return (a.__array_interface__["data"][0] == b.__array_interface__[
+      "data"][0] and a.shape == b.shape and a.strides == b.strides)
+
+
 def _skip(error: BaseException) -> None:
   del error  # a housekeeping job cancelled: nothing waits for it
 
@@ -186,13 +193,21 @@ class Host:
     return self.chunks([(chain, index)], device_count)[0]
 
   def chunks(self, wanted: Sequence[Tuple[int, int]], device_count: int = 1,
-             defer: Optional[Deferred] = None) -> List[Chunk]:
+             defer: Optional[Deferred] = None,
+             into: Optional[Sequence[Chunk]] = None) -> List[Chunk]:
     """Chunk ``index`` of chain ``chain`` for each ``(chain, index)``.
 
     The chunks not stored yet are produced now, those of chains whose
     cursors produce together in one call (vmapped counter-based chains:
     one draw of all their indices, one read of all their rows). A chunk
     still queued behind other productions is produced here.
+
+    ``into``: for each ``(chain, index)``, compiled code's buffers that
+    will receive it. A request too large to keep chunks ahead for
+    (:meth:`ChainStore.reads_in_place`) has the chunks of chains that
+    regenerate any chunk (counter-based streams) read straight into them,
+    neither stored nor produced ahead; the chunks returned are then views
+    of those buffers.
 
     ``device_count`` requests are expected for each chunk (one per device
     of a replicated state); it is kept until they all came, within a cap.
@@ -209,8 +224,13 @@ class Host:
         order); a later request tries the failed chunks again.
     """
     store = self._store
-    claims, mine = [], []
-    for chain, index in wanted:
+    in_place = (into is not None and device_count == 1
+                and store.reads_in_place(len(wanted)))
+    # Per (chain, index): record, index, future, ready, stored.
+    claims: List[Tuple[ChainRecord, int, concurrent.futures.Future, bool,
+                       bool]] = []
+    mine, direct, targets = [], {}, {}
+    for lane, (chain, index) in enumerate(wanted):
       record = store.record(chain)
       if index < 0:
         raise ValueError(
@@ -218,26 +238,39 @@ class Host:
             "counter is never negative; was the state built by hand?")
       if self._progress is not None:
         self._progress(index)
+      if in_place and store.regenerates(record) and not store.holds(
+          record, index):
+        job = direct.get((chain, index))
+        if job is None:  # the same chunk twice in a request: read once
+          job = direct[(chain, index)] = (record, index,
+                                          concurrent.futures.Future())
+          targets[id(job[2])] = into[lane]
+          mine.append(job)
+        claims.append((record, index, job[2], False, False))
+        continue
       future, produce = store.claim(record, index, device_count)
-      claims.append((record, index, future, future.done()))
+      claims.append((record, index, future, future.done(), True))
       if produce:
         mine.append((record, index, future))
     if mine:
-      store.produce_many(mine)
+      store.produce_many(mine, targets)
     prefetcher = self._prefetcher
-    for record, index, future, _ in claims:
+    for record, index, future, _, _ in claims:
       # Still queued behind other chains' chunks: produce it here.
       run = (None if future.done() or prefetcher is None
              else prefetcher.take((record.number, index)))
       if run is not None:
         run()
     failure = None
-    for record, index, future, _ in claims:
+    for record, index, future, _, stored in claims:
       if future.exception() is not None:
-        store.forget(record, index, future)
+        if stored:
+          store.forget(record, index, future)
         failure = failure or future.exception()
     now = []
-    for record, index, _, ready in claims:
+    for record, index, _, ready, stored in claims:
+      if not stored or (in_place and store.regenerates(record)):
+        continue  # read in place next time too: nothing ahead
       # Several lanes: their copies are many short calls that need the GIL
       # the production would hold; the next chunks wait for them too.
       later = defer is not None and (ready or len(claims) > 1)
@@ -245,7 +278,7 @@ class Host:
     self.schedule_next(now)
     if failure is not None:
       raise failure
-    return [future.result() for _, _, future, _ in claims]
+    return [future.result() for _, _, future, _, _ in claims]
 
   def schedule_next(self, served: Sequence[Tuple[ChainRecord, int]]
                     ) -> None:
@@ -285,9 +318,11 @@ class Host:
 
   def lanes(self, pipelines: np.ndarray, chains: np.ndarray,
             chunks: np.ndarray, need: np.ndarray, device_count: int = 1,
-            participants: int = 1, defer: Optional[Deferred] = None
-            ) -> List[Chunk]:
-    """The chunk of each of ``L`` lanes (``defer``: see :meth:`chunk`).
+            participants: int = 1, defer: Optional[Deferred] = None,
+            into: Optional[Sequence[np.ndarray]] = None) -> List[Chunk]:
+    """The chunk of each of ``L`` lanes (``defer`` and ``into``: see
+    :meth:`chunks`; ``into`` holds each leaf's and the mask's buffer with a
+    leading lane axis).
 
     Lanes whose ``need`` is False get zeros; compiled code keeps their cache.
 
@@ -301,14 +336,14 @@ class Host:
     LIVE_HOSTS.begin_request()
     try:
       return self._lanes(pipelines, chains, chunks, need, device_count,
-                         participants, defer)
+                         participants, defer, into)
     finally:
       if defer is None:  # else the caller trims after its copy
         self.trim_later()
       LIVE_HOSTS.end_request()
 
   def _lanes(self, pipelines, chains, chunks, need, device_count,
-             participants, defer) -> List[Chunk]:
+             participants, defer, into) -> List[Chunk]:
     # Python ints: this runs on every refresh, and NumPy scalars are slow.
     pipelines, chains, chunks, need = (
         np.asarray(a).reshape(-1).tolist()
@@ -323,10 +358,13 @@ class Host:
               f"a state of another pipeline (id {pipeline}) was given "
               f"to a pipeline over {self.name} (id {self.id}); use the "
               "states of this pipeline's init_fn")
+      targets = None if into is None else [
+          Chunk([out[lane] for out in into[:-1]], into[-1][lane])
+          for lane, wanted in enumerate(need) if wanted]
       served = iter(self.chunks(
           [(chain, index) for chain, index, wanted in zip(chains, chunks,
                                                           need) if wanted],
-          device_count, defer))
+          device_count, defer, targets))
       lanes = [next(served) if wanted else self._zero_chunk()
                for wanted in need]
       # Each distinct check once per request (the lanes of one loader
@@ -348,14 +386,17 @@ class Host:
             participants: int = 1) -> Tuple[np.ndarray, ...]:
     """The callback body of ``pure_callback``: the lanes' leaves and masks,
     stacked on a leading lane axis."""
-    lanes = self.lanes(pipelines, chains, chunks, need, device_count,
-                       participants)
-    if len(lanes) == 1:
-      chunk = lanes[0]
+    if np.size(need) == 1:
+      chunk, = self.lanes(pipelines, chains, chunks, need, device_count,
+                          participants)
       return tuple(leaf[None] for leaf in chunk.leaves) + (chunk.mask[None],)
-    stacked = [np.stack([lane.leaves[i] for lane in lanes])
-               for i in range(len(self.layout.leaves))]
-    return tuple(stacked) + (np.stack([lane.mask for lane in lanes]),)
+    lead = (np.size(need),)
+    outs = [np.empty(lead + shape, leaf.dtype) for shape, leaf in
+            zip(self.layout.leaf_shapes(), self.layout.leaves)]
+    outs.append(np.empty(lead + self.layout.lead, np.bool_))
+    self.serve_into(outs, pipelines, chains, chunks, need, device_count,
+                    participants)
+    return tuple(outs)
 
   def serve_into(self, outs: Sequence[np.ndarray], pipelines: np.ndarray,
                  chains: np.ndarray, chunks: np.ndarray, need: np.ndarray,
@@ -370,10 +411,11 @@ class Host:
     deferred: Deferred = []
     try:
       lanes = self.lanes(pipelines, chains, chunks, need, device_count,
-                         participants, deferred)
+                         participants, deferred, outs)
       for lane, chunk in enumerate(lanes):
         for out, leaf in zip(outs, list(chunk.leaves) + [chunk.mask]):
-          self._copier.copy(out[lane], leaf)
+          if not _same_memory(out[lane], leaf):  # not read in place
+            self._copier.copy(out[lane], leaf)
     finally:
       self.schedule_next(deferred)
       self.trim_later()

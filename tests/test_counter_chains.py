@@ -13,6 +13,7 @@ import jax_data
 from jax_data import counter_streams as cs
 from jax_data.counter_chains import chain_batches
 from jax_data.counter_chains import uniform_runs
+from jax_data.host_loader import StoreLimits
 
 MODES = [(False, False), (True, False), (True, True)]
 
@@ -106,16 +107,26 @@ def _loaders(n):
   return loaders
 
 
+# Store limits: the default (chunks produced ahead into the store), and
+# one under which every request of several chains is read in place.
+IN_PLACE = StoreLimits(store_bytes=1)
+
+
+@pytest.mark.parametrize("limits", [StoreLimits(), IN_PLACE],
+                         ids=["ahead", "read_in_place"])
 @pytest.mark.parametrize("mode", [{}, {"shuffle": True},
                                   {"shuffle": True, "in_epochs": True}])
-def test_vmapped_chains_draw_each_chains_stream(mode, pipelines):
+def test_vmapped_chains_draw_each_chains_stream(mode, limits, pipelines):
   """Chains served together under vmap (and one of them restored at
   another position) get exactly the batches each chain's stream gives on
-  its own, on every loader and callback path."""
+  its own, on every loader and callback path, whether their chunks are
+  produced ahead or read straight into compiled code's buffers (then the
+  host keeps none of them)."""
   n, cache, mb, chains = 103, 3, 8, 6
   shuffle, in_epochs = (mode.get("shuffle", False),
                         mode.get("in_epochs", False))
   for loader in _loaders(n):
+    loader.store_limits = limits
     pipeline = pipelines.random_reference_data(loader, cache, mb)
     init_fn, batch_fn, release_fn = pipeline
     states = [init_fn(seed=20 + c, stream="counter", **mode)
@@ -137,6 +148,10 @@ def test_vmapped_chains_draw_each_chains_stream(mode, pipelines):
       if mask is not None:
         expected = np.where(mask, expected, -1)
       np.testing.assert_array_equal(got[c], expected, err_msg=repr(loader))
+    if limits is IN_PLACE:
+      host = pipeline.host
+      assert host.wait_idle()
+      assert not any(host.chain(c).chunks for c in host.chains())
     release_fn()
 
 
@@ -159,12 +174,15 @@ def test_a_refresh_of_many_chains_reads_once():
   release_fn()
 
 
-def test_the_same_chain_twice_in_one_request():
+@pytest.mark.parametrize("limits", [StoreLimits(), IN_PLACE],
+                         ids=["ahead", "read_in_place"])
+def test_the_same_chain_twice_in_one_request(limits, pipelines):
   """Two lanes of one chain at different chunks (a state used twice, once
   advanced) are served, each its own chunk; nothing deadlocks."""
   n, cache, mb = 500, 2, 4
   loader = jax_data.NumpyDataLoader(x=np.arange(n))
-  pipeline = jax_data.random_reference_data(loader, cache, mb)
+  loader.store_limits = limits
+  pipeline = pipelines.random_reference_data(loader, cache, mb)
   init_fn, batch_fn, release_fn = pipeline
   state = init_fn(seed=3, shuffle=True, stream="counter")
   later = jax_data.state_to_pytree(pipeline, state)
