@@ -74,6 +74,12 @@ def _vma(x) -> frozenset:
   return frozenset(getattr(jax.typeof(x), "vma", ()) or ())
 
 
+def _varying(x) -> frozenset:
+  """The mesh axes (of an enclosing ``shard_map``) that ``x`` varies over."""
+  manual = getattr(jax.typeof(x), "manual_axis_type", None)
+  return frozenset(manual.varying) if manual is not None else _vma(x)
+
+
 def _broadcast(axis_size: int, batched: Sequence[bool], args: Sequence[Any]
                ) -> List[Any]:
   return [a if b else jnp.broadcast_to(a, (axis_size,) + jnp.shape(a))
@@ -221,6 +227,37 @@ class _Ops:
     return _varying_like(outs, chains == chains,
                          _vma(pipelines) | _vma(chains) | _vma(chunks))
 
+  def _merge_lanes(self, owners, pipelines, chains, chunks, need, old
+                   ) -> List[jax.Array]:
+    """The caches ``old`` (each leaf, then the mask, a leading lane axis)
+    with the lanes that ``need`` it refreshed. On CPU the host writes those
+    lanes into the caches' own buffers (``buffer_callback`` with each cache
+    aliased to its output), so a refresh of many vmapped chains needs no
+    second cache-sized buffer and no select over the caches; elsewhere the
+    fetched lanes are selected into the old caches."""
+
+    def copied(owners, pipelines, chains, chunks, need, *old):
+      new = self._fetch_lanes(owners, pipelines, chains, chunks, need)
+      return [jnp.where(need.reshape(need.shape + (1,) * (n.ndim - 1)), n, o)
+              for n, o in zip(new, old)]
+
+    args = (owners, pipelines, chains, chunks, need, *old)
+    if not self._in_place:
+      return copied(*args)
+    callback = _Callback(self._device_count, self._participants)
+    outs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in old]
+    kept = buffer_callback(
+        callback.into_kept, outs, vmap_method="sequential",
+        input_output_aliases={5 + i: i for i in range(len(old))})
+
+    def in_place(*args):
+      # Inside shard_map: the device-varying type of the inputs, as the
+      # select of the other branch gives it.
+      axes = frozenset().union(*(_varying(a) for a in args))
+      return _varying_like(list(kept(*args)), args[2] == args[2], axes)
+
+    return lax.platform_dependent(*args, cpu=in_place, default=copied)
+
   def _refresh_lanes_flat(self, owners, pipelines, chains, chunks,
                           cached_chunks, mask, *leaves):
     need = _needs(cached_chunks, chunks)
@@ -228,11 +265,9 @@ class _Ops:
     def fetch(ops):
       owners, pipelines, chains, chunks, cached_chunks, mask, *leaves = ops
       need = _needs(cached_chunks, chunks)
-      new = self._fetch_lanes(owners, pipelines, chains, chunks, need)
-      old = list(leaves) + [mask]
-      merged = [jnp.where(need.reshape(need.shape + (1,) * (n.ndim - 1)), n, o)
-                for n, o in zip(new, old)]
-      return [jnp.where(need, chunks, cached_chunks)] + merged
+      merged = self._merge_lanes(owners, pipelines, chains, chunks, need,
+                                 list(leaves) + [mask])
+      return [jnp.where(need, chunks, cached_chunks)] + list(merged)
 
     def keep(ops):
       _, _, _, _, cached_chunks, mask, *leaves = ops
@@ -332,15 +367,27 @@ class _Callback:
       LIVE_HOSTS.note_failed_callback()
       raise
 
-  def into(self, context, outs, owners, pipelines, chains, chunks, need
-           ) -> None:
-    """``buffer_callback``: writes the lanes into XLA's buffers ``outs``."""
-    del context
+  def into(self, context, outs, owners, pipelines, chains, chunks, need,
+           *kept) -> None:
+    """``buffer_callback``: writes the lanes into XLA's buffers ``outs``
+    (the lanes that ``need`` nothing get zeros)."""
+    del context, kept
+    self._serve_into(outs, owners, pipelines, chains, chunks, need, False)
+
+  def into_kept(self, context, outs, owners, pipelines, chains, chunks, need,
+                *kept) -> None:
+    """``buffer_callback`` with the caches aliased to ``outs``: writes the
+    lanes that ``need`` a chunk, and leaves the others as they are."""
+    del context, kept
+    self._serve_into(outs, owners, pipelines, chains, chunks, need, True)
+
+  def _serve_into(self, outs, owners, pipelines, chains, chunks, need,
+                  keep: bool) -> None:
     try:
       LIVE_HOSTS.host(_owner(owners)).serve_into(
           [np.asarray(o) for o in outs], np.asarray(pipelines),
           np.asarray(chains), np.asarray(chunks), np.asarray(need),
-          self._device_count, self._participants)
+          self._device_count, self._participants, keep_others=keep)
     except BaseException:
       LIVE_HOSTS.note_failed_callback()
       raise

@@ -400,19 +400,24 @@ class Host:
 
   def serve_into(self, outs: Sequence[np.ndarray], pipelines: np.ndarray,
                  chains: np.ndarray, chunks: np.ndarray, need: np.ndarray,
-                 device_count: int = 1, participants: int = 1) -> None:
+                 device_count: int = 1, participants: int = 1,
+                 keep_others: bool = False) -> None:
     """Like :meth:`serve`, but copies the lanes into ``outs`` (compiled
     code's own output buffers, a leading lane axis each): one copy per lane,
     made by NumPy without holding the GIL, so the prefetch thread runs
     meanwhile. When the chunks were ready before they were asked for, the
     next ones are produced after the copy, not during it (see
     :meth:`chunk`): the copy holds up the device, the production does not.
+    Lanes that ``need`` nothing get zeros, or with ``keep_others`` are left
+    as they are (``outs`` are the caches themselves).
     """
     deferred: Deferred = []
     try:
       lanes = self.lanes(pipelines, chains, chunks, need, device_count,
                          participants, deferred, outs)
       for lane, chunk in enumerate(lanes):
+        if keep_others and not need.reshape(-1)[lane]:
+          continue
         for out, leaf in zip(outs, list(chunk.leaves) + [chunk.mask]):
           if not _same_memory(out[lane], leaf):  # not read in place
             self._copier.copy(out[lane], leaf)
