@@ -205,10 +205,24 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
 
     return lax.fori_loop(0, count, body, (carry, ys))
 
+  def refresh_if(want, state):
+    """``refresh(state)`` where ``want``, else ``state``: not a ``lax.cond``
+    on ``want``, which under ``vmap`` (a per-chain ``want``) would run the
+    refresh for every chain, chunks fetched for nothing included, and then
+    select between two copies of the caches. A lane that does not want it
+    asks for the chunk its cache holds, which fetches nothing."""
+    held = jnp.maximum(state.cached_chunk, 0)
+    asked = state._replace(chunk=jnp.where(want, state.chunk, held),
+                           cached_chunk=jnp.where(want, state.cached_chunk,
+                                                  held))
+    done = refresh(asked)
+    return done._replace(chunk=state.chunk, cached_chunk=jnp.where(
+        want, done.cached_chunk, state.cached_chunk))
+
   position = state.position
   head = jnp.where(position > 0, jnp.minimum(cache_size - position, length), 0)
   # The rest of the current chunk (a state inside one).
-  state = lax.cond(head > 0, refresh, lambda s: s, state)
+  state = refresh_if(head > 0, state)
   carry, ys = one_by_one(init, ys, state.batches, state.mask, position, 0,
                          head)
   chunk = jnp.where(head > 0, state.chunk + 1, state.chunk)
@@ -246,7 +260,7 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
   # The first batches of one more chunk.
   tail_state = state._replace(chunk=chunk + whole, position=jnp.int32(0),
                               cached_chunk=last)
-  tail_state = lax.cond(tail > 0, refresh, lambda s: s, tail_state)
+  tail_state = refresh_if(tail > 0, tail_state)
   carry, ys = one_by_one(carry, ys, tail_state.batches, tail_state.mask, 0,
                          head + whole * cache_size, tail)
   final = tail_state._replace(position=tail.astype(jnp.int32))

@@ -138,3 +138,26 @@ def test_bad_arguments_are_named(pipeline):
   release_fn()
   with pytest.raises(jax_data.PipelineReleasedError):
     jax_data.scan(_step, 0, state, batch_fn=batch_fn, length=3)
+
+
+def test_vmapped_chains_fetch_each_chunk_once(pipeline):
+  """Under vmap, a scan over whole chunks from a chunk boundary asks the
+  host once per chunk: the parts before the first boundary and after the
+  last, empty here, fetch nothing (a per-chain ``lax.cond`` would run
+  them for every chain, chunk and all)."""
+  init_fn, batch_fn, _ = pipeline
+  stacked = jax.tree_util.tree_map(
+      lambda *s: jnp.stack(s), *[init_fn(seed=c) for c in range(3)])
+  run = jax.jit(jax.vmap(lambda s: jax_data.scan(
+      _step, 0, s, batch_fn=batch_fn, length=15)))
+  host = pipeline.host
+  (_, stacked), _ = run(stacked)
+  before = host.requests
+  (_, stacked), ys = run(stacked)
+  jax.block_until_ready(ys)
+  assert host.requests - before == 3  # 15 steps, 5 batches per chunk
+  for c in range(3):  # and the batches are the chains' own
+    state = init_fn(seed=c)
+    want = jax.jit(lambda s: _loop(batch_fn, _step, 0, s, None, 30))(state)
+    np.testing.assert_array_equal(np.asarray(ys[c]),
+                                  np.asarray(want[1][15:]))
