@@ -179,9 +179,9 @@ def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
   chains = seeds.size
   with np.errstate(over="ignore"):  # uint32 arithmetic wraps
     if not in_epochs:
-      steps = np.arange(count * mb_size, dtype=np.int64)
-      positions = firsts[:, None] * mb_size + steps  # (C, rows)
       if shuffle:
+        positions = (firsts[:, None] * mb_size
+                     + np.arange(count * mb_size, dtype=np.int64))
         indices = _permute(seeds, positions // n, positions % n, n)
       else:
         indices = uniform_runs(seeds.tolist(), (firsts * mb_size).tolist(),

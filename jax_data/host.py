@@ -415,11 +415,13 @@ class Host:
     try:
       lanes = self.lanes(pipelines, chains, chunks, need, device_count,
                          participants, deferred, outs)
+      # Chunks read in place are views of outs already (see chunks).
+      read_in_place = self._store.reads_in_place(int(np.sum(need)))
       for lane, chunk in enumerate(lanes):
         if keep_others and not need.reshape(-1)[lane]:
           continue
         for out, leaf in zip(outs, list(chunk.leaves) + [chunk.mask]):
-          if not _same_memory(out[lane], leaf):  # not read in place
+          if not (read_in_place and _same_memory(out[lane], leaf)):
             self._copier.copy(out[lane], leaf)
     finally:
       self.schedule_next(deferred)
