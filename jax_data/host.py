@@ -358,9 +358,10 @@ class Host:
               f"a state of another pipeline (id {pipeline}) was given "
               f"to a pipeline over {self.name} (id {self.id}); use the "
               "states of this pipeline's init_fn")
-      targets = None if into is None else [
-          Chunk([out[lane] for out in into[:-1]], into[-1][lane])
-          for lane, wanted in enumerate(need) if wanted]
+      targets = None  # only where chunks can be read in place
+      if into is not None and self._store.reads_in_place(sum(need)):
+        targets = [Chunk([out[lane] for out in into[:-1]], into[-1][lane])
+                   for lane, wanted in enumerate(need) if wanted]
       served = iter(self.chunks(
           [(chain, index) for chain, index, wanted in zip(chains, chunks,
                                                           need) if wanted],
@@ -415,8 +416,9 @@ class Host:
     try:
       lanes = self.lanes(pipelines, chains, chunks, need, device_count,
                          participants, deferred, outs)
-      # Chunks read in place are views of outs already (see chunks).
-      read_in_place = self._store.reads_in_place(int(np.sum(need)))
+      # Chunks read in place are views of outs already (see chunks); none
+      # are where even all lanes would not be read in place.
+      read_in_place = self._store.reads_in_place(len(lanes))
       for lane, chunk in enumerate(lanes):
         if keep_others and not need.reshape(-1)[lane]:
           continue
