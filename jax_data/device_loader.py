@@ -160,10 +160,8 @@ class LoaderRef:
     self._loader = None
 
 
-class RandomPipeline(pl.Pipeline):
+class RandomPipeline(pl.RandomPipeline):
   """Random batches of a device loader: no host calls."""
-
-  kind = "random"
 
   def __init__(self, loader: DeviceDataLoader, mb_size: int):
     self._ref = LoaderRef(loader)

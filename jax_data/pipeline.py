@@ -10,6 +10,7 @@ functions, and reach the host side through :attr:`Pipeline.host`.
 
 from __future__ import annotations
 
+import abc
 import collections.abc
 import math
 import secrets
@@ -23,6 +24,7 @@ from typing import Tuple
 
 import jax
 import numpy as np
+from jax import lax
 
 from jax_data import bridge as bridge_lib
 from jax_data.bridge import Bridge
@@ -89,6 +91,34 @@ class Pipeline(collections.abc.Sequence):
   def __repr__(self) -> str:
     names = ", ".join(f.__name__ for f in self.functions)
     return f"<{type(self).__name__} ({names})>"
+
+
+class RandomPipeline(Pipeline):
+  """A pipeline of random mini-batches, host or device-resident: what
+  :func:`jax_data.scan` runs over. A subclass gives ``batch_fn`` and may
+  give a faster loop than a ``lax.scan`` calling it (:meth:`scan_batches`).
+  """
+
+  kind = "random"
+
+  @abc.abstractmethod
+  def batch_fn(self, state: CacheState, information: bool = False,
+               device_count: int = 1) -> Tuple[CacheState, Any]:
+    """The next batch of the state's chain, and the advanced state."""
+
+  def scan_batches(self, f: Callable[..., Any], init: Any,
+                   state: CacheState, xs: Any, length: int,
+                   information: bool, device_count: int) -> Any:
+    """The loop of :func:`jax_data.scan` over checked arguments: here a
+    ``lax.scan`` whose body calls :meth:`batch_fn` (device-resident data
+    has no cache to scan over)."""
+    def body(carry, x):
+      carry, state = carry
+      state, batch = self.batch_fn(state, information, device_count)
+      carry, y = f(carry, batch if xs is None else (batch, x))
+      return (carry, state), y
+
+    return lax.scan(body, (init, state), xs, length=length)
 
 
 def of(handle: Any) -> Pipeline:

@@ -80,7 +80,7 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
   return RandomPipeline(loader, cache_size, mb_size, verify_calls, callback)
 
 
-class RandomPipeline(pl.Pipeline):
+class RandomPipeline(pl.RandomPipeline):
   """Random batches of a host loader; see :func:`random_reference_data`."""
 
   kind = "random"
@@ -127,9 +127,11 @@ class RandomPipeline(pl.Pipeline):
           batch_size=self._mb_size))
     return new_state, batch
 
-  def chunked_scan(self, f, init, state: CacheState, xs, length: int,
+  def scan_batches(self, f, init, state: CacheState, xs, length: int,
                    information: bool, device_count: int):
-    """The loop of :func:`jax_data.scan` over this pipeline's chunks."""
+    """The loop of :func:`jax_data.scan` over this pipeline's chunks: each
+    chunk's batches scanned over as elements (:func:`jax_data.scan.
+    chunked_scan`)."""
     def fetch(state, chunk):
       return self._bridge.fetch(self._owner, state.pipeline, state.chain,
                                 chunk, device_count)

@@ -90,16 +90,16 @@ def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
   Raises:
     TypeError, ValueError: bad arguments, named with their values.
   """
-  pipeline = getattr(batch_fn, "__self__", None)
-  if not isinstance(pipeline, pl.Pipeline):
+  try:
+    pipeline = pl.of(batch_fn) if callable(batch_fn) else None
+  except TypeError:
+    pipeline = None
+  if not isinstance(pipeline, pl.RandomPipeline):
+    of_kind = ("" if pipeline is None else
+               f"got the functions of a {pipeline.kind!r} pipeline: ")
     raise TypeError(
         "batch_fn must be the batch_fn of a random_reference_data pipeline, "
-        f"got batch_fn={batch_fn!r}")
-  if pipeline.kind != "random":
-    raise TypeError(
-        "batch_fn must be the batch_fn of a random_reference_data pipeline, "
-        f"got the functions of a {pipeline.kind!r} pipeline: "
-        f"batch_fn={batch_fn!r}")
+        f"{of_kind or 'got '}batch_fn={batch_fn!r}")
   if not callable(f):
     raise TypeError(f"f must be callable, got f={f!r}")
   information = check_bool("information", information)
@@ -107,11 +107,8 @@ def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
   length = _check_length(xs, length)
   state = states.check_state(state, pipeline.template, "scan")
   pipeline.check_open()
-  chunked = getattr(pipeline, "chunked_scan", None)
-  if chunked is None:  # device-resident data: no cache to scan over
-    return _plain_scan(f, init, state, pipeline.batch_fn, xs, length,
-                       information, device_count)
-  return chunked(f, init, state, xs, length, information, device_count)
+  return pipeline.scan_batches(f, init, state, xs, length, information,
+                               device_count)
 
 
 def _check_length(xs: Optional[PyTree], length: Any) -> int:
@@ -131,17 +128,6 @@ def _check_length(xs: Optional[PyTree], length: Any) -> int:
     raise ValueError(
         f"length={length} differs from the leading axis {leading.pop()} of xs")
   return length
-
-
-def _plain_scan(f, init, state, batch_fn, xs, length, information,
-                device_count):
-  def body(carry, x):
-    carry, state = carry
-    state, batch = batch_fn(state, information, device_count)
-    carry, y = f(carry, batch if xs is None else (batch, x))
-    return (carry, state), y
-
-  return lax.scan(body, (init, state), xs, length=length)
 
 
 def chunked_scan(f, init, state: CacheState, xs, length: int,
