@@ -9,7 +9,9 @@ import weakref
 from typing import Any
 from typing import Callable
 from typing import Dict
+from typing import Hashable
 from typing import Optional
+from typing import Protocol
 from typing import Tuple
 
 import jax
@@ -20,6 +22,7 @@ from jax_data import device_loader
 from jax_data import pipeline as pl
 from jax_data import states
 from jax_data.bridge import check_callback
+from jax_data.host import Host
 from jax_data.host_loader import HostDataLoader
 from jax_data.loader import DataLoader
 from jax_data.loader import DeviceDataLoader
@@ -124,6 +127,39 @@ def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
   return FullPipeline(chunks, plan, loader)
 
 
+class ChunkSource(Protocol):
+  """Where a full-data pipeline's chunks come from: :class:`HostChunks`
+  (a host loader, through the bridge) or ``device_loader.FullChunks``
+  (slices of device-resident arrays).
+
+  Attributes:
+    host: The host side; None for device-resident data.
+    id: The pipeline's identity, carried by its states.
+    owner: ``id`` as the int32 operand of compiled passes.
+    share_key: Pipelines with equal keys run the same compiled passes
+      (the pipeline that asks is an operand); None: passes of their own
+      (device-resident data are part of the code).
+  """
+
+  host: Optional[Host]
+  id: int
+  owner: Any
+  share_key: Optional[Hashable]
+
+  def init(self, **kwargs: Any) -> CacheState:
+    """The state of a new ordered chain."""
+
+  def fetch_fn(self, owner: Any, state: CacheState, chunk: jax.Array,
+               device_count: int) -> Tuple[PyTree, jax.Array]:
+    """Chunk ``chunk`` of a pass, inside compiled code: (batches, mask)."""
+
+  def check_open(self) -> None:
+    """Raises :class:`~jax_data.PipelineReleasedError` once released."""
+
+  def release(self) -> None:
+    """Drops what the source holds (idempotent)."""
+
+
 class HostChunks:
   """The chunks of full-data passes over a host loader: ordered chains
   served through the bridge."""
@@ -202,7 +238,8 @@ class FullPipeline(pl.Pipeline):
   #: Compiled passes kept, one per ``fun`` (the least recently used goes).
   max_compiled = MAX_COMPILED
 
-  def __init__(self, chunks: Any, plan: PassPlan, loader: DataLoader):
+  def __init__(self, chunks: ChunkSource, plan: PassPlan,
+               loader: DataLoader):
     self._chunks = chunks
     self._plan = plan
     super().__init__(chunks.host, states.new_state(chunks.id, 0,
@@ -242,7 +279,7 @@ class FullPipeline(pl.Pipeline):
     and sizes share it while one of them keeps it."""
 
     def shared():
-      share_key = getattr(self._chunks, "share_key", None)
+      share_key = self._chunks.share_key
       if share_key is None:  # device-resident data: its own pass
         return make()
       with _SHARED_LOCK:
