@@ -166,7 +166,7 @@ class RandomPipeline(pl.RandomPipeline):
   def __init__(self, loader: DeviceDataLoader, mb_size: int):
     self._ref = LoaderRef(loader)
     self._mb_size = mb_size
-    count = loader.static_information["observation_count"]
+    count = loader.observation_count
     super().__init__(None, states.new_state(pl.new_id(), -1, mb_size),
                      loader, 0, mb_size, count)
     self.functions = (self.init_fn, self.batch_fn, self.release_fn)

@@ -97,7 +97,7 @@ def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
                    ) -> "FullPipeline":
   loader = pl.check_loader(data_loader)
   callback = check_callback(callback)
-  total = loader.static_information["observation_count"]
+  total = loader.observation_count
   if total is None:
     raise ValueError(
         "full-data passes visit every observation once, so they need the "

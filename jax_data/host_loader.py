@@ -214,7 +214,7 @@ class HostDataLoader(PredecessorAPI, DataLoader):
     """
     del ordered
     return ObservationRange.from_arguments(
-        self.static_information["observation_count"], shard_index,
+        self.observation_count, shard_index,
         shard_count)
 
   def add_chain(self, spec: ChainSpec, layout: ChunkLayout

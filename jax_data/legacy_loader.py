@@ -75,7 +75,7 @@ class LegacyCursor(ChainCursor):
                  layout: ChunkLayout) -> "LegacyCursor":
     """Registers a chain for ``spec`` with the loader's own
     ``register_*_pipeline`` and serves it."""
-    count = loader.static_information["observation_count"]
+    count = loader.observation_count
     register = (loader.register_ordered_pipeline
                 if isinstance(spec, OrderedChain)
                 else loader.register_random_pipeline)
@@ -223,7 +223,7 @@ class PredecessorAPI:
                      else "random"),
             "cache_size": chain.layout.cache_size,
             "mb_size": chain.layout.mb_size,
-            "observation_count": self.static_information["observation_count"]}
+            "observation_count": self.observation_count}
 
   def load_state(self, chain_id: int, data: Dict[str, Any]) -> None:
     """Moves the chain to a position from :meth:`save_state`; ``data`` is

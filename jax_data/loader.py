@@ -32,6 +32,13 @@ class DataLoader(metaclass=abc.ABCMeta):
     """``{"observation_count": N}``."""
 
   @property
+  def observation_count(self) -> Optional[int]:
+    """N, the number of observations (``static_information``'s); None
+    where the loader does not know it (a ``tf.data`` pipeline of unknown
+    length)."""
+    return self.static_information["observation_count"]
+
+  @property
   @abc.abstractmethod
   def observation_format(self) -> PyTree:
     """Pytree of ``jax.ShapeDtypeStruct`` of one observation."""
@@ -72,7 +79,7 @@ class DataLoader(metaclass=abc.ABCMeta):
                                        s.dtype),
         self.observation_format)
     info = MiniBatchInformation(
-        observation_count=self.static_information["observation_count"],
+        observation_count=self.observation_count,
         mask=jnp.ones(mb_size, dtype=jnp.bool_),
         batch_size=mb_size)
     return fmt, info

@@ -200,7 +200,7 @@ def check_sizes(data_loader: DataLoader, cache_size: Any, mb_size: Any,
                 observation_count: Optional[int] = None) -> Tuple[int, int]:
   """Checks the cache and batch sizes of a pipeline against the data."""
   if observation_count is None:
-    observation_count = data_loader.static_information["observation_count"]
+    observation_count = data_loader.observation_count
   return _check_sizes(cache_size, mb_size, observation_count,
                       cache_name="cached_batches_count")
 

@@ -71,7 +71,7 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
   loader = pl.check_loader(data_loader)
   verify_calls = check_bool("verify_calls", verify_calls)
   callback = check_callback(callback)
-  count = loader.static_information["observation_count"]
+  count = loader.observation_count
   cache_size, mb_size = pl.check_sizes(loader, cached_batches_count, mb_size)
   if isinstance(loader, DeviceDataLoader):
     return device_loader.RandomPipeline(loader, mb_size)
@@ -90,7 +90,7 @@ class RandomPipeline(pl.RandomPipeline):
     host, self._bridge = pl.assemble(loader, cache_size, mb_size,
                                      callback=callback,
                                      verify_calls=verify_calls)
-    self._count = loader.static_information["observation_count"]
+    self._count = loader.observation_count
     self._cache_size, self._mb_size = cache_size, mb_size
     self._batch_format, _ = loader.batch_format(cache_size, mb_size)
     template = states.new_state(host.id, 0, mb_size, cache_size,
