@@ -38,8 +38,10 @@ from typing import Any
 from typing import Callable
 from typing import Dict
 from typing import List
+from typing import Literal
 from typing import Sequence
 from typing import Tuple
+from typing import get_args
 
 import jax
 import jax.numpy as jnp
@@ -58,10 +60,11 @@ except ImportError:  # pragma: no cover
 #: The ways compiled code can receive chunks: ``"auto"`` (in place through
 #: ``buffer_callback`` on CPU where JAX offers it, ``pure_callback``
 #: elsewhere) and ``"pure"`` (``pure_callback`` on every platform).
-CALLBACKS = ("auto", "pure")
+Callback = Literal["auto", "pure"]
+CALLBACKS: Tuple[Callback, ...] = get_args(Callback)
 
 
-def check_callback(callback: Any) -> str:
+def check_callback(callback: Any) -> Callback:
   """Checks the ``callback`` argument of the pipeline constructors."""
   if callback not in CALLBACKS:
     raise ValueError(
@@ -120,7 +123,7 @@ class Bridge:
     callback: ``"auto"`` or ``"pure"`` (see :data:`CALLBACKS`).
   """
 
-  def __init__(self, batch_format: PyTree, callback: str = "auto"):
+  def __init__(self, batch_format: PyTree, callback: Callback = "auto"):
     self.callback = check_callback(callback)
     leaves, self.treedef = jax.tree_util.tree_flatten(batch_format)
     self.leaf_formats = [jax.ShapeDtypeStruct(s.shape, s.dtype)
@@ -164,7 +167,7 @@ _BRIDGES: Dict[Any, Bridge] = {}
 _BRIDGES_LOCK = threading.Lock()
 
 
-def shared(batch_format: PyTree, callback: str = "auto") -> Bridge:
+def shared(batch_format: PyTree, callback: Callback = "auto") -> Bridge:
   """The bridge of chunks of ``batch_format`` received the ``callback``
   way, one per process: pipelines of the same formats, cache and batch
   sizes trace, and so compile, the same code. A bridge holds only formats

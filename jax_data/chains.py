@@ -19,11 +19,13 @@ from typing import Callable
 from typing import Dict
 from typing import Hashable
 from typing import List
+from typing import Literal
 from typing import Mapping
 from typing import Optional
 from typing import Sequence
 from typing import Tuple
 from typing import Union
+from typing import get_args
 
 import numpy as np
 
@@ -33,7 +35,11 @@ from jax_data.validation import check_int
 from jax_data.validation import check_keywords
 
 #: The kinds of index streams of a random chain.
-STREAMS = ("exact", "counter")
+#: A random chain's index stream: the predecessor's exact streams
+#: (``spec/SAMPLING.md``) or counter-based ones (:mod:`jax_data.
+#: counter_streams`).
+Stream = Literal["exact", "counter"]
+STREAMS: Tuple[Stream, ...] = get_args(Stream)
 
 # A chain's position: a small JSON-compatible dict (of dicts, lists, ints,
 # strings, bools).
@@ -59,7 +65,7 @@ class RandomChain:
   observations: ObservationRange
   shuffle: bool = False
   in_epochs: bool = False
-  stream: str = "exact"
+  stream: Stream = "exact"
 
 
 @dataclasses.dataclass(frozen=True)

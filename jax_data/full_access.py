@@ -21,6 +21,7 @@ import numpy as np
 from jax_data import device_loader
 from jax_data import pipeline as pl
 from jax_data import states
+from jax_data.bridge import Callback
 from jax_data.bridge import check_callback
 from jax_data.host import Host
 from jax_data.host_loader import HostDataLoader
@@ -48,7 +49,7 @@ def full_reference_data(data_loader: DataLoader,
                         shard_index: Optional[int] = None,
                         shard_count: Optional[int] = None,
                         progress: Progress = None,
-                        callback: str = "auto") -> pl.Pipeline:
+                        callback: Callback = "auto") -> pl.Pipeline:
   """Maps functions over every observation, in order, inside compiled code.
 
   Each call of ``map_fn`` makes one pass over observations ``0 .. N - 1``
@@ -166,7 +167,7 @@ class HostChunks:
 
   def __init__(self, loader: HostDataLoader, plan: PassPlan,
                shard: Dict[str, Any],
-               progress: Optional[Callable[[int], None]], callback: str):
+               progress: Optional[Callable[[int], None]], callback: Callback):
     self.host, self._bridge = pl.assemble(
         loader, plan.cache_size, plan.mb_size, callback=callback,
         cycle=plan.chunks, progress=progress)
@@ -320,7 +321,7 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
                      mb_size: int = 1, *, shard_index: Optional[int] = None,
                      shard_count: Optional[int] = None,
                      progress: Progress = None,
-                     callback: str = "auto") -> pl.Pipeline:
+                     callback: Callback = "auto") -> pl.Pipeline:
   """Like :func:`full_reference_data`, but no data state is threaded through.
 
   >>> import jax.numpy as jnp

@@ -28,6 +28,7 @@ from jax import lax
 
 from jax_data import bridge as bridge_lib
 from jax_data.bridge import Bridge
+from jax_data.bridge import Callback
 from jax_data.host import Host
 from jax_data.host_loader import HostDataLoader
 from jax_data.lifetime import LIVE_HOSTS
@@ -151,7 +152,7 @@ def new_id() -> int:
 
 
 def assemble(loader: HostDataLoader, cache_size: int, mb_size: int, *,
-             callback: str = "auto", cycle: Optional[int] = None,
+             callback: Callback = "auto", cycle: Optional[int] = None,
              progress: Optional[Callable[[int], None]] = None,
              verify_calls: bool = False) -> Tuple[Host, Bridge]:
   """Builds the host side of a pipeline over ``loader`` and finds the

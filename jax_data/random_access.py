@@ -15,6 +15,7 @@ from jax_data import pipeline as pl
 from jax_data import scan as scan_lib
 from jax_data import states
 from jax_data.bridge import Bridge
+from jax_data.bridge import Callback
 from jax_data.bridge import check_callback
 from jax_data.host_loader import HostDataLoader
 from jax_data.loader import DataLoader
@@ -27,7 +28,7 @@ from jax_data.validation import check_int
 
 def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
                           mb_size: int, verify_calls: bool = False, *,
-                          callback: str = "auto") -> pl.Pipeline:
+                          callback: Callback = "auto") -> pl.Pipeline:
   """Random mini-batches of a loader, drawn inside ``jit`` and ``lax.scan``.
 
   A host loader serves chunks of ``cached_batches_count`` batches through a
@@ -86,7 +87,7 @@ class RandomPipeline(pl.RandomPipeline):
   kind = "random"
 
   def __init__(self, loader: HostDataLoader, cache_size: int, mb_size: int,
-               verify_calls: bool, callback: str):
+               verify_calls: bool, callback: Callback):
     host, self._bridge = pl.assemble(loader, cache_size, mb_size,
                                      callback=callback,
                                      verify_calls=verify_calls)

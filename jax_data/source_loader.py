@@ -17,7 +17,6 @@ import functools
 import multiprocessing
 import threading
 import time
-from typing import Any
 from typing import Callable
 from typing import Dict
 from typing import List
@@ -47,6 +46,7 @@ from jax_data.source_workers import submit
 from jax_data.source_workers import terminate
 from jax_data.source_workers import wait
 from jax_data.types import PyTree
+from jax_data.types import RandomAccessSource
 from jax_data.validation import check_bool
 from jax_data.validation import check_int
 
@@ -164,9 +164,10 @@ class SourceDataLoader(HostDataLoader):
 
   random_keywords = HostDataLoader.random_keywords + ("stream",)
 
-  def __init__(self, source: Any, transform: Optional[Callable] = None, *,
+  def __init__(self, source: RandomAccessSource,
+               transform: Optional[Callable] = None, *,
                workers: Optional[int] = None, processes: bool = False):
-    if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+    if not isinstance(source, RandomAccessSource):
       raise TypeError(
           "source must have len(source) and source[i] (a random-access "
           f"source), got source={source!r} of type {type(source).__name__}")

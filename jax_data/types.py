@@ -9,10 +9,26 @@ from typing import Optional
 from typing import Protocol
 from typing import Tuple
 from typing import Union
+from typing import runtime_checkable
 
 import jax
 
 PyTree = Any
+
+
+@runtime_checkable
+class RandomAccessSource(Protocol):
+  """What :class:`~jax_data.SourceDataLoader` reads: ``len(source)``
+  records, record ``i`` as ``source[i]`` (Grain's ``RandomAccessDataSource``,
+  an ArrayRecord data source, a Hugging Face dataset, a PyTorch-style map
+  dataset, a list). A source may also give ``__getitems__(indices)``, a
+  list of records read in one call."""
+
+  def __len__(self) -> int:
+    """The number of records."""
+
+  def __getitem__(self, index: int) -> Any:
+    """Record ``index``: a pytree of arrays or numbers."""
 
 
 class MiniBatchInformation(NamedTuple):
