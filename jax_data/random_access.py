@@ -7,7 +7,6 @@ from typing import Any
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_data import device_loader
@@ -165,12 +164,7 @@ def _advance(bridge: Bridge, cache_size: int, owner: jax.Array,
   state = _refresh(bridge, owner, state, device_count)
   batch, batch_mask = states.batch_at(state.batches, state.mask,
                                       state.position)
-  position = state.position + 1
-  wrap = position >= cache_size
-  new_state = state._replace(
-      chunk=jnp.where(wrap, state.chunk + 1, state.chunk),
-      position=jnp.where(wrap, 0, position))
-  return new_state, batch, batch_mask
+  return states.advanced(state, 1, cache_size), batch, batch_mask
 
 
 @functools.lru_cache(maxsize=None)

@@ -249,11 +249,9 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
   tail_state = refresh_if(tail > 0, tail_state)
   carry, ys = one_by_one(carry, ys, tail_state.batches, tail_state.mask, 0,
                          head + whole * cache_size, tail)
-  final = tail_state._replace(position=tail.astype(jnp.int32))
-  end = position + length
-  final = final._replace(
-      chunk=(state.chunk + end // cache_size).astype(jnp.int32),
-      position=(end % cache_size).astype(jnp.int32))
+  # Where length steps leave the state (its cache: the tail's chunk).
+  final = states.advanced(state, length, cache_size)
+  final = tail_state._replace(chunk=final.chunk, position=final.position)
   return (carry, final), ys
 
 

@@ -117,3 +117,13 @@ def batch_at(batches: PyTree, mask: jax.Array, position: jax.Array):
   """Batch ``position`` of a cache: (batch, mask)."""
   pick = lambda x: jax.lax.dynamic_index_in_dim(x, position, keepdims=False)
   return jax.tree_util.tree_map(pick, batches), pick(mask)
+
+
+def advanced(state: CacheState, steps: Any, cache_size: int) -> CacheState:
+  """``state`` with its chunk counter and cache position moved ``steps``
+  batches on (the cache itself unchanged): the one place that wraps a
+  position past the end of a cache into the next chunk."""
+  end = state.position + steps
+  return state._replace(
+      chunk=(state.chunk + end // cache_size).astype(jnp.int32),
+      position=(end % cache_size).astype(jnp.int32))
