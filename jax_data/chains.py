@@ -290,7 +290,12 @@ class ChainCursor(abc.ABC):
     """Chunk ``indices[i]`` of ``cursors[i]`` for every ``i``, each cursor
     moved past it, as :meth:`produce` gives them one by one: cursors of
     this class with one :meth:`group_key`, each positioned at its chunk.
-    ``allocate(shape, dtype)`` makes buffers to write into.
+    ``allocate(shape, dtype)`` makes buffers to write into. For a request
+    read in place (hundreds of vmapped chains) the host answers the first
+    call per leaf, in leaf order, that asks for every cursor's rows of that
+    leaf one after another (shape ``(len(cursors) * cache_size * mb_size,)
+    + leaf shape``) with compiled code's own buffer: rows written there need
+    no copy. A cursor keeps no reference to a buffer once it returns.
 
     The default produces them one by one.
     """
