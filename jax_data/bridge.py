@@ -362,6 +362,7 @@ class _Callback:
 
   def __call__(self, owners, pipelines, chains, chunks, need):
     """``pure_callback``: returns the lanes' arrays."""
+    LIVE_HOSTS.begin_request()
     try:
       return LIVE_HOSTS.host(_owner(owners)).serve(
           pipelines, chains, chunks, need, self._device_count,
@@ -369,6 +370,8 @@ class _Callback:
     except BaseException:
       LIVE_HOSTS.note_failed_callback()
       raise
+    finally:
+      LIVE_HOSTS.end_request()
 
   def into(self, context, outs, owners, pipelines, chains, chunks, need,
            *kept) -> None:
@@ -386,6 +389,7 @@ class _Callback:
 
   def _serve_into(self, outs, owners, pipelines, chains, chunks, need,
                   keep: bool) -> None:
+    LIVE_HOSTS.begin_request()
     try:
       LIVE_HOSTS.host(_owner(owners)).serve_into(
           [np.asarray(o) for o in outs], np.asarray(pipelines),
@@ -394,6 +398,8 @@ class _Callback:
     except BaseException:
       LIVE_HOSTS.note_failed_callback()
       raise
+    finally:
+      LIVE_HOSTS.end_request()
 
 
 def _owner(owners) -> int:

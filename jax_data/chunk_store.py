@@ -11,690 +11,317 @@ with bounded memory:
   with ``device_count=N`` stays until N requests took it, within a hard cap;
   the chunks of all chains together stay within a byte budget, least
   recently used first out, so memory does not grow with the number of
-  chains created;
+  chains created (:class:`~jax_data.chain_records.Shelf`);
 * the loader cursor's position is saved before each chunk, and the
   snapshots thin out logarithmically with age; a chunk no longer kept is
-  produced again from the nearest earlier snapshot.
+  produced again from the nearest earlier snapshot
+  (:class:`~jax_data.production.Producer`).
+
+:class:`ChainStore` is the one owner of serving: it answers "chunk k of
+chain c" and schedules the chunks that come after through the
+:class:`Scheduler` it is given (the host's prefetch thread).
 
 Only NumPy runs here; nothing calls JAX.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import dataclasses
-import math
+import functools
 import threading
-import warnings
-from typing import Any
 from typing import Callable
-from typing import Dict
 from typing import Hashable
+from typing import Iterable
 from typing import List
 from typing import Optional
+from typing import Protocol
 from typing import Sequence
 from typing import Tuple
 
-import numpy as np
-
-from jax_data.chains import ChainCursor
-from jax_data.chains import ChainSpec
+from jax_data.chain_records import ChainRecord
+from jax_data.chain_records import ChainTable
+from jax_data.chain_records import Shelf
+from jax_data.chain_records import settle
 from jax_data.chains import Chunk
-from jax_data.chains import ChunkLayout
-from jax_data.chains import Position
-from jax_data.errors import HostLoaderError
-from jax_data.errors import PipelineReleasedError
-from jax_data.gather import BufferPool
-from jax_data.host_loader import HostDataLoader
+from jax_data.production import CursorBudget
+from jax_data.production import Producer
 
-#: A chunk to produce: its chain, its index, the future its requests wait
-#: on.
-Job = Tuple["ChainRecord", int, concurrent.futures.Future]
+# Chunks whose production follows the copy of a served one: (chain, index).
+Deferred = List[Tuple[ChainRecord, int]]
 
 
-def keep_snapshot(index: int, newest: int, recent: int) -> bool:
-  """Whether the snapshot before chunk ``index`` survives thinning.
+class Scheduler(Protocol):
+  """Where the store runs work in the background
+  (:class:`~jax_data.prefetch.Prefetcher`)."""
 
-  All of the last ``recent`` are kept; older ones are kept at a spacing
-  that doubles with age, so their number grows as ``log(newest)``.
-  """
-  age = newest - index
-  if age < recent or index == 0:
-    return True
-  spacing = 1 << max(0, (age // recent).bit_length() - 1)
-  return index % spacing == 0
+  def submit(self, keys: Iterable[Hashable], run: Callable[[], None],
+             cancel: Callable[[BaseException], None]) -> bool:
+    """Queues ``run``; False if closed."""
 
+  def take(self, key: Hashable) -> Optional[Callable[[], None]]:
+    """The queued job under ``key``, removed, to run now; None if none."""
 
-@dataclasses.dataclass
-class Entry:
-  """A stored chunk and how many more requests are expected for it."""
-  future: concurrent.futures.Future
-  pending: Optional[int] = None  # None: produced ahead, not yet requested
+  def wait_idle(self, timeout: float) -> bool:
+    """Whether the queue emptied within ``timeout`` seconds."""
+
+  def close(self, error: BaseException) -> None:
+    """Cancels the jobs not started with ``error``."""
 
 
-@dataclasses.dataclass
-class ChainRecord:
-  """The host's bookkeeping of one chain.
+def _cancel(futures: Sequence[concurrent.futures.Future],
+            error: BaseException) -> None:
+  for future in futures:
+    settle(future, error=error)
 
-  Attributes:
-    number: The chain's number on its loader (``CacheState.chain``).
-    spec: What it draws.
-    cursor: The loader's cursor; it stands before chunk ``next_index``.
-    snapshots: Chunk index -> the cursor's position before that chunk.
-    next_index: The chunk the cursor produces next; None while unknown (a
-      production failed half-way).
-    chunks: Stored chunks by index, oldest first.
-    produce_lock: Held while the cursor works.
-    devices: The largest ``device_count`` a request for the chain named.
-  """
-  number: int
-  spec: ChainSpec
-  cursor: ChainCursor
-  snapshots: Dict[int, Position]
-  next_index: Optional[int]
-  chunks: "collections.OrderedDict[int, Entry]" = dataclasses.field(
-      default_factory=collections.OrderedDict)
-  produce_lock: threading.Lock = dataclasses.field(
-      default_factory=threading.Lock)
-  pruned_size: int = 0
-  devices: int = 1
-  closed: bool = False
-  keep: int = 2
+
+def _skip(error: BaseException) -> None:
+  del error  # a housekeeping job cancelled: nothing waits for it
 
 
 class ChainStore:
-  """The chains of one pipeline and their stored chunks.
+  """Serves the chunks of one pipeline's chains.
 
   Args:
-    loader: The host loader.
-    layout: The chunks' arrays.
-    name: The loader's repr, for messages.
+    chains: The pipeline's chains.
     cycle: Chunks per pass of ordered chains whose requests wrap around
       (full-data passes); None for random chains.
     verify_calls: Warn when a chunk is produced again because a request
       came for one no longer stored (a state used twice).
-    keep: Served chunks kept per chain besides the ``ahead`` produced ahead
-      (none for chains whose cursors reach any chunk directly, counter-based
-      streams: a chunk asked for again is produced again, as cheaply).
-      Chunks still awaited by some of ``device_count`` devices are kept too,
-      up to ``keep + ahead + 2 * device_count`` (at most ``max_stored``; the
-      limits are the loader's :class:`~jax_data.host_loader.StoreLimits`).
+    scheduler: Runs the productions ahead and the housekeeping in the
+      background; None: chunks are produced when asked for.
+
+  A chain keeps ``chains.keep`` served chunks besides the ``ahead``
+  produced ahead (none for chains whose cursors reach any chunk directly,
+  counter-based streams: a chunk asked for again is produced again, as
+  cheaply). Chunks still awaited by some of ``device_count`` devices are
+  kept too, up to ``keep + ahead + 2 * device_count`` (at most
+  ``max_stored``; the limits are the loader's
+  :class:`~jax_data.host_loader.StoreLimits`).
   """
 
-  def __init__(self, loader: HostDataLoader, layout: ChunkLayout, name: str,
-               cycle: Optional[int] = None, verify_calls: bool = False,
-               keep: int = 2):
-    self._loader: Optional[HostDataLoader] = loader
-    self.layout = layout
-    self.name = name
+  def __init__(self, chains: ChainTable, cycle: Optional[int] = None,
+               verify_calls: bool = False,
+               scheduler: Optional[Scheduler] = None):
+    self._chains = chains
+    self.name = chains.name
     self.cycle = cycle
-    self._verify_calls = verify_calls
-    self._keep = keep
-    self._limits = loader.store_limits
-    self._records: Dict[int, ChainRecord] = {}
+    self._limits = chains.loader.store_limits
     self._lock = threading.Lock()
-    self._buffers = BufferPool()
-    # Every stored chunk, least recently used first: (chain, index) -> chain.
-    self._stored: "collections.OrderedDict[Tuple[int, int], ChainRecord]" = (
-        collections.OrderedDict())
-    self._lanes = 1
-    self._idle: List[ChainRecord] = []
-    # Chains whose cursors hold something, least recently produced for
-    # first: number -> bytes held; their sum; the most one chain held.
-    self._held: "collections.OrderedDict[int, int]" = (
-        collections.OrderedDict())
-    self._held_total = 0
-    self._held_most = 0
-
-  # -- chains -------------------------------------------------------------
-
-  @property
-  def loader(self) -> HostDataLoader:
-    loader = self._loader
-    if loader is None:
-      raise PipelineReleasedError(
-          f"this pipeline over {self.name} was released by its release_fn; "
-          "create a new pipeline to draw more data")
-    return loader
-
-  def add(self, spec: ChainSpec,
-          snapshot: Optional[Tuple[int, Position]] = None) -> ChainRecord:
-    """Adds a chain to the loader and to the store.
-
-    Args:
-      spec: The chain.
-      snapshot: ``(index, position)``: the chain starts at the position
-        saved before chunk ``index`` (a restored checkpoint); else at chunk
-        0.
-
-    Raises:
-      ValueError: the loader refuses the spec or the position; nothing is
-        added then.
-    """
-    number, spec, cursor = self.loader.add_chain(spec, self.layout)
-    index = 0
-    if snapshot is not None:
-      index, position = snapshot
-      try:
-        cursor.seek(position)
-      except BaseException:
-        cursor.close()
-        raise
-    direct = cursor.position_at(index + 1) is not None
-    record = ChainRecord(number, spec, cursor, {index: cursor.position()},
-                         index, keep=0 if direct else self._keep)
-    with self._lock:
-      self._records[number] = record
-    return record
-
-  def numbers(self) -> List[int]:
-    """The numbers of the chains in the store."""
-    with self._lock:
-      return sorted(self._records)
-
-  def record(self, number: int) -> ChainRecord:
-    """The chain ``number``; a clear error if this pipeline has none."""
-    with self._lock:
-      record = self._records.get(int(number))
-    if record is None:
-      _ = self.loader  # released pipelines say so
-      raise ValueError(
-          f"chain {int(number)} was not created by this pipeline's init_fn "
-          f"(chains of this pipeline: {sorted(self._records)})")
-    return record
+    self._shelf = Shelf(chains.layout, self._limits, chains.keep)
+    self._held = CursorBudget()
+    self._producer = Producer(chains.layout, self.name, self._limits,
+                              self._held, verify_calls)
+    self._scheduler = scheduler
+    self._trim_queued = threading.Event()
 
   def remove(self, number: int) -> None:
-    """Takes a chain out of the store and closes its cursor."""
+    """Takes a chain out of the pipeline and closes its cursor."""
+    record = self._chains.pop(number)
+    if record is None:
+      return
     with self._lock:
-      record = self._records.pop(int(number), None)
-      if record is None:
-        return
-      self._held_total -= self._held.pop(record.number, 0)
       for index in list(record.chunks):
-        self._drop(record, index)
-    _close(record, blocking=True)
+        self._shelf.drop(record, index)
+    record.close(blocking=True)
+    self._held.forget(record.number)
 
-  def snapshot_before(self, record: ChainRecord, index: int
-                      ) -> Tuple[int, Position]:
-    """The newest snapshot at or before chunk ``index``: (its index,
-    position)."""
-    with record.produce_lock:
-      base = max(i for i in record.snapshots if i <= index)
-      return base, record.snapshots[base]
+  def reads_in_place(self, lanes: int) -> bool:
+    """See :meth:`Shelf.reads_in_place`."""
+    return self._shelf.reads_in_place(lanes)
 
-  def following(self, index: int) -> int:
-    """The chunk requested after chunk ``index``."""
-    following = index + 1
-    return following if self.cycle is None else following % self.cycle
+  # -- serving ------------------------------------------------------------
 
-  # -- stored chunks ------------------------------------------------------
+  def chunks(self, wanted: Sequence[Tuple[int, int]], device_count: int = 1,
+             defer: Optional[Deferred] = None,
+             into: Optional[Sequence[Chunk]] = None) -> List[Chunk]:
+    """Chunk ``index`` of chain ``chain`` for each ``(chain, index)``.
 
-  def claim(self, record: ChainRecord, index: int, device_count: int
-            ) -> Tuple[concurrent.futures.Future, bool]:
-    """The future of chunk ``index`` for a request, and whether the caller
-    must produce it (it was not stored)."""
-    with self._lock:
-      record.devices = max(record.devices, device_count)
-      entry = record.chunks.get(index)
-      if entry is not None:
-        entry.pending = (device_count if entry.pending is None
-                         else entry.pending) - 1
-        record.chunks.move_to_end(index)
-        self._stored.move_to_end((record.number, index))
-        return entry.future, False
-      self._store(record, index, Entry(concurrent.futures.Future(),
-                                       device_count - 1))
-      return record.chunks[index].future, True
+    The chunks not stored yet are produced now, those of chains whose
+    cursors produce together in one call (vmapped counter-based chains:
+    one draw of all their indices, one read of all their rows). A chunk
+    still queued behind other productions is produced here.
 
-  def claim_ahead(self, record: ChainRecord, index: int
-                  ) -> Optional[concurrent.futures.Future]:
-    """A future for producing chunk ``index`` before it is requested, or
-    None if it is stored already."""
-    with self._lock:
-      if index in record.chunks:
-        return None
-      self._store(record, index, Entry(concurrent.futures.Future()))
-      return record.chunks[index].future
+    ``into``: for each ``(chain, index)``, compiled code's buffers that
+    will receive it. A request too large to keep chunks ahead for
+    (:meth:`reads_in_place`) has the chunks of chains that regenerate any
+    chunk (counter-based streams) read straight into them, neither stored
+    nor produced ahead; the chunks returned are then views of those
+    buffers.
 
-  def forget(self, record: ChainRecord, index: int,
-             future: concurrent.futures.Future) -> None:
-    """Drops a failed chunk, so that a later request tries again."""
-    with self._lock:
-      entry = record.chunks.get(index)
-      if entry is not None and entry.future is future:
-        self._drop(record, index)
+    ``device_count`` requests are expected for each chunk (one per device
+    of a replicated state); it is kept until they all came, within a cap.
+
+    The production of the next chunks of every chain (:meth:`Shelf.ahead`)
+    starts now, together, or, if ``defer`` is a list and the chunks were
+    ready when asked for (the device, not the host, sets the pace) or are
+    several, is appended to ``defer`` for the caller to pass to
+    :meth:`schedule_next` once it has copied the chunks, so that the copy
+    does not compete with it.
+
+    Raises:
+      HostLoaderError: the loader failed (the first failure in lane
+        order); a later request tries the failed chunks again.
+    """
+    in_place = (into is not None and device_count == 1
+                and self._shelf.reads_in_place(len(wanted)))
+    # Per (chain, index): record, index, future, ready, stored.
+    claims: List[Tuple[ChainRecord, int, concurrent.futures.Future, bool,
+                       bool]] = []
+    mine, direct, targets = [], {}, {}
+    for lane, (chain, index) in enumerate(wanted):
+      record = self._chains.record(chain)
+      if index < 0:
+        raise ValueError(
+            f"chunk={index} of chain {chain} requested: a state's chunk "
+            "counter is never negative; was the state built by hand?")
+      with self._lock:
+        stored = not (in_place and record.regenerates
+                      and index not in record.chunks)
+        if stored:
+          future, produce = self._shelf.claim(record, index, device_count)
+      if stored:
+        claims.append((record, index, future, future.done(), True))
+        if produce:
+          mine.append((record, index, future))
+        continue
+      job = direct.get((chain, index))
+      if job is None:  # the same chunk twice in a request: read once
+        job = direct[(chain, index)] = (record, index,
+                                        concurrent.futures.Future())
+        targets[id(job[2])] = into[lane]
+        mine.append(job)
+      claims.append((record, index, job[2], False, False))
+    if mine:
+      self._producer.produce_many(mine, targets)
+    scheduler = self._scheduler
+    for record, index, future, _, _ in claims:
+      # Still queued behind other chains' chunks: produce it here.
+      run = (None if future.done() or scheduler is None
+             else scheduler.take((record.number, index)))
+      if run is not None:
+        run()
+    failure = None
+    for record, index, future, _, stored in claims:
+      if future.exception() is not None:
+        if stored:  # a later request tries again
+          with self._lock:
+            self._shelf.forget(record, index, future)
+        failure = failure or future.exception()
+    now = []
+    for record, index, _, ready, stored in claims:
+      if not stored or (in_place and record.regenerates):
+        continue  # read in place next time too: nothing ahead
+      # Several lanes: their copies are many short calls that need the GIL
+      # the production would hold; the next chunks wait for them too.
+      later = defer is not None and (ready or len(claims) > 1)
+      (defer if later else now).append((record, index))
+    self.schedule_next(now)
+    if failure is not None:
+      raise failure
+    return [future.result() for _, _, future, _, _ in claims]
 
   def note_lanes(self, lanes: int) -> None:
     """A request asked for ``lanes`` chunks at once: the store keeps room
     for ``keep + ahead`` chunks per lane of the largest such request (the
     served ones kept and those produced ahead)."""
-    self._lanes = max(self._lanes, lanes)
+    self._shelf.lanes = max(self._shelf.lanes, lanes)
 
-  def ahead(self) -> int:
-    """Chunks produced ahead of each chain's requests: ``store_limits.
-    ahead``, or fewer (at least one) where that many chunks for every lane
-    of the largest request would pass ``store_bytes`` (1,024 vmapped
-    chains, each chunk a large cache)."""
-    limits = self._limits
-    step = self._lanes * self.layout.nbytes
-    return max(1, min(limits.ahead, limits.store_bytes // max(step, 1)))
+  def _following(self, index: int) -> int:
+    """The chunk requested after chunk ``index``."""
+    following = index + 1
+    return following if self.cycle is None else following % self.cycle
 
-  def reads_in_place(self, lanes: int) -> bool:
-    """Whether a request of ``lanes`` chunks is read straight into compiled
-    code's buffers, where its chains allow (:meth:`regenerates`), rather
-    than produced ahead into the store's: when one chunk for every lane
-    would pass ``store_bytes`` (hundreds of vmapped chains). Then nothing
-    is kept between requests, and no chunk is copied once more."""
-    return lanes * self.layout.nbytes > self._limits.store_bytes
-
-  @staticmethod
-  def regenerates(record: ChainRecord) -> bool:
-    """Whether a chain's cursor reaches any chunk at once (a
-    counter-based stream): its chunks need not be stored."""
-    return record.keep == 0
-
-  def holds(self, record: ChainRecord, index: int) -> bool:
-    """Whether chunk ``index`` of a chain is stored or being produced."""
-    with self._lock:
-      return index in record.chunks
-
-  def _store(self, record: ChainRecord, index: int, entry: Entry) -> None:
-    """Stores an entry, then drops chunks beyond the bounds (with ``_lock``
-    held)."""
-    record.chunks[index] = entry
-    self._stored[(record.number, index)] = record
-    self._evict(record)
-    self._evict_across_chains()
-
-  def _drop(self, record: ChainRecord, index: int) -> None:
-    del record.chunks[index]
-    del self._stored[(record.number, index)]
-
-  def _evict(self, record: ChainRecord) -> None:
-    """Drops a chain's served chunks beyond its ``keep`` plus
-    :meth:`ahead` (with ``_lock`` held). Chunks that some device has yet to
-    take stay, up to the hard cap."""
-    limits = self._limits
-    kept = record.keep + self.ahead()
-    cap = min(limits.max_stored, kept + 2 * record.devices)
-    chunks = record.chunks
-    while len(chunks) > kept:
-      oldest, served, newest = None, None, next(reversed(chunks))
-      for i, entry in chunks.items():  # oldest first
-        if i == newest:
-          break
-        if oldest is None:
-          oldest = i
-        if entry.pending is not None and entry.pending <= 0:
-          served = i
-          break
-      if served is not None:
-        self._drop(record, served)
-      elif len(chunks) > cap:
-        self._drop(record, oldest)
-      else:
-        break
-
-  def _evict_across_chains(self) -> None:
-    """Drops the least recently used chunks of any chain while the store
-    holds more than ``store_bytes``, or ``keep + ahead`` chunks per lane of
-    the largest request if that is more (with ``_lock`` held). Chunks still
-    being produced stay; a dropped chunk is produced again if asked for. A chain
-    left with no chunk trims its cursor's caches."""
-    limit = max(self._limits.store_bytes // max(self.layout.nbytes, 1),
-                (self._keep + self._limits.ahead) * self._lanes)
-    if len(self._stored) <= limit:
+  def schedule_next(self, served: Sequence[Tuple[ChainRecord, int]]
+                    ) -> None:
+    """Starts producing the :meth:`Shelf.ahead` chunks after each served
+    ``(chain, index)`` in the background (those not stored yet): one job
+    per step ahead, which produces that chunk of every chain together."""
+    scheduler = self._scheduler
+    if scheduler is None or not served:
       return
-    for number, index in list(self._stored):
-      if len(self._stored) <= limit:
-        break
-      record = self._stored[(number, index)]
-      if not record.chunks[index].future.done():
+    following = list(served)
+    for _ in range(self._shelf.ahead()):
+      following = [(record, self._following(index))
+                   for record, index in following]
+      with self._lock:
+        jobs = self._shelf.claim_ahead(following)
+      if not jobs:
         continue
-      self._drop(record, index)
-      if not record.chunks:
-        self._idle.append(record)
+      futures = [future for _, _, future in jobs]
+      if not scheduler.submit(
+          [(record.number, index) for record, index, _ in jobs],
+          functools.partial(self._producer.produce_many, jobs),
+          functools.partial(_cancel, futures)):
+        _cancel(futures, self._chains.closing_error())
+        return
+
+  # -- housekeeping -------------------------------------------------------
+
+  def trim_later(self) -> None:
+    """Has the scheduler trim the cursors of idle chains and of those
+    beyond the budget (:meth:`trim_idle`) once it has started the
+    productions queued now. That housekeeping may drop a ``tf.data``
+    iterator of another chain, which can take seconds: a request never
+    waits for it. Without a scheduler it runs here, after the request's
+    chunks were produced."""
+    scheduler = self._scheduler
+    if scheduler is None:
+      self.trim_idle()
+      return
+    if self._trim_queued.is_set():
+      return
+    self._trim_queued.set()
+    if not scheduler.submit(("trim",), self._trim_queued_job, _skip):
+      self._trim_queued.clear()
+
+  def _trim_queued_job(self) -> None:
+    self._trim_queued.clear()
+    self.trim_idle()
 
   def trim_idle(self) -> None:
     """Trims the cursors of chains whose chunks were all dropped for room,
-    then those of the chains produced for least recently while all cursors
-    hold more than the budget (see ``held_requests``); a cursor that is
-    producing is passed over. Housekeeping: producing never trims, and the
-    host calls this once a request has its chunks, in its prefetch thread
-    (trimming may drop a ``tf.data`` iterator of another chain)."""
+    then those beyond the budget (:meth:`CursorBudget.trim`).
+    Housekeeping: producing never trims."""
     with self._lock:
-      idle, self._idle = self._idle, []
-    for record in idle:
-      if record.produce_lock.acquire(blocking=False):
-        try:
-          if not record.chunks and not record.closed:
-            record.cursor.trim()
-            self._note_held(record.number, record.cursor.held_bytes())
-        finally:
-          record.produce_lock.release()
-    self._trim_held()
+      idle, self._shelf.idle = self._shelf.idle, []
+      lanes = self._shelf.lanes
+    self._held.trim(idle, self._chains.get, self._limits, lanes)
 
-  # -- production ---------------------------------------------------------
-
-  def produce_into(self, record: ChainRecord, index: int,
-                   future: concurrent.futures.Future,
-                   out: Optional[Chunk] = None) -> None:
-    """Produces chunk ``index`` (into ``out`` if given, see
-    :meth:`produce_many`) and sets ``future`` to it, or to the failure
-    (named :class:`HostLoaderError`); a future that release failed
-    meanwhile keeps its answer."""
-    try:
-      chunk = self._produce(record, index, out)
-    except BaseException as e:  # every failure reaches the waiting request
-      settle(future, error=self._wrap(record, index, e))
-    else:
-      settle(future, chunk)
-
-  def produce_many(self, jobs: Sequence[Job],
-                   into: Optional[Dict[int, Chunk]] = None) -> None:
-    """Produces the chunks ``(chain, index, future)`` of ``jobs`` and
-    settles their futures as :meth:`produce_into` does. The chains whose
-    cursors share a :meth:`~jax_data.chains.ChainCursor.group_key` are
-    produced together, in one :meth:`~jax_data.chains.ChainCursor.
-    produce_group` call (the vmapped chains of one request); the others
-    one by one.
-
-    ``into`` maps a job's future (by ``id``) to the buffers its chunk is
-    written into (compiled code's own, see :meth:`reads_in_place`) instead
-    of the store's: a group whose buffers follow each other in memory, in
-    chain order, is read into them in one piece. Such chunks are not
-    stored."""
-    groups: Dict[Hashable, List[Job]] = {}
-    alone: List[Job] = []
-    grouped = set()
-    for job in jobs:
-      key = job[0].cursor.group_key()
-      if key is None or job[0].number in grouped:
-        alone.append(job)  # a chain twice: its second chunk after
-      else:
-        grouped.add(job[0].number)
-        groups.setdefault(key, []).append(job)
-    into = into or {}
-    for group in groups.values():
-      if len(group) > 1:
-        alone.extend(self._produce_group(group, into))
-      else:
-        alone.extend(group)
-    for record, index, future in alone:
-      self.produce_into(record, index, future, into.get(id(future)))
-
-  def _produce_group(self, group: List[Job], into: Dict[int, Chunk]
-                     ) -> List[Job]:
-    """Produces a group's chunks in one call (with every chain's
-    ``produce_lock`` held, taken in chain order); returns the jobs left to
-    produce one by one (chains closed meanwhile, cursors that cannot
-    seek directly)."""
-    try:
-      _ = self.loader  # not after release
-    except PipelineReleasedError as e:
-      for _, _, future in group:
-        settle(future, error=e)
-      return []
-    group = sorted(group, key=lambda job: job[0].number)
-    locked, ready, left = [], [], []
-    try:
-      for record, index, future in group:
-        record.produce_lock.acquire()
-        locked.append(record)
-        try:
-          stands = not record.closed and _stand_at(record, index)
-        except BaseException as e:  # a seek refused: this chain's failure
-          settle(future, error=self._wrap(record, index, e))
-          continue
-        (ready if stands else left).append((record, index, future))
-      if ready:
-        self._produce_ready(ready, into)
-    finally:
-      for record in locked:
-        record.produce_lock.release()
-      if self._loader is None:  # released while producing
-        for record in locked:
-          _close(record, blocking=True)
-    return left
-
-  def _produce_ready(self, ready: List[Job], into: Dict[int, Chunk]
-                     ) -> None:
-    """:meth:`_produce_group` once each cursor stands at its chunk."""
-    cursors = [record.cursor for record, _, _ in ready]
-    allocate = self._buffers.empty
-    targets = [into.get(id(future)) for _, _, future in ready]
-    if all(target is not None for target in targets):
-      allocate = _Regions(targets, allocate)
-    try:
-      for record, index, _ in ready:
-        if index not in record.snapshots:
-          record.snapshots[index] = record.cursor.position()
-        record.next_index = None  # unknown until the cursors return
-      chunks = type(cursors[0]).produce_group(
-          cursors, [index for _, index, _ in ready], self.layout, allocate)
-      chunks = [self.layout.check(chunk) for chunk in chunks]
-    except BaseException as e:  # every failure reaches the waiting requests
-      for record, index, future in ready:
-        settle(future, error=self._wrap(record, index, e))
-      return
-    for (record, index, future), chunk in zip(ready, chunks):
-      record.next_index = index + 1
-      self._thin(record)
-      self._note_held(record.number, record.cursor.held_bytes())
-      settle(future, chunk)
-
-  def _wrap(self, record: ChainRecord, index: int, e: BaseException):
-    if isinstance(e, (HostLoaderError, PipelineReleasedError)):
-      return e
-    error = HostLoaderError(
-        f"{self.name}, chain {record.number}, chunk {index}: "
-        f"{type(e).__name__}: {e}")
-    error.__cause__ = e
-    return error
-
-  def _produce(self, record: ChainRecord, index: int,
-               out: Optional[Chunk] = None) -> Chunk:
-    _ = self.loader  # not after release
-    try:
-      with record.produce_lock:
-        chunk = self._produce_locked(record, index, out)
-        self._note_held(record.number, record.cursor.held_bytes())
-    finally:
-      if self._loader is None:  # released while producing
-        _close(record, blocking=True)
-    return chunk  # no trimming here: see trim_idle
-
-  def _note_held(self, number: int, held: int) -> None:
-    """Notes what chain ``number``'s cursor holds after producing for it
-    (with its ``produce_lock`` held)."""
-    with self._lock:
-      self._held_total -= self._held.pop(number, 0)
-      if held and number in self._records:
-        self._held[number] = held
-        self._held_total += held
-        self._held_most = max(self._held_most, held)
-
-  def _trim_held(self) -> None:
-    """Trims the cursors of the chains produced for least recently while
-    the cursors of all chains hold more than the budget (see
-    ``held_requests``). A cursor that is producing is passed over; the
-    chains of the last request never are trimmed."""
-    with self._lock:
-      protected = max(self._lanes, 1)
-      limit = max(self._limits.store_bytes,
-                  self._limits.held_requests * protected * self._held_most)
-      if self._held_total <= limit:
-        return
-      excess = self._held_total - limit
-      candidates = []
-      for number, held in list(self._held.items())[:-protected]:
-        if excess <= 0:
-          break
-        candidates.append(self._records[number])
-        excess -= held
-    for record in candidates:
-      if not record.produce_lock.acquire(blocking=False):
-        continue
-      try:
-        if not record.closed:
-          record.cursor.trim()
-          self._note_held(record.number, record.cursor.held_bytes())
-      finally:
-        record.produce_lock.release()
-
-  def _produce_locked(self, record: ChainRecord, index: int,
-                      out: Optional[Chunk] = None) -> Chunk:
-    """Produces chunk ``index`` (with the chain's ``produce_lock`` held),
-    moving the cursor back to a snapshot first if it stands elsewhere;
-    into ``out`` if given."""
-    cursor = record.cursor
-    direct = (None if record.next_index == index
-              else cursor.position_at(index))
-    if direct is not None:  # a counter-based stream: no replay
-      record.next_index = None
-      cursor.seek(direct)
-      record.next_index = index
-    if record.next_index != index:
-      base = max(i for i in record.snapshots if i <= index)
-      if index - base > self._limits.max_replay:
-        raise ValueError(
-            f"chunk {index} of chain {record.number} is {index - base} "
-            f"chunks past its nearest snapshot (chunk {base}), more than "
-            f"the {self._limits.max_replay} a request may replay; the "
-            "state's chunk counter does not come from this chain")
-      if self._verify_calls and record.next_index is not None:
-        warnings.warn(
-            f"{self.name}, chain {record.number}: chunk {index} was "
-            f"requested again after chunk {record.next_index - 1}; "
-            f"replaying from chunk {base}", stacklevel=2)
-      record.next_index = None
-      cursor.seek(record.snapshots[base])
-      record.next_index = base
-    while True:
-      current = record.next_index
-      if current not in record.snapshots:
-        record.snapshots[current] = cursor.position()
-      record.next_index = None  # unknown until the cursor returns
-      chunk = cursor.produce(current, out if out is not None and (
-          current == index) else self.layout.new_chunk(self._buffers.empty))
-      record.next_index = current + 1
-      self._thin(record)
-      if current == index:
-        return self.layout.check(chunk)
-
-  def _thin(self, record: ChainRecord) -> None:
-    recent = self._limits.recent_snapshots
-    if len(record.snapshots) <= 2 * record.pruned_size + recent:
-      return
-    newest = max(record.snapshots)
-    record.snapshots = {i: s for i, s in record.snapshots.items()
-                        if keep_snapshot(i, newest,
-                                         self._limits.recent_snapshots)}
-    record.pruned_size = len(record.snapshots)
+  def wait_idle(self, timeout: float) -> bool:
+    """Whether the scheduler ran the jobs queued within ``timeout``
+    seconds."""
+    scheduler = self._scheduler
+    return scheduler is None or scheduler.wait_idle(timeout)
 
   # -- release ------------------------------------------------------------
 
+  def stop_prefetching(self, error: BaseException) -> None:
+    """Closes the scheduler (jobs not started get ``error``); chunks are
+    then produced when asked for."""
+    scheduler, self._scheduler = self._scheduler, None
+    if scheduler is not None:
+      scheduler.close(error)
+
   def release(self, error: BaseException) -> None:
     """Drops the loader and every chain: requests still waiting for a chunk
-    get ``error``, and cursors are cancelled and closed (a cursor that is
+    get ``error``, the scheduler's jobs not started the store's released
+    error, and cursors are cancelled and closed (a cursor that is
     producing stops soon and closes when it is done). Idempotent; does not
     wait for a production."""
+    records = self._chains.release()
     with self._lock:
-      self._loader = None
-      records, self._records = list(self._records.values()), {}
+      self._producer.release(
+          f"this pipeline over {self.name} was released by its release_fn; "
+          "create a new pipeline to draw more data")
       waiting = [entry.future for record in records
                  for entry in record.chunks.values()]
       for record in records:
         record.chunks.clear()
-      self._stored.clear()
-      self._held.clear()
-      self._held_total = 0
+      self._shelf.clear()
+    self._held.clear()
     for future in waiting:
       settle(future, error=error)
+    self.stop_prefetching(self._chains.closing_error())
     for record in records:
       record.cursor.cancel()  # a production stops soon, and raises
-      _close(record, blocking=False)  # if producing, it closes when done
-
-
-class _Regions:
-  """The ``allocate`` of a group produced into given chunks (see
-  :meth:`ChainStore.produce_many`): a group's cursors ask for one buffer
-  per leaf for all their rows, in leaf order; where the given chunks'
-  leaves follow each other in memory, in the group's order, that buffer is
-  the span of them, so the rows land in place. Other requests get
-  ``fallback``'s buffers."""
-
-  def __init__(self, chunks: Sequence[Chunk],
-               fallback: Callable[..., np.ndarray]):
-    self._spans = [_span([chunk.leaves[k] for chunk in chunks])
-                   for k in range(len(chunks[0].leaves))]
-    self._next = 0
-    self._fallback = fallback
-
-  def __call__(self, shape: Tuple[int, ...], dtype: Any) -> np.ndarray:
-    k, self._next = self._next, self._next + 1
-    span = self._spans[k] if k < len(self._spans) else None
-    if span is not None and span.size == math.prod(shape) and (
-        span.dtype == np.dtype(dtype)):
-      return span.reshape(shape)  # a view: the span is contiguous
-    return self._fallback(shape, dtype)
-
-
-def _span(arrays: Sequence[np.ndarray]) -> Optional[np.ndarray]:
-  """One writable array over ``arrays`` (C-contiguous, alike, each
-  starting where the one before ends), stacked on a new leading axis; None
-  if they are not laid out so."""
-  first = arrays[0]
-  if not all(a.flags.c_contiguous and a.flags.writeable
-             and a.shape == first.shape and a.dtype == first.dtype
-             for a in arrays):
-    return None
-  start = first.__array_interface__["data"][0]
-  if any(a.__array_interface__["data"][0] != start + g * first.nbytes
-         for g, a in enumerate(arrays)):
-    return None
-  return np.lib.stride_tricks.as_strided(
-      first, (len(arrays),) + first.shape, (first.nbytes,) + first.strides,
-      writeable=True)
-
-
-def _close(record: ChainRecord, blocking: bool) -> None:
-  """Closes a chain's cursor once, unless it is producing and ``blocking``
-  is False."""
-  if not record.produce_lock.acquire(blocking=blocking):
-    return
-  try:
-    if not record.closed:
-      record.closed = True
-      record.cursor.close()
-  finally:
-    record.produce_lock.release()
-
-
-def _stand_at(record: ChainRecord, index: int) -> bool:
-  """Moves a chain's cursor to chunk ``index`` if it can seek there
-  directly (a counter-based stream), with its ``produce_lock`` held;
-  whether it stands there."""
-  if record.next_index == index:
-    return True
-  direct = record.cursor.position_at(index)
-  if direct is None:
-    return False
-  record.next_index = None
-  record.cursor.seek(direct)
-  record.next_index = index
-  return True
-
-
-def settle(future: concurrent.futures.Future, result: Any = None,
-           error: Optional[BaseException] = None) -> None:
-  """Sets a future's result or error, unless it has one already."""
-  try:
-    if error is not None:
-      future.set_exception(error)
-    else:
-      future.set_result(result)
-  except concurrent.futures.InvalidStateError:
-    pass
-
+      record.close(blocking=False)  # if producing, it closes when done

@@ -1,0 +1,427 @@
+"""The host's bookkeeping of a pipeline's chains.
+
+A :class:`ChainRecord` is one chain of a pipeline on the host: its spec, its
+loader cursor, the snapshots of the cursor's position and the chunks kept
+for it (futures, so that concurrent requests for one chunk wait for a single
+production). The :class:`Shelf` holds the chunks of all chains within their
+bounds, and the :class:`ChainTable` the chains by number.
+
+Only NumPy runs here; nothing calls JAX.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
+
+from jax_data.chains import ChainCursor
+from jax_data.chains import ChainSpec
+from jax_data.chains import ChunkLayout
+from jax_data.chains import Position
+from jax_data.chains import RandomChain
+from jax_data.chains import spec_from_json
+from jax_data.chains import spec_to_json
+from jax_data.errors import CheckpointError
+from jax_data.errors import PipelineReleasedError
+from jax_data.host_loader import HostDataLoader
+from jax_data.host_loader import StoreLimits
+from jax_data.validation import check_int
+
+#: A chunk to produce: its chain, its index, the future its requests wait
+#: on.
+Job = Tuple["ChainRecord", int, concurrent.futures.Future]
+
+
+def keep_snapshot(index: int, newest: int, recent: int) -> bool:
+  """Whether the snapshot before chunk ``index`` survives thinning.
+
+  All of the last ``recent`` are kept; older ones are kept at a spacing
+  that doubles with age, so their number grows as ``log(newest)``.
+  """
+  age = newest - index
+  if age < recent or index == 0:
+    return True
+  spacing = 1 << max(0, (age // recent).bit_length() - 1)
+  return index % spacing == 0
+
+
+def settle(future: concurrent.futures.Future, result: Any = None,
+           error: Optional[BaseException] = None) -> None:
+  """Sets a future's result or error, unless it has one already."""
+  try:
+    if error is not None:
+      future.set_exception(error)
+    else:
+      future.set_result(result)
+  except concurrent.futures.InvalidStateError:
+    pass
+
+
+@dataclasses.dataclass
+class Entry:
+  """A stored chunk and how many more requests are expected for it."""
+  future: concurrent.futures.Future
+  pending: Optional[int] = None  # None: produced ahead, not yet requested
+
+
+@dataclasses.dataclass
+class ChainRecord:
+  """The host's bookkeeping of one chain.
+
+  Attributes:
+    number: The chain's number on its loader (``CacheState.chain``).
+    spec: What it draws.
+    cursor: The loader's cursor; it stands before chunk ``next_index``.
+    snapshots: Chunk index -> the cursor's position before that chunk.
+    next_index: The chunk the cursor produces next; None while unknown (a
+      production failed half-way).
+    chunks: Stored chunks by index, oldest first.
+    produce_lock: Held while the cursor works.
+    devices: The largest ``device_count`` a request for the chain named.
+    keep: Served chunks kept besides those produced ahead; 0 for a chain
+      whose cursor reaches any chunk at once (:attr:`regenerates`).
+  """
+  number: int
+  spec: ChainSpec
+  cursor: ChainCursor
+  snapshots: Dict[int, Position]
+  next_index: Optional[int]
+  chunks: "collections.OrderedDict[int, Entry]" = dataclasses.field(
+      default_factory=collections.OrderedDict)
+  produce_lock: threading.Lock = dataclasses.field(
+      default_factory=threading.Lock)
+  pruned_size: int = 0
+  devices: int = 1
+  closed: bool = False
+  keep: int = 2
+
+  @property
+  def regenerates(self) -> bool:
+    """Whether the cursor reaches any chunk at once (a counter-based
+    stream): the chain's chunks need not be stored."""
+    return self.keep == 0
+
+  def close(self, blocking: bool) -> None:
+    """Closes the cursor once, unless it is producing and ``blocking`` is
+    False."""
+    if not self.produce_lock.acquire(blocking=blocking):
+      return
+    try:
+      if not self.closed:
+        self.closed = True
+        self.cursor.close()
+    finally:
+      self.produce_lock.release()
+
+  def stand_at(self, index: int) -> bool:
+    """Moves the cursor to chunk ``index`` if it can seek there directly (a
+    counter-based stream), with ``produce_lock`` held; whether it stands
+    there."""
+    if self.next_index == index:
+      return True
+    direct = self.cursor.position_at(index)
+    if direct is None:
+      return False
+    self.next_index = None
+    self.cursor.seek(direct)
+    self.next_index = index
+    return True
+
+  def thin(self, recent: int) -> None:
+    """Thins the snapshots out (:func:`keep_snapshot`) once they doubled
+    since the last thinning."""
+    if len(self.snapshots) <= 2 * self.pruned_size + recent:
+      return
+    newest = max(self.snapshots)
+    self.snapshots = {i: s for i, s in self.snapshots.items()
+                      if keep_snapshot(i, newest, recent)}
+    self.pruned_size = len(self.snapshots)
+
+  def snapshot_before(self, index: int) -> Tuple[int, Position]:
+    """The newest snapshot at or before chunk ``index``: (its index,
+    position)."""
+    with self.produce_lock:
+      base = max(i for i in self.snapshots if i <= index)
+      return base, self.snapshots[base]
+
+
+class Shelf:
+  """The stored chunks of a pipeline's chains, within per-chain and byte
+  bounds (used with the store's lock held, but for :meth:`ahead` and
+  :meth:`reads_in_place`).
+
+  Args:
+    layout: The chunks' arrays.
+    limits: The loader's :class:`~jax_data.host_loader.StoreLimits`.
+    keep: Served chunks kept per chain that cannot regenerate them.
+  """
+
+  def __init__(self, layout: ChunkLayout, limits: StoreLimits, keep: int):
+    self._nbytes = max(layout.nbytes, 1)
+    self._limits = limits
+    self.keep = keep
+    # Every stored chunk, least recently used first: (chain, index) -> chain.
+    self._stored: "collections.OrderedDict[Tuple[int, int], ChainRecord]" = (
+        collections.OrderedDict())
+    self.lanes = 1
+    self.idle: List[ChainRecord] = []
+
+  def ahead(self) -> int:
+    """Chunks produced ahead of each chain's requests: ``store_limits.
+    ahead``, or fewer (at least one) where that many chunks for every lane
+    of the largest request would pass ``store_bytes`` (1,024 vmapped
+    chains, each chunk a large cache)."""
+    limits = self._limits
+    return max(1, min(limits.ahead,
+                      limits.store_bytes // (self.lanes * self._nbytes)))
+
+  def reads_in_place(self, lanes: int) -> bool:
+    """Whether a request of ``lanes`` chunks is read straight into compiled
+    code's buffers, where its chains allow (``ChainRecord.regenerates``),
+    rather than produced ahead into the store's: when one chunk for every
+    lane would pass ``store_bytes`` (hundreds of vmapped chains). Then
+    nothing is kept between requests, and no chunk is copied once more."""
+    return lanes * self._nbytes > self._limits.store_bytes
+
+  def claim(self, record: ChainRecord, index: int, device_count: int
+            ) -> Tuple[concurrent.futures.Future, bool]:
+    """The future of chunk ``index`` for a request, and whether the caller
+    must produce it (it was not stored)."""
+    record.devices = max(record.devices, device_count)
+    entry = record.chunks.get(index)
+    if entry is not None:
+      entry.pending = (device_count if entry.pending is None
+                       else entry.pending) - 1
+      record.chunks.move_to_end(index)
+      self._stored.move_to_end((record.number, index))
+      return entry.future, False
+    self.put(record, index, Entry(concurrent.futures.Future(),
+                                  device_count - 1))
+    return record.chunks[index].future, True
+
+  def put(self, record: ChainRecord, index: int, entry: Entry) -> None:
+    """Stores an entry, then drops chunks beyond the bounds."""
+    record.chunks[index] = entry
+    self._stored[(record.number, index)] = record
+    self._evict(record)
+    self._evict_across_chains()
+
+  def claim_ahead(self, wanted: Sequence[Tuple[ChainRecord, int]]
+                  ) -> List[Job]:
+    """Stores a future for each ``(chain, index)`` not stored yet, to be
+    produced before it is requested; the jobs that produce them."""
+    jobs = []
+    for record, index in {(record.number, index): (record, index)
+                          for record, index in wanted}.values():
+      if index not in record.chunks:
+        entry = Entry(concurrent.futures.Future())
+        self.put(record, index, entry)
+        jobs.append((record, index, entry.future))
+    return jobs
+
+  def forget(self, record: ChainRecord, index: int,
+             future: concurrent.futures.Future) -> None:
+    """Drops a failed chunk if ``future`` is still its entry's."""
+    entry = record.chunks.get(index)
+    if entry is not None and entry.future is future:
+      self.drop(record, index)
+
+  def drop(self, record: ChainRecord, index: int) -> None:
+    del record.chunks[index]
+    del self._stored[(record.number, index)]
+
+  def clear(self) -> None:
+    self._stored.clear()
+
+  def _evict(self, record: ChainRecord) -> None:
+    """Drops a chain's served chunks beyond its ``keep`` plus
+    :meth:`ahead`. Chunks that some device has yet to take stay, up to the
+    hard cap."""
+    kept = record.keep + self.ahead()
+    cap = min(self._limits.max_stored, kept + 2 * record.devices)
+    chunks = record.chunks
+    while len(chunks) > kept:
+      oldest, served, newest = None, None, next(reversed(chunks))
+      for i, entry in chunks.items():  # oldest first
+        if i == newest:
+          break
+        if oldest is None:
+          oldest = i
+        if entry.pending is not None and entry.pending <= 0:
+          served = i
+          break
+      if served is not None:
+        self.drop(record, served)
+      elif len(chunks) > cap:
+        self.drop(record, oldest)
+      else:
+        break
+
+  def _evict_across_chains(self) -> None:
+    """Drops the least recently used chunks of any chain while the store
+    holds more than ``store_bytes``, or ``keep + ahead`` chunks per lane of
+    the largest request if that is more. Chunks still being produced stay;
+    a dropped chunk is produced again if asked for. A chain left with no
+    chunk is noted :attr:`idle`, to trim its cursor's caches."""
+    limit = max(self._limits.store_bytes // self._nbytes,
+                (self.keep + self._limits.ahead) * self.lanes)
+    if len(self._stored) <= limit:
+      return
+    for number, index in list(self._stored):
+      if len(self._stored) <= limit:
+        break
+      record = self._stored[(number, index)]
+      if not record.chunks[index].future.done():
+        continue
+      self.drop(record, index)
+      if not record.chunks:
+        self.idle.append(record)
+
+
+class ChainTable:
+  """The chains of one pipeline by number, over its loader (thread-safe).
+
+  Args:
+    loader: The host loader.
+    layout: The chunks' arrays.
+    name: The loader's repr, for messages.
+    keep: Served chunks a chain keeps if its cursor cannot regenerate them
+      (``ChainRecord.keep``).
+  """
+
+  def __init__(self, loader: HostDataLoader, layout: ChunkLayout, name: str,
+               keep: int = 2):
+    self._loader: Optional[HostDataLoader] = loader
+    self.layout = layout
+    self.name = name
+    self.keep = keep
+    self._records: Dict[int, ChainRecord] = {}
+    self._lock = threading.Lock()
+
+  @property
+  def loader(self) -> HostDataLoader:
+    """The loader; :class:`PipelineReleasedError` once released."""
+    loader = self._loader
+    if loader is None:
+      raise PipelineReleasedError(
+          f"this pipeline over {self.name} was released by its release_fn; "
+          "create a new pipeline to draw more data")
+    return loader
+
+  def add(self, spec: ChainSpec,
+          snapshot: Optional[Tuple[int, Position]] = None) -> ChainRecord:
+    """Adds a chain to the loader and to the table.
+
+    Args:
+      spec: The chain.
+      snapshot: ``(index, position)``: the chain starts at the position
+        saved before chunk ``index`` (a restored checkpoint); else at chunk
+        0.
+
+    Raises:
+      ValueError: the loader refuses the spec or the position; nothing is
+        added then.
+    """
+    number, spec, cursor = self.loader.add_chain(spec, self.layout)
+    index = 0
+    if snapshot is not None:
+      index, position = snapshot
+      try:
+        cursor.seek(position)
+      except BaseException:
+        cursor.close()
+        raise
+    direct = cursor.position_at(index + 1) is not None
+    record = ChainRecord(number, spec, cursor, {index: cursor.position()},
+                         index, keep=0 if direct else self.keep)
+    with self._lock:
+      self._records[number] = record
+    return record
+
+  def save(self, number: int, chunk: int) -> Dict[str, Any]:
+    """What restores chain ``number`` at chunk ``chunk``: its spec and the
+    snapshot of its position at or before that chunk (JSON-compatible)."""
+    record = self.record(number)
+    index, position = record.snapshot_before(chunk)
+    return {"spec": spec_to_json(record.spec), "snapshot_index": index,
+            "snapshot": position}
+
+  def restore(self, saved: Dict[str, Any], chunk: int) -> ChainRecord:
+    """Adds a chain from :meth:`save`'s dict, for a state at chunk
+    ``chunk``.
+
+    Raises:
+      CheckpointError: the dict is not one of :meth:`save`, ``chunk`` is
+        not at or after its snapshot (within the loader's
+        ``store_limits.max_replay`` chunks), or the loader refuses the spec
+        or position; no chain is added then.
+    """
+    if not isinstance(saved, dict) or not {"spec", "snapshot_index",
+                                            "snapshot"} <= set(saved):
+      raise CheckpointError(
+          "a saved chain is a dict with spec, snapshot_index and snapshot, "
+          f"got {saved!r}")
+    try:
+      spec = spec_from_json(saved["spec"])
+      index = check_int("snapshot_index", saved["snapshot_index"],
+                        minimum=0)
+      # A counter-based stream reaches any chunk at once: no replay bound.
+      counter = isinstance(spec, RandomChain) and spec.stream == "counter"
+      replay = None if counter else self.loader.store_limits.max_replay
+      if chunk < index or (replay is not None and chunk > index + replay):
+        raise ValueError(
+            f"the state's chunk={chunk} must be between the chain's "
+            f"snapshot_index={index} and {index + replay} (the snapshot "
+            f"plus max_replay={replay} chunks)")
+      return self.add(spec, (index, saved["snapshot"]))
+    except (TypeError, ValueError) as e:
+      raise CheckpointError(f"saved chain does not fit {self.name}: {e}"
+                            ) from e
+
+  def closing_error(self) -> PipelineReleasedError:
+    """The error of work cancelled because the pipeline closes."""
+    try:
+      _ = self.loader
+    except PipelineReleasedError as e:
+      return e
+    return PipelineReleasedError(f"the pipeline over {self.name} is closing")
+
+  def numbers(self) -> List[int]:
+    """The numbers of the chains."""
+    with self._lock:
+      return sorted(self._records)
+
+  def get(self, number: int) -> Optional[ChainRecord]:
+    """The chain ``number``, or None."""
+    with self._lock:
+      return self._records.get(number)
+
+  def record(self, number: int) -> ChainRecord:
+    """The chain ``number``; a clear error if this pipeline has none."""
+    record = self.get(int(number))
+    if record is None:
+      _ = self.loader  # released pipelines say so
+      raise ValueError(
+          f"chain {int(number)} was not created by this pipeline's init_fn "
+          f"(chains of this pipeline: {self.numbers()})")
+    return record
+
+  def pop(self, number: int) -> Optional[ChainRecord]:
+    """Takes chain ``number`` out of the table; None if it is not in it."""
+    with self._lock:
+      return self._records.pop(int(number), None)
+
+  def release(self) -> List[ChainRecord]:
+    """Drops the loader; returns every chain, taken out of the table."""
+    with self._lock:
+      self._loader = None
+      records, self._records = list(self._records.values()), {}
+    return records

@@ -1,0 +1,345 @@
+"""Producing chains' chunks through their loader cursors.
+
+A :class:`Producer` moves a chain's cursor to the chunk asked for (at once
+for a counter-based stream, else by replaying from the nearest snapshot of
+its position), has it produce the chunk and settles the future that the
+chunk's requests wait on, with the chunk or with the failure, named. The
+vmapped chains of one request whose cursors produce together are produced
+in one call. The chunk lands in the producer's reused buffers, or straight
+in compiled code's own where a request passes them. A :class:`CursorBudget`
+counts what the cursors hold for reuse (permutations, read blocks) after
+producing, and trims those produced for least recently.
+
+Only NumPy runs here; nothing calls JAX.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import math
+import threading
+import warnings
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import Hashable
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
+
+import numpy as np
+
+from jax_data.chain_records import ChainRecord
+from jax_data.chain_records import Job
+from jax_data.chain_records import settle
+from jax_data.chains import Chunk
+from jax_data.chains import ChunkLayout
+from jax_data.errors import HostLoaderError
+from jax_data.errors import PipelineReleasedError
+from jax_data.gather import BufferPool
+from jax_data.host_loader import StoreLimits
+
+
+class CursorBudget:
+  """What the cursors of a pipeline's chains hold for reuse, the chains
+  produced for least recently first, and trimming them to a budget.
+  Thread-safe."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._held: "collections.OrderedDict[int, int]" = (
+        collections.OrderedDict())
+    self._total = 0
+    self._most = 0
+
+  def note(self, record: ChainRecord) -> None:
+    """Notes what a chain's cursor holds after producing for it or
+    trimming it (with its ``produce_lock`` held); a closed chain holds
+    nothing."""
+    held = 0 if record.closed else record.cursor.held_bytes()
+    with self._lock:
+      self._total -= self._held.pop(record.number, 0)
+      if held:
+        self._held[record.number] = held
+        self._total += held
+        self._most = max(self._most, held)
+
+  def forget(self, number: int) -> None:
+    """A chain left the pipeline."""
+    with self._lock:
+      self._total -= self._held.pop(number, 0)
+
+  def clear(self) -> None:
+    with self._lock:
+      self._held.clear()
+      self._total = 0
+
+  def trim(self, idle: Sequence[ChainRecord],
+           lookup: Callable[[int], Optional[ChainRecord]],
+           limits: StoreLimits, lanes: int) -> None:
+    """Trims the cursors of the ``idle`` chains (no chunk stored), then
+    those of the chains produced for least recently while all cursors hold
+    more than ``limits.store_bytes``, or ``limits.held_requests`` times
+    what the chains of the largest request (``lanes`` chains) hold if that
+    is more; a cursor that is producing is passed over, and the ``lanes``
+    chains produced for last never are trimmed for the budget."""
+    for record in idle:
+      self._trim(record, only_if_idle=True)
+    protected = max(lanes, 1)
+    with self._lock:
+      limit = max(limits.store_bytes,
+                  limits.held_requests * protected * self._most)
+      excess = self._total - limit
+      chosen = []
+      for number, held in list(self._held.items())[:-protected]:
+        if excess <= 0:
+          break
+        chosen.append(number)
+        excess -= held
+    for number in chosen:
+      record = lookup(number)
+      if record is not None:
+        self._trim(record, only_if_idle=False)
+
+  def _trim(self, record: ChainRecord, only_if_idle: bool) -> None:
+    if not record.produce_lock.acquire(blocking=False):
+      return
+    try:
+      if not record.closed and not (only_if_idle and record.chunks):
+        record.cursor.trim()
+        self.note(record)
+    finally:
+      record.produce_lock.release()
+
+
+class Producer:
+  """Produces the chunks of one pipeline's chains.
+
+  Args:
+    layout: The chunks' arrays.
+    name: The loader's repr, for messages.
+    limits: How far a chain may replay (``max_replay``) and how many
+      snapshots it keeps (``recent_snapshots``).
+    held: Where what each cursor holds after producing is noted.
+    verify_calls: Warn when a chunk is produced again because a request
+      came for one no longer stored (a state used twice).
+  """
+
+  def __init__(self, layout: ChunkLayout, name: str, limits: StoreLimits,
+               held: CursorBudget, verify_calls: bool = False):
+    self.layout = layout
+    self.name = name
+    self._limits = limits
+    self._held = held
+    self._verify_calls = verify_calls
+    self._buffers = BufferPool()
+    self._released: Optional[str] = None
+
+  def release(self, message: str) -> None:
+    """Productions not started yet fail with :class:`PipelineReleasedError`
+    (``message``); running ones close their chain's cursor when done."""
+    self._released = message
+
+  def produce_into(self, record: ChainRecord, index: int,
+                   future: concurrent.futures.Future,
+                   out: Optional[Chunk] = None) -> None:
+    """Produces chunk ``index`` (into ``out`` if given, see
+    :meth:`produce_many`) and sets ``future`` to it, or to the failure
+    (named :class:`HostLoaderError`); a future that release failed
+    meanwhile keeps its answer."""
+    try:
+      chunk = self._produce(record, index, out)
+    except BaseException as e:  # every failure reaches the waiting request
+      settle(future, error=self._wrap(record, index, e))
+    else:
+      settle(future, chunk)
+
+  def produce_many(self, jobs: Sequence[Job],
+                   into: Optional[Dict[int, Chunk]] = None) -> None:
+    """Produces the chunks ``(chain, index, future)`` of ``jobs`` and
+    settles their futures as :meth:`produce_into` does. The chains whose
+    cursors share a :meth:`~jax_data.chains.ChainCursor.group_key` are
+    produced together, in one :meth:`~jax_data.chains.ChainCursor.
+    produce_group` call (the vmapped chains of one request); the others
+    one by one.
+
+    ``into`` maps a job's future (by ``id``) to the buffers its chunk is
+    written into (compiled code's own) instead of the producer's: a group
+    whose buffers follow each other in memory, in chain order, is read into
+    them in one piece."""
+    groups: Dict[Hashable, List[Job]] = {}
+    alone: List[Job] = []
+    grouped = set()
+    for job in jobs:
+      key = job[0].cursor.group_key()
+      if key is None or job[0].number in grouped:
+        alone.append(job)  # a chain twice: its second chunk after
+      else:
+        grouped.add(job[0].number)
+        groups.setdefault(key, []).append(job)
+    into = into or {}
+    for group in groups.values():
+      if len(group) > 1:
+        alone.extend(self._produce_group(group, into))
+      else:
+        alone.extend(group)
+    for record, index, future in alone:
+      self.produce_into(record, index, future, into.get(id(future)))
+
+  def _produce_group(self, group: List[Job], into: Dict[int, Chunk]
+                     ) -> List[Job]:
+    """Produces a group's chunks in one call (with every chain's
+    ``produce_lock`` held, taken in chain order); returns the jobs left to
+    produce one by one (chains closed meanwhile, cursors that cannot
+    seek directly)."""
+    if self._released is not None:
+      for _, _, future in group:
+        settle(future, error=PipelineReleasedError(self._released))
+      return []
+    group = sorted(group, key=lambda job: job[0].number)
+    locked, ready, left = [], [], []
+    try:
+      for record, index, future in group:
+        record.produce_lock.acquire()
+        locked.append(record)
+        try:
+          stands = not record.closed and record.stand_at(index)
+        except BaseException as e:  # a seek refused: this chain's failure
+          settle(future, error=self._wrap(record, index, e))
+          continue
+        (ready if stands else left).append((record, index, future))
+      if ready:
+        self._produce_ready(ready, into)
+    finally:
+      for record in locked:
+        record.produce_lock.release()
+      if self._released is not None:  # released while producing
+        for record in locked:
+          record.close(blocking=True)
+    return left
+
+  def _produce_ready(self, ready: List[Job], into: Dict[int, Chunk]
+                     ) -> None:
+    """:meth:`_produce_group` once each cursor stands at its chunk."""
+    cursors = [record.cursor for record, _, _ in ready]
+    allocate = self._buffers.empty
+    targets = [into.get(id(future)) for _, _, future in ready]
+    if all(target is not None for target in targets):
+      allocate = _Regions(targets, allocate)
+    try:
+      for record, index, _ in ready:
+        if index not in record.snapshots:
+          record.snapshots[index] = record.cursor.position()
+        record.next_index = None  # unknown until the cursors return
+      chunks = type(cursors[0]).produce_group(
+          cursors, [index for _, index, _ in ready], self.layout, allocate)
+      chunks = [self.layout.check(chunk) for chunk in chunks]
+    except BaseException as e:  # every failure reaches the waiting requests
+      for record, index, future in ready:
+        settle(future, error=self._wrap(record, index, e))
+      return
+    for (record, index, future), chunk in zip(ready, chunks):
+      record.next_index = index + 1
+      record.thin(self._limits.recent_snapshots)
+      self._held.note(record)
+      settle(future, chunk)
+
+  def _wrap(self, record: ChainRecord, index: int, e: BaseException):
+    if isinstance(e, (HostLoaderError, PipelineReleasedError)):
+      return e
+    error = HostLoaderError(
+        f"{self.name}, chain {record.number}, chunk {index}: "
+        f"{type(e).__name__}: {e}")
+    error.__cause__ = e
+    return error
+
+  def _produce(self, record: ChainRecord, index: int,
+               out: Optional[Chunk] = None) -> Chunk:
+    if self._released is not None:
+      raise PipelineReleasedError(self._released)
+    try:
+      with record.produce_lock:
+        chunk = self._produce_locked(record, index, out)
+        self._held.note(record)
+    finally:
+      if self._released is not None:  # released while producing
+        record.close(blocking=True)
+    return chunk  # no trimming here: see ChainStore.trim_idle
+
+  def _produce_locked(self, record: ChainRecord, index: int,
+                      out: Optional[Chunk] = None) -> Chunk:
+    """Produces chunk ``index`` (with the chain's ``produce_lock`` held),
+    moving the cursor back to a snapshot first if it stands elsewhere;
+    into ``out`` if given."""
+    cursor = record.cursor
+    if record.next_index != index and not record.stand_at(index):
+      base = max(i for i in record.snapshots if i <= index)
+      if index - base > self._limits.max_replay:
+        raise ValueError(
+            f"chunk {index} of chain {record.number} is {index - base} "
+            f"chunks past its nearest snapshot (chunk {base}), more than "
+            f"the {self._limits.max_replay} a request may replay; the "
+            "state's chunk counter does not come from this chain")
+      if self._verify_calls and record.next_index is not None:
+        warnings.warn(
+            f"{self.name}, chain {record.number}: chunk {index} was "
+            f"requested again after chunk {record.next_index - 1}; "
+            f"replaying from chunk {base}", stacklevel=2)
+      record.next_index = None
+      cursor.seek(record.snapshots[base])
+      record.next_index = base
+    while True:
+      current = record.next_index
+      if current not in record.snapshots:
+        record.snapshots[current] = cursor.position()
+      record.next_index = None  # unknown until the cursor returns
+      chunk = cursor.produce(current, out if out is not None and (
+          current == index) else self.layout.new_chunk(self._buffers.empty))
+      record.next_index = current + 1
+      record.thin(self._limits.recent_snapshots)
+      if current == index:
+        return self.layout.check(chunk)
+
+
+class _Regions:
+  """The ``allocate`` of a group produced into given chunks (see
+  :meth:`Producer.produce_many`): a group's cursors ask for one buffer
+  per leaf for all their rows, in leaf order; where the given chunks'
+  leaves follow each other in memory, in the group's order, that buffer is
+  the span of them, so the rows land in place. Other requests get
+  ``fallback``'s buffers."""
+
+  def __init__(self, chunks: Sequence[Chunk],
+               fallback: Callable[..., np.ndarray]):
+    self._spans = [_span([chunk.leaves[k] for chunk in chunks])
+                   for k in range(len(chunks[0].leaves))]
+    self._next = 0
+    self._fallback = fallback
+
+  def __call__(self, shape: Tuple[int, ...], dtype: Any) -> np.ndarray:
+    k, self._next = self._next, self._next + 1
+    span = self._spans[k] if k < len(self._spans) else None
+    if span is not None and span.size == math.prod(shape) and (
+        span.dtype == np.dtype(dtype)):
+      return span.reshape(shape)  # a view: the span is contiguous
+    return self._fallback(shape, dtype)
+
+
+def _span(arrays: Sequence[np.ndarray]) -> Optional[np.ndarray]:
+  """One writable array over ``arrays`` (C-contiguous, alike, each
+  starting where the one before ends), stacked on a new leading axis; None
+  if they are not laid out so."""
+  first = arrays[0]
+  if not all(a.flags.c_contiguous and a.flags.writeable
+             and a.shape == first.shape and a.dtype == first.dtype
+             for a in arrays):
+    return None
+  start = first.__array_interface__["data"][0]
+  if any(a.__array_interface__["data"][0] != start + g * first.nbytes
+         for g, a in enumerate(arrays)):
+    return None
+  return np.lib.stride_tricks.as_strided(
+      first, (len(arrays),) + first.shape, (first.nbytes,) + first.strides,
+      writeable=True)
