@@ -44,9 +44,10 @@ from jax_data.chains import OrderedChain
 from jax_data.chains import RandomChain
 from jax_data.legacy_loader import LegacyCursor
 from jax_data.legacy_loader import OwnChain
-from jax_data.legacy_loader import PredecessorAPI
+from jax_data.legacy_loader import PredecessorAdapter
 from jax_data.loader import DataLoader
 from jax_data.sampling import ObservationRange
+from jax_data.types import PyTree
 from jax_data.validation import check_bool
 from jax_data.validation import check_int
 from jax_data.validation import check_keywords
@@ -99,22 +100,38 @@ class StoreLimits:
   held_requests: int = 4
 
 
-@dataclasses.dataclass
-class _Numbering:
-  """How many chains a loader has numbered, and the chains registered
-  through the predecessor's API (None once released)."""
-  lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
-  count: int = 0
-  chains: Dict[int, Optional[OwnChain]] = dataclasses.field(
-      default_factory=dict)
+class ChainNumbering:
+  """Numbers a loader's chains, from 0, in the order they are added
+  (thread-safe)."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._count = 0
+
+  def number(self, spec: ChainSpec,
+             open_cursor: Callable[[int, ChainSpec], ChainCursor]
+             ) -> Tuple[int, ChainSpec, ChainCursor]:
+    """The next number, the spec with a random chain's missing seed set to
+    it, and ``open_cursor(number, spec)``; nothing is numbered if that
+    raises."""
+    with self._lock:
+      number = self._count
+      if isinstance(spec, RandomChain) and spec.seed is None:
+        spec = dataclasses.replace(spec, seed=number)
+      cursor = open_cursor(number, spec)
+      self._count += 1
+    return number, spec, cursor
 
 
-class HostDataLoader(PredecessorAPI, DataLoader):
+class HostDataLoader(DataLoader):
   """Data on the host, served to compiled code in chunks of batches.
 
   Chains are numbered per loader, from 0, in the order they are added (by a
   pipeline's ``init_fn`` or by :meth:`register_random_pipeline`); a random
-  chain's seed defaults to its number.
+  chain's seed defaults to its number. The predecessor's methods
+  (``register_*_pipeline``, ``get_batches``, ``save_state``,
+  ``load_state``, ``release_chain``) are handed on to a
+  :class:`~jax_data.legacy_loader.PredecessorAdapter` over the loader.
 
   Subclasses implement ``static_information``, ``observation_format`` and
   :meth:`open_chain`, and set :attr:`random_keywords` to the options their
@@ -235,24 +252,24 @@ class HostDataLoader(PredecessorAPI, DataLoader):
       ValueError: the batch size exceeds the chain's observations, or the
         loader cannot serve the spec.
     """
-    return self._numbered(
+    return self.number_chain(
         spec, layout, lambda number, spec: self._host_cursor(number, spec,
                                                              layout))
 
-  def _numbered(self, spec: ChainSpec, layout: ChunkLayout,
-                open_cursor: Callable[[int, ChainSpec], ChainCursor]
-                ) -> Tuple[int, ChainSpec, ChainCursor]:
+  def number_chain(self, spec: ChainSpec, layout: ChunkLayout,
+                   open_cursor: Callable[[int, ChainSpec], ChainCursor]
+                   ) -> Tuple[int, ChainSpec, ChainCursor]:
+    """Numbers a chain (:class:`ChainNumbering`) whose spec the loader
+    accepts (:meth:`check_spec`) and opens its cursor with
+    ``open_cursor(number, spec)``; nothing is numbered if that raises."""
     check_int("mb_size", layout.mb_size, minimum=1,
               maximum=spec.observations.count, what="the observation count")
-    numbering = self._numbering()
-    with numbering.lock:
-      number = numbering.count
-      if isinstance(spec, RandomChain) and spec.seed is None:
-        spec = dataclasses.replace(spec, seed=number)
+
+    def checked_open(number: int, spec: ChainSpec) -> ChainCursor:
       self.check_spec(spec)
-      cursor = open_cursor(number, spec)
-      numbering.count += 1
-    return number, spec, cursor
+      return open_cursor(number, spec)
+
+    return self._parts()[0].number(spec, checked_open)
 
   def _host_cursor(self, number: int, spec: ChainSpec, layout: ChunkLayout
                    ) -> ChainCursor:
@@ -263,16 +280,80 @@ class HostDataLoader(PredecessorAPI, DataLoader):
       return LegacyCursor.registered(self, spec, layout)
     # A subclass of a loader of ours that overrides get_batches: its chain
     # is one of the loader's own, under the same number.
-    self._numbering().chains[number] = OwnChain(
-        self.open_chain(spec, layout), layout, spec)
+    self._parts()[1].adopt(number, OwnChain(self.open_chain(spec, layout),
+                                            layout, spec))
     return LegacyCursor(self, number, layout)
 
-  def _numbering(self) -> _Numbering:
+  def _parts(self) -> Tuple[ChainNumbering, PredecessorAdapter]:
     # Made on first use: subclasses need not call an __init__ of ours.
-    numbering = self.__dict__.get("_chain_numbering")
-    if numbering is None:  # setdefault: one of two racing threads wins
-      numbering = self.__dict__.setdefault("_chain_numbering", _Numbering())
-    return numbering
+    parts = self.__dict__.get("_chain_parts")
+    if parts is None:  # setdefault: one of two racing threads wins
+      parts = self.__dict__.setdefault(
+          "_chain_parts", (ChainNumbering(), PredecessorAdapter(self)))
+    return parts
+
+  # -- the predecessor's API (handed on to a PredecessorAdapter) ----------
+
+  def register_random_pipeline(self, cache_size: int = 1,
+                               mb_size: Optional[int] = None,
+                               **kwargs: Any) -> int:
+    """Registers a chain of random batches and returns its id.
+
+    Args:
+      cache_size: Batches per chunk.
+      mb_size: Observations per batch.
+      **kwargs: The options in :attr:`random_keywords`: ``seed`` (default:
+        the chain id), ``shard_index``/``shard_count`` to draw from one
+        contiguous shard, and for the NumPy loader ``shuffle`` and
+        ``in_epochs`` (``spec/SAMPLING.md``).
+    """
+    return self._parts()[1].register(False, cache_size, mb_size, kwargs)
+
+  def register_ordered_pipeline(self, cache_size: int = 1,
+                                mb_size: Optional[int] = None,
+                                **kwargs: Any) -> int:
+    """Registers a chain that visits every observation in order, pass after
+    pass, the last batch of a pass padded and masked; returns its id.
+
+    Args:
+      cache_size: Batches per chunk.
+      mb_size: Observations per batch.
+      **kwargs: ``shard_index``/``shard_count`` to pass over one shard.
+    """
+    return self._parts()[1].register(True, cache_size, mb_size, kwargs)
+
+  def get_batches(self, chain_id: int) -> Tuple[PyTree, jax.Array]:
+    """The chain's next chunk, and advances it.
+
+    Returns:
+      JAX arrays with leading axes ``(cache_size, mb_size)`` in the loader's
+      ``observation_format``, and a bool JAX array mask of shape
+      ``(cache_size, mb_size)``, as the predecessor returned them. (Compiled
+      code receives chunks through the host callback, which works with
+      NumPy arrays and does not call this method.)
+    """
+    return self._parts()[1].get_batches(chain_id)
+
+  def save_state(self, chain_id: int) -> Dict[str, Any]:
+    """The chain's position: a small dict, restorable by
+    :meth:`load_state`: the chain's kind and sizes, and the fields of its
+    cursor's position."""
+    return self._parts()[1].save_state(chain_id)
+
+  def load_state(self, chain_id: int, data: Dict[str, Any]) -> None:
+    """Moves the chain to a position from :meth:`save_state`; ``data`` is
+    not changed.
+
+    Raises:
+      TypeError: ``data`` is not a dict.
+      ValueError: it belongs to a chain of another kind or size; the message
+        shows both sides.
+    """
+    self._parts()[1].load_state(chain_id, data)
+
+  def release_chain(self, chain_id: int) -> None:
+    """Frees what the loader holds for a chain; its id is not reused."""
+    self._parts()[1].release_chain(chain_id)
 
 
 def _stream_kind(stream: Any, observations: ObservationRange,

@@ -1,9 +1,9 @@
 """The predecessor's loader API, both ways round.
 
-* :class:`PredecessorAPI` gives every host loader the predecessor's methods
+* :class:`PredecessorAdapter` is the predecessor's methods
   (``register_random_pipeline``, ``register_ordered_pipeline``,
-  ``get_batches``, ``save_state``, ``load_state``), built on the loader's
-  cursors.
+  ``get_batches``, ``save_state``, ``load_state``) over a host loader's
+  cursors; each host loader hands those methods on to one.
 * :class:`LegacyCursor` serves a chain of a loader written the predecessor's
   way (it implements those methods itself, with its own chain ids, or
   extends a loader of ours and overrides ``get_batches``) through those
@@ -13,9 +13,12 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
+from typing import Callable
 from typing import Dict
 from typing import Optional
+from typing import Protocol
 from typing import Tuple
 
 import jax
@@ -134,87 +137,90 @@ class OwnChain:
   next_index: int = 0  # of the chunk produced next, for messages
 
 
-class PredecessorAPI:
-  """The predecessor's methods of a host loader, built on its cursors.
+class LoaderSeam(Protocol):
+  """What :class:`PredecessorAdapter` needs of a host loader
+  (``jax_data.host_loader.HostDataLoader``)."""
 
-  Chain ids are the loader's chain numbers (``HostDataLoader.add_chain``):
-  registrations by pipelines and by these methods count alike.
+  observation_format: Any
+
+  @property
+  def observation_count(self) -> int:
+    """The loader's observations."""
+
+  def chain_spec(self, ordered: bool, **keywords: Any) -> ChainSpec:
+    """The checked spec of a chain from registration keywords."""
+
+  def chunk_layout(self, cache_size: int, mb_size: int) -> ChunkLayout:
+    """The layout of chunks of ``cache_size`` batches of ``mb_size``."""
+
+  def open_chain(self, spec: ChainSpec, layout: ChunkLayout) -> ChainCursor:
+    """A cursor before the chain's first chunk."""
+
+  def number_chain(self, spec: ChainSpec, layout: ChunkLayout,
+                   open_cursor: Callable[[int, ChainSpec], ChainCursor]
+                   ) -> Tuple[int, ChainSpec, ChainCursor]:
+    """Numbers a chain and opens its cursor (``open_cursor(number,
+    spec)``)."""
+
+
+class PredecessorAdapter:
+  """The predecessor's loader methods over a host loader's cursors.
+
+  Chain ids are the loader's chain numbers: registrations by pipelines and
+  by these methods count alike.
+
+  Args:
+    loader: The host loader.
   """
 
-  # -- the predecessor's API ----------------------------------------------
+  def __init__(self, loader: LoaderSeam):
+    self._loader = loader
+    self._lock = threading.Lock()
+    # The chains registered here (None once released), by id.
+    self._chains: Dict[int, Optional[OwnChain]] = {}
 
-  def register_random_pipeline(self, cache_size: int = 1,
-                               mb_size: Optional[int] = None,
-                               **kwargs: Any) -> int:
-    """Registers a chain of random batches and returns its id.
-
-    Args:
-      cache_size: Batches per chunk.
-      mb_size: Observations per batch.
-      **kwargs: The options in :attr:`random_keywords`: ``seed`` (default:
-        the chain id), ``shard_index``/``shard_count`` to draw from one
-        contiguous shard, and for the NumPy loader ``shuffle`` and
-        ``in_epochs`` (``spec/SAMPLING.md``).
-    """
-    return self._register(False, cache_size, mb_size, kwargs)
-
-  def register_ordered_pipeline(self, cache_size: int = 1,
-                                mb_size: Optional[int] = None,
-                                **kwargs: Any) -> int:
-    """Registers a chain that visits every observation in order, pass after
-    pass, the last batch of a pass padded and masked; returns its id.
-
-    Args:
-      cache_size: Batches per chunk.
-      mb_size: Observations per batch.
-      **kwargs: ``shard_index``/``shard_count`` to pass over one shard.
-    """
-    return self._register(True, cache_size, mb_size, kwargs)
-
-  def _register(self, ordered: bool, cache_size: Any, mb_size: Any,
-                keywords: Dict[str, Any]) -> int:
-    spec = self.chain_spec(ordered, **keywords)
+  def register(self, ordered: bool, cache_size: Any, mb_size: Any,
+               keywords: Dict[str, Any]) -> int:
+    """Registers a chain (``register_random_pipeline`` or
+    ``register_ordered_pipeline``); returns its id."""
+    loader = self._loader
+    spec = loader.chain_spec(ordered, **keywords)
     cache_size, mb_size = check_sizes(cache_size, mb_size,
                                       spec.observations.count)
-    layout = self.chunk_layout(cache_size, mb_size)
-    numbering = self._numbering()
-    with numbering.lock:
-      number, spec, cursor = self._numbered(
-          spec, layout, lambda _, spec: self.open_chain(spec, layout))
-      numbering.chains[number] = OwnChain(cursor, layout, spec)
+    layout = loader.chunk_layout(cache_size, mb_size)
+    number, spec, cursor = loader.number_chain(
+        spec, layout, lambda _, spec: loader.open_chain(spec, layout))
+    self.adopt(number, OwnChain(cursor, layout, spec))
     return number
+
+  def adopt(self, number: int, chain: OwnChain) -> None:
+    """Serves chain ``number`` through these methods (registered here, or a
+    pipeline's chain of a loader that extends one of ours by overriding
+    ``get_batches``)."""
+    with self._lock:
+      self._chains[number] = chain
 
   def _own_chain(self, chain_id: Any) -> OwnChain:
     chain_id = check_int("chain_id", chain_id, minimum=0)
-    numbering = self._numbering()
-    chain = numbering.chains.get(chain_id)
-    if chain is None:
-      state = ("was released" if chain_id in numbering.chains else
-               f"does not exist ({len(numbering.chains)} chains registered)")
-      raise ValueError(f"chain_id={chain_id} of {self!r} {state}")
+    with self._lock:
+      chain = self._chains.get(chain_id)
+      if chain is None:
+        state = ("was released" if chain_id in self._chains else
+                 f"does not exist ({len(self._chains)} chains registered)")
+        raise ValueError(f"chain_id={chain_id} of {self._loader!r} {state}")
     return chain
 
-  def get_batches(self, chain_id: int) -> Tuple[PyTree, jax.Array]:
-    """The chain's next chunk, and advances it.
-
-    Returns:
-      JAX arrays with leading axes ``(cache_size, mb_size)`` in the loader's
-      ``observation_format``, and a bool JAX array mask of shape
-      ``(cache_size, mb_size)``, as the predecessor returned them. (Compiled
-      code receives chunks through the host callback, which works with
-      NumPy arrays and does not call this method.)
-    """
+  def get_batches(self, chain_id: Any) -> Tuple[PyTree, jax.Array]:
+    """The chain's next chunk as JAX arrays, and advances it."""
     chain = self._own_chain(chain_id)
     chunk = chain.cursor.produce(chain.next_index, chain.layout.new_chunk())
     chain.next_index += 1
-    treedef = jax.tree_util.tree_structure(self.observation_format)
+    treedef = jax.tree_util.tree_structure(self._loader.observation_format)
     return (treedef.unflatten([jnp.asarray(leaf) for leaf in chunk.leaves]),
             jnp.asarray(chunk.mask))
 
-  def save_state(self, chain_id: int) -> Dict[str, Any]:
-    """The chain's position: a small dict, restorable by
-    :meth:`load_state`: the chain's kind and sizes, and the fields of its
-    cursor's position."""
+  def save_state(self, chain_id: Any) -> Dict[str, Any]:
+    """The chain's kind and sizes, and the fields of its position."""
     chain = self._own_chain(chain_id)
     return {**chain.cursor.position(), **self._state_fields(chain)}
 
@@ -223,28 +229,20 @@ class PredecessorAPI:
                      else "random"),
             "cache_size": chain.layout.cache_size,
             "mb_size": chain.layout.mb_size,
-            "observation_count": self.observation_count}
+            "observation_count": self._loader.observation_count}
 
-  def load_state(self, chain_id: int, data: Dict[str, Any]) -> None:
-    """Moves the chain to a position from :meth:`save_state`; ``data`` is
-    not changed.
-
-    Raises:
-      TypeError: ``data`` is not a dict.
-      ValueError: it belongs to a chain of another kind or size; the message
-        shows both sides.
-    """
+  def load_state(self, chain_id: Any, data: Dict[str, Any]) -> None:
+    """Moves the chain to a position from :meth:`save_state`."""
     chain = self._own_chain(chain_id)
     here = self._state_fields(chain)
-    check_saved_state(data, here, f"chain {chain_id} of {self!r}")
+    check_saved_state(data, here, f"chain {chain_id} of {self._loader!r}")
     chain.cursor.seek({k: v for k, v in data.items() if k not in here})
 
-  def release_chain(self, chain_id: int) -> None:
-    """Frees what the loader holds for a chain; its id is not reused."""
-    numbering = self._numbering()
-    with numbering.lock:
-      chain = numbering.chains.get(int(chain_id))
+  def release_chain(self, chain_id: Any) -> None:
+    """Closes a chain's cursor; its id is not reused."""
+    with self._lock:
+      chain = self._chains.get(int(chain_id))
       if chain is not None:
-        numbering.chains[int(chain_id)] = None
+        self._chains[int(chain_id)] = None
     if chain is not None:
       chain.cursor.close()
