@@ -12,16 +12,13 @@ read, transformed and checked by a pool of worker threads.
 from __future__ import annotations
 
 import concurrent.futures
-import concurrent.futures.process
 import functools
-import multiprocessing
 import threading
 import time
 from typing import Callable
 from typing import Dict
 from typing import List
 from typing import Optional
-from typing import Sequence
 from typing import Tuple
 
 import jax
@@ -30,20 +27,14 @@ import numpy as np
 from jax_data.chains import ChainCursor
 from jax_data.chains import ChainSpec
 from jax_data.chains import ChunkLayout
-from jax_data.errors import PipelineReleasedError
 from jax_data.gather import digest_rows
 from jax_data.gather import usable_cores
 from jax_data.host_loader import HostDataLoader
 from jax_data.indexed import IndexedCursor
-from jax_data.source_records import RecordError
 from jax_data.source_records import RecordReader
-from jax_data.source_workers import broke
+from jax_data.source_workers import WorkerPool
 from jax_data.source_workers import pickle_for_workers
-from jax_data.source_workers import read_block
-from jax_data.source_workers import start_worker
 from jax_data.source_workers import stopped
-from jax_data.source_workers import submit
-from jax_data.source_workers import terminate
 from jax_data.source_workers import wait
 from jax_data.types import PyTree
 from jax_data.types import RandomAccessSource
@@ -181,18 +172,17 @@ class SourceDataLoader(HostDataLoader):
     self._workers = default_workers() if workers is None else check_int(
         "workers", workers, minimum=0)
     self._processes = check_bool("processes", processes)
-    if self._processes:
-      self._pickled = pickle_for_workers(source, transform,
-                                         self._workers > 0)
+    pickled = (pickle_for_workers(source, transform, self._workers > 0)
+               if self._processes else b"")
     self._reader = RecordReader(source, transform, type(self).__name__)
     self._first = self._reader.first
     self._format = self._first.treedef.unflatten([
         jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype))
         for shape, dtype in zip(self._first.shapes, self._first.dtypes)])
-    self._lock = threading.Lock()
-    self._pool: Optional[concurrent.futures.Executor] = None
+    self._pool = WorkerPool(
+        self._workers, self._processes, pickled, self._first,
+        f"{type(self).__name__} over {type(source).__name__}")
     self._choice = _WorkerChoice(1 if processes else self._workers)
-    self._open_cursors = 0
     self._digest: Optional[str] = None
 
   def __repr__(self) -> str:
@@ -223,10 +213,10 @@ class SourceDataLoader(HostDataLoader):
     unique, first, inverse = _distinct(flat)
     if stop is not None and stop.done():
       raise stopped()
-    pool = self._pool
-    processes = self._processes and self._workers > 0
+    pool = self._pool.threads
+    processes = self._pool.processes
     if processes:
-      self._read_in_processes(unique, first, out, stop)
+      self._pool.read(unique, first, out, stop)
       workers = 0  # not timed: processes are always used
     else:
       workers = 0 if pool is None else min(self._choice.next(), unique.size)
@@ -251,75 +241,6 @@ class SourceDataLoader(HostDataLoader):
         leaf[rows] = leaf[first[inverse[rows]]]
     return out
 
-  def _read_in_processes(self, unique: np.ndarray, first: np.ndarray,
-                         out: Sequence[np.ndarray],
-                         stop: Optional[concurrent.futures.Future]) -> None:
-    """Reads records in the worker processes, a block per task; each block
-    comes back stacked per leaf and is written at its rows.
-
-    A worker that dies (killed, out of memory, ``os._exit`` in the source)
-    breaks its pool: a new pool reads the blocks lost again, one at a
-    time, and a block that ends a worker again is named. A stop (a
-    released pipeline) ends the pool's workers, still reading for nobody.
-    """
-    parts = np.array_split(np.arange(unique.size),
-                           max(1, min(unique.size, 4 * self._workers)))
-    pool = self._process_pool()
-    futures = [submit(pool, read_block, unique[part]) for part in parts]
-    try:
-      wait(futures, stop, cancel=False)
-    except PipelineReleasedError:
-      if not all(f.done() for f in futures):
-        self._retire(pool)
-      raise
-    lost = [i for i, future in enumerate(futures) if broke(future)]
-    if lost:
-      pool = self._process_pool(broken=pool)
-    for i in lost:
-      futures[i] = submit(pool, read_block, unique[parts[i]])
-      try:
-        wait(futures[i:i + 1], stop, cancel=False)
-      except PipelineReleasedError:
-        self._retire(pool)
-        raise
-      if broke(futures[i]):
-        self._retire(pool)
-        raise RecordError(
-            f"{type(self).__name__} over {type(self._source).__name__}: "
-            "worker processes ended abruptly while reading records "
-            f"{unique[parts[i]].tolist()}, also when a new worker read them "
-            "alone: reading one of them ends its process (os._exit, a crash "
-            "in native code, memory exhausted?)") from futures[i].exception()
-    for part, future in zip(parts, futures):
-      for leaf, block in zip(out, future.result()):
-        leaf[first[part]] = block
-
-  def _process_pool(self, broken: Optional[concurrent.futures.Executor] = None
-                    ) -> concurrent.futures.Executor:
-    """The pool of worker processes, started if there is none (or only
-    ``broken``, which is ended)."""
-    with self._lock:
-      if broken is not None and self._pool is broken:
-        self._pool = None
-      if self._pool is None and self._open_cursors > 0:
-        self._pool = concurrent.futures.ProcessPoolExecutor(
-            self._workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=start_worker, initargs=(self._pickled,
-                                                 self._first))
-      pool = self._pool
-    if broken is not None:
-      terminate(broken)
-    if pool is None:  # every chain closed
-      raise stopped()
-    return pool
-
-  def _retire(self, pool: concurrent.futures.Executor) -> None:
-    """Ends ``pool``; the next read starts another."""
-    with self._lock:
-      if self._pool is pool:
-        self._pool = None
-    terminate(pool)
-
   @property
   def workers_used(self) -> Optional[int]:
     """How many workers read a chunk, once the first chunks have chosen
@@ -333,24 +254,8 @@ class SourceDataLoader(HostDataLoader):
   def open_chain(self, spec: ChainSpec, layout: ChunkLayout) -> ChainCursor:
     """A cursor with the NumPy loader's streams over the records; the
     worker threads run while any cursor is open."""
-    with self._lock:
-      if (self._pool is None and not self._processes
-          and self._workers > 0):
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            self._workers, thread_name_prefix="jax_data-source")
-      self._open_cursors += 1
-    if self._processes and self._workers > 0:
-      self._process_pool()
-    return _SourceCursor(spec, layout, self)
-
-  def _cursor_closed(self) -> None:
-    with self._lock:
-      self._open_cursors -= 1
-      pool = self._pool if self._open_cursors == 0 else None
-      if pool is not None:
-        self._pool = None
-    if pool is not None:
-      pool.shutdown(wait=False, cancel_futures=True)
+    self._pool.opened()
+    return _SourceCursor(spec, layout, self, self._pool.closed)
 
   def content_digest(self) -> str:
     """A digest of the record count and a fixed sample of 32 records."""
@@ -385,7 +290,7 @@ class _SourceCursor(IndexedCursor):
   reading records when cancelled."""
 
   def __init__(self, spec: ChainSpec, layout: ChunkLayout,
-               loader: SourceDataLoader):
+               loader: SourceDataLoader, closed: Callable[[], None]):
     # Done once cancelled: reads stop between records, and their waits end.
     self._stop: concurrent.futures.Future = concurrent.futures.Future()
     # Grouped by loader: chains read together read through the first
@@ -393,7 +298,7 @@ class _SourceCursor(IndexedCursor):
     super().__init__(spec, layout, functools.partial(
         loader._read, stop=self._stop),  # pylint: disable=protected-access
                      rows=loader)
-    self._loader: Optional[SourceDataLoader] = loader
+    self._closed: Optional[Callable[[], None]] = closed
 
   def cancel(self) -> None:
     try:
@@ -402,6 +307,6 @@ class _SourceCursor(IndexedCursor):
       pass  # cancelled before
 
   def close(self) -> None:
-    loader, self._loader = self._loader, None
-    if loader is not None:
-      loader._cursor_closed()  # pylint: disable=protected-access
+    closed, self._closed = self._closed, None
+    if closed is not None:
+      closed()

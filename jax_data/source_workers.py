@@ -19,6 +19,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import types
 from typing import Any
 from typing import Callable
@@ -210,3 +211,121 @@ def wait(futures: Sequence[concurrent.futures.Future],
 def stopped() -> PipelineReleasedError:
   return PipelineReleasedError(
       "reading records stopped: the chain's pipeline was released")
+
+
+class WorkerPool:
+  """A loader's workers: threads or spawned processes, running while any
+  of its cursors is open (:meth:`opened`, :meth:`closed`).
+
+  Args:
+    workers: How many (0: the reading thread reads).
+    processes: Worker processes rather than threads.
+    pickled: The source and transform (:func:`pickle_for_workers`), for
+      processes.
+    first: The first record's format, for processes.
+    describe: Names the loader and its source, for messages.
+  """
+
+  def __init__(self, workers: int, processes: bool, pickled: bytes,
+               first: RecordFormat, describe: str):
+    self.workers = workers
+    self.processes = processes and workers > 0
+    self._pickled = pickled
+    self._first = first
+    self._describe = describe
+    self._lock = threading.Lock()
+    self._pool: Optional[concurrent.futures.Executor] = None
+    self._open = 0
+
+  @property
+  def threads(self) -> Optional[concurrent.futures.Executor]:
+    """The worker threads; None with processes or ``workers=0``."""
+    return None if self.processes else self._pool
+
+  def opened(self) -> None:
+    """A cursor opened: the workers start if they are not running."""
+    with self._lock:
+      if self._pool is None and not self.processes and self.workers > 0:
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            self.workers, thread_name_prefix="jax_data-source")
+      self._open += 1
+    if self.processes:
+      self._process_pool()
+
+  def closed(self) -> None:
+    """A cursor closed; the last one ends the workers."""
+    with self._lock:
+      self._open -= 1
+      pool = self._pool if self._open == 0 else None
+      if pool is not None:
+        self._pool = None
+    if pool is not None:
+      pool.shutdown(wait=False, cancel_futures=True)
+
+  def read(self, unique: np.ndarray, first: np.ndarray,
+           out: Sequence[np.ndarray],
+           stop: Optional[concurrent.futures.Future]) -> None:
+    """Reads records ``unique`` in the worker processes, a block per task,
+    into rows ``first`` of ``out``; each block comes back stacked per leaf.
+
+    A worker that dies (killed, out of memory, ``os._exit`` in the source)
+    breaks its pool: a new pool reads the blocks lost again, one at a
+    time, and a block that ends a worker again is named. A stop (a
+    released pipeline) ends the pool's workers, still reading for nobody.
+    """
+    parts = np.array_split(np.arange(unique.size),
+                           max(1, min(unique.size, 4 * self.workers)))
+    pool = self._process_pool()
+    futures = [submit(pool, read_block, unique[part]) for part in parts]
+    try:
+      wait(futures, stop, cancel=False)
+    except PipelineReleasedError:
+      if not all(f.done() for f in futures):
+        self._retire(pool)
+      raise
+    lost = [i for i, future in enumerate(futures) if broke(future)]
+    if lost:
+      pool = self._process_pool(broken=pool)
+    for i in lost:
+      futures[i] = submit(pool, read_block, unique[parts[i]])
+      try:
+        wait(futures[i:i + 1], stop, cancel=False)
+      except PipelineReleasedError:
+        self._retire(pool)
+        raise
+      if broke(futures[i]):
+        self._retire(pool)
+        raise RecordError(
+            f"{self._describe}: worker processes ended abruptly while "
+            f"reading records {unique[parts[i]].tolist()}, also when a new "
+            "worker read them alone: reading one of them ends its process "
+            "(os._exit, a crash in native code, memory exhausted?)"
+        ) from futures[i].exception()
+    for part, future in zip(parts, futures):
+      for leaf, block in zip(out, future.result()):
+        leaf[first[part]] = block
+
+  def _process_pool(self, broken: Optional[concurrent.futures.Executor] = None
+                    ) -> concurrent.futures.Executor:
+    """The pool of worker processes, started if there is none (or only
+    ``broken``, which is ended)."""
+    with self._lock:
+      if broken is not None and self._pool is broken:
+        self._pool = None
+      if self._pool is None and self._open > 0:
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            self.workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=start_worker, initargs=(self._pickled, self._first))
+      pool = self._pool
+    if broken is not None:
+      terminate(broken)
+    if pool is None:  # every chain closed
+      raise stopped()
+    return pool
+
+  def _retire(self, pool: concurrent.futures.Executor) -> None:
+    """Ends ``pool``; the next read starts another."""
+    with self._lock:
+      if self._pool is pool:
+        self._pool = None
+    terminate(pool)

@@ -350,7 +350,7 @@ def test_bad_arguments_are_named():
     SourceDataLoader([1, 2], transform=3)
   with pytest.raises(ValueError, match="workers=-1"):
     SourceDataLoader([1, 2], workers=-1)
-  with pytest.raises(jax_data.source_loader.RecordError, match="record 0: "
+  with pytest.raises(jax_data.source_records.RecordError, match="record 0: "
                      "ZeroDivisionError"):
     SourceDataLoader([1, 2], transform=lambda r: r / 0)
 
