@@ -156,6 +156,51 @@ def _count(pipeline: tf.data.Dataset, observation_count: Optional[int]
   return cardinality, False
 
 
+def _read_all(pipeline: tf.data.Dataset, reading: Reading
+              ) -> Tuple[Rows, Reading]:
+  """Every observation of one pass, as arrays in the loader's dtypes, and
+  ``reading`` with its count: a pipeline of unknown length is read to its
+  end."""
+  if reading.count is None:
+    blocks = [reading.as_rows(element) for element in
+              in_order(pipeline.batch(4096))]
+    if not blocks:  # checked when created: it became empty since
+      raise ValueError("pipeline is empty: it yielded no elements")
+    arrays = [np.concatenate(leaf) for leaf in zip(*blocks)]
+    reading = dataclasses.replace(reading, count=len(arrays[0]))
+  else:
+    arrays = [np.empty((reading.count,) + fmt.shape, fmt.dtype)
+              for fmt in reading.formats]
+    blocks = in_order(pipeline.batch(4096))
+    filled = 0
+    while filled < reading.count:
+      rows = reading.next_rows(blocks)
+      for array, leaf in zip(arrays, rows):
+        array[filled:filled + len(leaf)] = leaf
+      filled += len(rows[0])
+  for array in arrays:  # chunks may be views of them: keep them intact
+    array.setflags(write=False)
+  return arrays, reading
+
+
+def _check_exclude_keys(exclude_keys: Any, spec: Dict[str, Any]
+                        ) -> frozenset:
+  if exclude_keys is None:
+    return frozenset()
+  if isinstance(exclude_keys, (str, bytes)) or not isinstance(
+      exclude_keys, Iterable):
+    raise TypeError(
+        "exclude_keys must be a list of feature names, got "
+        f"exclude_keys={exclude_keys!r}")
+  excluded = frozenset(exclude_keys)
+  unknown = sorted(map(repr, excluded - set(spec)))
+  if unknown:
+    raise ValueError(
+        f"exclude_keys names {', '.join(unknown)}, which the pipeline does "
+        f"not have; its features are {sorted(spec)}")
+  return excluded
+
+
 class TensorflowDataLoader(HostDataLoader):
   """Host loader over a ``tf.data.Dataset`` of dicts, e.g. from ``tfds.load``.
 
@@ -254,7 +299,7 @@ class TensorflowDataLoader(HostDataLoader):
           "pipeline must yield dicts of features (as tfds.load does), got "
           f"elements of the form {spec}; map them to dicts, e.g. "
           "pipeline.map(lambda x, y: {'x': x, 'y': y})")
-    excluded = self._check_exclude_keys(exclude_keys, spec)
+    excluded = _check_exclude_keys(exclude_keys, spec)
     kept = [key for key in spec if key not in excluded]
     if not kept:
       raise ValueError(
@@ -283,52 +328,11 @@ class TensorflowDataLoader(HostDataLoader):
     self._reading = Reading(self.chunk_layout(1, 1).leaves, repr(self),
                             self._count, stated)
     if in_memory:
-      self._arrays = self._read_all()
+      self._arrays, self._reading = _read_all(self._pipeline, self._reading)
+      self._count = self._reading.count
       self._reading = dataclasses.replace(self._reading, name=repr(self))
       self.random_keywords = type(self).random_keywords + (
           "shuffle", "in_epochs", "stream")
-
-  def _read_all(self) -> Rows:
-    """Every observation of one pass, as arrays in the loader's dtypes; a
-    pipeline of unknown length is read to its end, and its count set."""
-    if self._count is None:
-      blocks = [self._reading.as_rows(element) for element in
-                in_order(self._pipeline.batch(4096))]
-      if not blocks:  # checked when created: it became empty since
-        raise ValueError("pipeline is empty: it yielded no elements")
-      arrays = [np.concatenate(leaf) for leaf in zip(*blocks)]
-      self._count = len(arrays[0])
-      self._reading = dataclasses.replace(self._reading, count=self._count)
-    else:
-      arrays = [np.empty((self._count,) + fmt.shape, fmt.dtype)
-                for fmt in self._reading.formats]
-      blocks = in_order(self._pipeline.batch(4096))
-      filled = 0
-      while filled < self._count:
-        rows = self._reading.next_rows(blocks)
-        for array, leaf in zip(arrays, rows):
-          array[filled:filled + len(leaf)] = leaf
-        filled += len(rows[0])
-    for array in arrays:  # chunks may be views of them: keep them intact
-      array.setflags(write=False)
-    return arrays
-
-  @staticmethod
-  def _check_exclude_keys(exclude_keys, spec) -> frozenset:
-    if exclude_keys is None:
-      return frozenset()
-    if isinstance(exclude_keys, (str, bytes)) or not isinstance(
-        exclude_keys, Iterable):
-      raise TypeError(
-          "exclude_keys must be a list of feature names, got "
-          f"exclude_keys={exclude_keys!r}")
-    excluded = frozenset(exclude_keys)
-    unknown = sorted(map(repr, excluded - set(spec)))
-    if unknown:
-      raise ValueError(
-          f"exclude_keys names {', '.join(unknown)}, which the pipeline does "
-          f"not have; its features are {sorted(spec)}")
-    return excluded
 
   def __repr__(self) -> str:
     keys = ", ".join(self._format)

@@ -770,28 +770,24 @@ def test_a_trimmed_chain_keeps_no_more_than_a_fresh_one(in_memory):
   release_fn()
 
 
-def test_a_trimmed_chain_drops_its_iterator_in_a_background_thread(
-    monkeypatch):
+def test_a_trimmed_chain_drops_its_iterator_in_a_background_thread():
   """Dropping a tf.data iterator can take seconds: a trim (the host's, or
   a chain's own seek to another pass) never drops it in the calling
   thread."""
   dropped = []
-
-  def observed(dataset):
-    iterator = in_order(dataset)
-    weakref.finalize(iterator, lambda: dropped.append(
-        threading.current_thread().name))
-    return iterator
-
-  from jax_data import tensorflow_rows  # pylint: disable=g-import-not-at-top
-  in_order = tensorflow_rows.in_order
-  monkeypatch.setattr(tensorflow_rows, "in_order", observed)
   loader = TensorflowDataLoader(_pipeline(100), shuffle_cache=8)
   pipeline = jax_data.random_reference_data(loader, 2, 4)
   init_fn, batch_fn, release_fn = pipeline
   state, _ = jax.jit(batch_fn)(init_fn(seed=1))
   record = pipeline.host.chain(int(state.chain))
   with record.produce_lock:  # no production meanwhile
+    # The iterator the chain reads its pipeline through.
+    rows = record.cursor._source  # pylint: disable=protected-access
+    iterator = rows._iterator  # pylint: disable=protected-access
+    assert iterator is not None
+    weakref.finalize(iterator, lambda: dropped.append(
+        threading.current_thread().name))
+    del iterator
     record.cursor.trim()
   for _ in range(3000):  # the background thread drops it soon
     if dropped:
