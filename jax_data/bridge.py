@@ -33,7 +33,6 @@ for the whole copy. Other platforms, and ``callback="pure"`` everywhere, use
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any
 from typing import Callable
 from typing import Dict
@@ -49,6 +48,7 @@ import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
 
+from jax_data.lifetime import BRIDGES
 from jax_data.lifetime import LIVE_HOSTS
 from jax_data.types import PyTree
 
@@ -163,10 +163,6 @@ class Bridge:
         owner, pipeline, chain, chunk, cached_chunk, batches, mask)
 
 
-_BRIDGES: Dict[Any, Bridge] = {}
-_BRIDGES_LOCK = threading.Lock()
-
-
 def shared(batch_format: PyTree, callback: Callback = "auto") -> Bridge:
   """The bridge of chunks of ``batch_format`` received the ``callback``
   way, one per process: pipelines of the same formats, cache and batch
@@ -178,10 +174,7 @@ def shared(batch_format: PyTree, callback: Callback = "auto") -> Bridge:
   # one (bfloat16 is "<V2"; int4 and float8_e4m3fn are both "<V1").
   key = (treedef, tuple((tuple(s.shape), np.dtype(s.dtype))
                         for s in leaves), callback)
-  with _BRIDGES_LOCK:
-    if key not in _BRIDGES:
-      _BRIDGES[key] = Bridge(batch_format, callback)
-    return _BRIDGES[key]
+  return BRIDGES.get(key, lambda: Bridge(batch_format, callback))
 
 
 def _participants() -> int:

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import functools
-import threading
-import weakref
 from typing import Any
 from typing import Callable
 from typing import Dict
@@ -25,6 +23,8 @@ from jax_data.bridge import Callback
 from jax_data.bridge import check_callback
 from jax_data.host import Host
 from jax_data.host_loader import HostDataLoader
+from jax_data.lifetime import BATCHED
+from jax_data.lifetime import PASSES
 from jax_data.loader import DataLoader
 from jax_data.loader import DeviceDataLoader
 from jax_data.pass_keys import MAX_COMPILED
@@ -201,13 +201,6 @@ def _bridge_fetch(bridge: Any, owner: jax.Array, state: CacheState,
                       device_count)
 
 
-# Compiled passes of host pipelines, by (share_key, fun), while a pipeline
-# keeps them (each keeps its ``max_compiled`` most recent).
-_SHARED_PASSES: "weakref.WeakValueDictionary[Any, Callable]" = (
-    weakref.WeakValueDictionary())
-_SHARED_LOCK = threading.Lock()
-
-
 def _pass(fetch_fn: Callable, plan: PassPlan, traced: Traced, owner: Any,
           data_state: CacheState, carry: PyTree, consts: list,
           masking: bool, device_count: int):
@@ -283,11 +276,7 @@ class FullPipeline(pl.Pipeline):
       share_key = self._chunks.share_key
       if share_key is None:  # device-resident data: its own pass
         return make()
-      with _SHARED_LOCK:
-        compiled = _SHARED_PASSES.get((share_key, key))
-        if compiled is None:
-          compiled = _SHARED_PASSES[(share_key, key)] = make()
-        return compiled
+      return PASSES.get((share_key, key), make)
 
     return self._compiled.get(key, shared)
 
@@ -396,17 +385,8 @@ class MapperPipeline(pl.Pipeline):
     self._full.release_fn()
 
 
-# The batch wrappers of ``batched=False`` funs, while a mapper keeps them.
-_BATCHED: "weakref.WeakValueDictionary[Callable, Callable]" = (
-    weakref.WeakValueDictionary())
-
-
 def _batched(fun: Callable) -> Callable:
-  with _SHARED_LOCK:
-    wrapper = _BATCHED.get(fun)
-    if wrapper is None:
-      wrapper = _BATCHED[fun] = _make_batched(fun)
-    return wrapper
+  return BATCHED.get(fun, lambda: _make_batched(fun))
 
 
 def _make_batched(fun: Callable) -> Callable:

@@ -1,6 +1,7 @@
 """The process's lifetime as jax_data sees it: the live hosts, found by
-pipeline identity, and the exit hook that lets compiled work which calls
-them finish before the interpreter finalizes.
+pipeline identity, the exit hook that lets compiled work which calls them
+finish before the interpreter finalizes, and the process-wide caches of
+compiled code (:class:`Shared`: bridges, jitted steps, compiled passes).
 
 The bridge's callback looks a host up here (:meth:`LiveHosts.host`) by the
 identity compiled code passes it; a host registers itself when it is made.
@@ -11,9 +12,13 @@ alive.
 from __future__ import annotations
 
 import atexit
+import collections
 import threading
 import time
 import weakref
+from typing import Any
+from typing import Callable
+from typing import Hashable
 from typing import Optional
 from typing import Protocol
 
@@ -157,6 +162,53 @@ class LiveHosts:
 
 #: The hosts of this process (see :class:`LiveHosts`).
 LIVE_HOSTS = LiveHosts()
+
+
+class Shared:
+  """A process-wide cache of compiled code by key, thread-safe: values are
+  made once per key (:meth:`get`) and hold formats and functions, never a
+  host or a loader.
+
+  Args:
+    size: Keep the ``size`` most recently used values.
+    weak: Keep a value only while something else holds it (a pipeline
+      that keeps its compiled passes); ``size`` is then ignored.
+  """
+
+  def __init__(self, size: int = 256, weak: bool = False):
+    self._size = size
+    self._values: Any = (weakref.WeakValueDictionary() if weak
+                         else collections.OrderedDict())
+    self._weak = weak
+    self._lock = threading.Lock()
+
+  def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
+    """The value of ``key``, made by ``make()`` if there is none."""
+    with self._lock:
+      value = self._values.get(key)
+      if value is None:
+        value = self._values[key] = make()
+      elif not self._weak:
+        self._values.move_to_end(key)
+      if not self._weak and len(self._values) > self._size:
+        self._values.popitem(last=False)
+      return value
+
+  def __len__(self) -> int:
+    with self._lock:
+      return len(self._values)
+
+
+#: Bridges by chunk format and callback path (``bridge.shared``).
+BRIDGES = Shared()
+#: Jitted steps of random pipelines by bridge and cache size.
+STEPS = Shared()
+#: Compiled full-data passes by chunk format and function, while a pipeline
+#: keeps them (each keeps its ``max_compiled`` most recent).
+PASSES = Shared(weak=True)
+#: The batch wrappers of ``batched=False`` functions, while a mapper keeps
+#: them.
+BATCHED = Shared(weak=True)
 
 
 # How long no host must have been called before the interpreter may finalize.

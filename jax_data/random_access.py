@@ -17,6 +17,7 @@ from jax_data.bridge import Bridge
 from jax_data.bridge import Callback
 from jax_data.bridge import check_callback
 from jax_data.host_loader import HostDataLoader
+from jax_data.lifetime import STEPS
 from jax_data.loader import DataLoader
 from jax_data.loader import DeviceDataLoader
 from jax_data.types import CacheState
@@ -167,11 +168,10 @@ def _advance(bridge: Bridge, cache_size: int, owner: jax.Array,
   return states.advanced(state, 1, cache_size), batch, batch_mask
 
 
-@functools.lru_cache(maxsize=None)
 def _shared_step(bridge: Bridge, cache_size: int) -> Callable[..., Any]:
   """The jitted step of the pipelines of ``bridge``'s formats and
   ``cache_size``: one function, so one compilation, for all of them; the
   pipeline that asks is an operand. Bridges and steps hold only formats
-  (``bridge.shared``), one per format in a process."""
-  return jax.jit(functools.partial(_advance, bridge, cache_size),
-                 static_argnums=2)
+  (``bridge.shared``), one per format in a process (``lifetime.STEPS``)."""
+  return STEPS.get((bridge, cache_size), lambda: jax.jit(
+      functools.partial(_advance, bridge, cache_size), static_argnums=2))

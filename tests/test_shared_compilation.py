@@ -152,3 +152,32 @@ def test_second_mapper_with_an_unbatched_fun_compiles_nothing():
   np.testing.assert_array_equal(other, 2.0 * (np.arange(30.0) + 5.0))
   first.release_fn()
   second.release_fn()
+
+
+def test_process_wide_caches_are_bounded_or_weak():
+  """The caches of compiled code (jax_data.lifetime.Shared) keep the most
+  recently used values within their size, or, weak, only while someone
+  holds a value; each value is made once per key."""
+  made = []
+
+  def maker(key):
+    def make():
+      made.append(key)
+      return [key]
+    return make
+
+  bounded = jax_data.lifetime.Shared(size=2)
+  for key in ["a", "b", "a", "c", "a", "b"]:
+    assert bounded.get(key, maker(key)) == [key]
+    assert len(bounded) <= 2
+  # "b" was dropped for "c" (least recently used), then made again.
+  assert made == ["a", "b", "c", "b"]
+
+  class Holder:
+    pass
+
+  weak = jax_data.lifetime.Shared(weak=True)
+  held = weak.get("x", Holder)
+  assert weak.get("x", Holder) is held and len(weak) == 1
+  del held
+  assert len(weak) == 0  # nothing holds it: gone
