@@ -20,9 +20,14 @@ collect_ignore = ["docs/conf.py", "examples", "benchmarks", "setup.py"]
 # Without TensorFlow (it is optional) its module and page are not collected;
 # tests/test_tensorflow_loader.py skips itself.
 if importlib.util.find_spec("tensorflow") is None:
-  collect_ignore += ["jax_data/tensorflow_loader.py",
-                     "jax_data/tensorflow_rows.py",
-                     "jax_data/tensorflow_streams.py", "docs/tensorflow.rst"]
+  collect_ignore += ["jax_data/loaders/tensorflow_loader.py",
+                     "jax_data/loaders/tensorflow_rows.py",
+                     "jax_data/loaders/tensorflow_streams.py",
+                     "docs/tensorflow.rst"]
+# Without Orbax (the orbax extra) its module is not collected;
+# tests/test_orbax.py skips itself.
+if importlib.util.find_spec("orbax") is None:
+  collect_ignore += ["jax_data/compiled/orbax_checkpoint.py"]
 # The sources page runs every kind of source (the sources extra).
 if any(importlib.util.find_spec(m) is None for m in (
     "grain", "array_record", "datasets", "h5py", "PIL",

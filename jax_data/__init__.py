@@ -4,24 +4,26 @@ Mini-batches and full-data maps inside ``jit``, ``lax.scan``, ``vmap`` and
 ``pmap``, served from host memory, memmaps or ``tf.data`` pipelines.
 """
 
-from jax_data.checkpoint import restore_checkpoint
-from jax_data.checkpoint import save_checkpoint
-from jax_data.checkpoint import state_from_pytree
-from jax_data.checkpoint import state_to_pytree
-from jax_data.device_loader import DeviceNumpyDataLoader
-from jax_data.distributed import process_shard
+from jax_data.compiled.checkpoint import restore_checkpoint
+from jax_data.compiled.checkpoint import save_checkpoint
+from jax_data.compiled.checkpoint import state_from_pytree
+from jax_data.compiled.checkpoint import state_to_pytree
+from jax_data.compiled.device_loader import DeviceNumpyDataLoader
+from jax_data.compiled.distributed import process_shard
+from jax_data.compiled.full_access import full_data_mapper
+from jax_data.compiled.full_access import full_reference_data
+from jax_data.compiled.random_access import random_reference_data
+from jax_data.compiled.scan import scan
 from jax_data.errors import CheckpointError
 from jax_data.errors import HostLoaderError
 from jax_data.errors import PipelineReleasedError
-from jax_data.full_access import full_data_mapper
-from jax_data.full_access import full_reference_data
-from jax_data.host_loader import HostDataLoader
-from jax_data.loader import DataLoader
-from jax_data.loader import DeviceDataLoader
-from jax_data.numpy_loader import NumpyDataLoader
-from jax_data.random_access import random_reference_data
-from jax_data.scan import scan
-from jax_data.source_loader import SourceDataLoader
+from jax_data.loaders.host_loader import HostDataLoader
+from jax_data.loaders.loader import DataLoader
+from jax_data.loaders.loader import DeviceDataLoader
+from jax_data.loaders.numpy_loader import NumpyDataLoader
+from jax_data.loaders.source_loader import SourceDataLoader
+from jax_data.module_paths import install as _install_old_paths
+from jax_data.module_paths import old as _old_module
 from jax_data.types import CacheState
 from jax_data.types import MiniBatch
 from jax_data.types import MiniBatchInformation
@@ -29,6 +31,8 @@ from jax_data.types import OrderedBatch
 from jax_data.types import RandomBatch
 
 __version__ = "0.1.0"
+
+_install_old_paths()  # jax_data.sampling etc.: see jax_data.module_paths
 
 __all__ = [
     "CacheState",
@@ -59,13 +63,17 @@ __all__ = [
 
 
 def __getattr__(name: str):
-  """Loads ``TensorflowDataLoader``, and with it TensorFlow, on first use."""
+  """Loads ``TensorflowDataLoader``, and with it TensorFlow, on first use;
+  a module's old path (``jax_data.sampling``) gives the module."""
   if name == "TensorflowDataLoader":
     try:
-      from jax_data.tensorflow_loader import TensorflowDataLoader
+      from jax_data.loaders.tensorflow_loader import TensorflowDataLoader
     except ImportError as e:
       raise ImportError(
           "jax_data.TensorflowDataLoader needs TensorFlow: "
           'pip install "jax_data[tensorflow]"') from e
     return TensorflowDataLoader
+  module = _old_module(name)
+  if module is not None:
+    return module
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

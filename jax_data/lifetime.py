@@ -27,12 +27,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_data.errors import PipelineReleasedError
-from jax_data.prefetch import Prefetcher
+
+
+class Thread(Protocol):
+  """A background thread of a host (``jax_data.serving.prefetch.
+  Prefetcher``) that the exit hook ends."""
+
+  def close(self, error: BaseException) -> None:
+    """Cancels its jobs not started with ``error``; ends after the running
+    one."""
+
+  def join(self, timeout: float) -> None:
+    """Waits up to ``timeout`` seconds for it to end."""
 
 
 class ServedHost(Protocol):
   """What the bridge and the exit hook use of a pipeline's host
-  (:class:`jax_data.host.Host`)."""
+  (:class:`jax_data.serving.host.Host`)."""
 
   id: int
 
@@ -64,7 +75,7 @@ class LiveHosts:
         weakref.WeakValueDictionary())
     # Every prefetch thread's prefetcher, also of hosts dropped without
     # release_fn (a running thread keeps its prefetcher alive).
-    self._prefetchers: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
+    self._prefetchers: "weakref.WeakSet[Thread]" = weakref.WeakSet()
     self._changed = threading.Condition(threading.Lock())
     self._busy = 0
     self._last: Optional[float] = None  # when a request last started/ended
@@ -96,7 +107,7 @@ class LiveHosts:
         raise ValueError(f"pipeline id {host.id} is in use")
       self._hosts[host.id] = host
 
-  def track(self, prefetcher: Prefetcher) -> None:
+  def track(self, prefetcher: Thread) -> None:
     """Registers a prefetcher, for :meth:`stop_prefetching`."""
     self._prefetchers.add(prefetcher)
 

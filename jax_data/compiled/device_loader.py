@@ -17,17 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_data import device_streams
-from jax_data import pipeline as pl
-from jax_data import states
+from jax_data.compiled import pipeline as pl
+from jax_data.compiled import states
 from jax_data.errors import PipelineReleasedError
-from jax_data.loader import DataLoader
-from jax_data.loader import DeviceDataLoader
-from jax_data.numpy_loader import ArrayData
-from jax_data.numpy_loader import observation_format_of
-from jax_data.numpy_loader import prepare_arrays
-from jax_data.sampling import ObservationRange
-from jax_data.sampling import ordered_batches
+from jax_data.loaders.loader import DataLoader
+from jax_data.loaders.loader import DeviceDataLoader
+from jax_data.loaders.numpy_loader import ArrayData
+from jax_data.loaders.numpy_loader import observation_format_of
+from jax_data.loaders.numpy_loader import prepare_arrays
+from jax_data.streams import device_streams
+from jax_data.streams.sampling import ObservationRange
+from jax_data.streams.sampling import ordered_batches
 from jax_data.types import CacheState
 from jax_data.types import MiniBatchInformation
 from jax_data.types import PyTree
@@ -77,7 +77,7 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
                     ) -> Optional[Tuple[int, jax.Array]]:
     """For ``init_fn`` keywords of a counter-based chain (``seed``,
     ``shuffle``, ``in_epochs``, ``stream="counter"``): its mode (an index
-    into :data:`~jax_data.device_streams.DEVICE_MODES`) and its seed's
+    into :data:`~jax_data.streams.device_streams.DEVICE_MODES`) and its seed's
     words; None for a ``jax.random`` chain (``key``, or no keyword)."""
     if not set(kwargs) & {"seed", "shuffle", "in_epochs", "stream"}:
       return None

@@ -9,17 +9,17 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jax_data import device_loader
-from jax_data import pipeline as pl
-from jax_data import scan as scan_lib
-from jax_data import states
-from jax_data.bridge import Bridge
-from jax_data.bridge import Callback
-from jax_data.bridge import check_callback
-from jax_data.host_loader import HostDataLoader
+from jax_data.compiled import device_loader
+from jax_data.compiled import pipeline as pl
+from jax_data.compiled import scan as scan_lib
+from jax_data.compiled import states
+from jax_data.compiled.bridge import Bridge
+from jax_data.compiled.bridge import Callback
+from jax_data.compiled.bridge import check_callback
 from jax_data.lifetime import STEPS
-from jax_data.loader import DataLoader
-from jax_data.loader import DeviceDataLoader
+from jax_data.loaders.host_loader import HostDataLoader
+from jax_data.loaders.loader import DataLoader
+from jax_data.loaders.loader import DeviceDataLoader
 from jax_data.types import CacheState
 from jax_data.types import MiniBatchInformation
 from jax_data.validation import check_bool

@@ -1,9 +1,9 @@
 """The host side of a pipeline: what compiled code's requests reach.
 
-A :class:`Host` owns a pipeline's chains (:class:`~jax_data.chunk_store.
+A :class:`Host` owns a pipeline's chains (:class:`~jax_data.serving.chunk_store.
 ChainStore`), produces each chain's next chunk ahead of time
-(:class:`~jax_data.prefetch.Prefetcher`), and lets the devices of one
-refresh meet (:class:`~jax_data.rendezvous.Rendezvous`). The bridge's
+(:class:`~jax_data.serving.prefetch.Prefetcher`), and lets the devices of one
+refresh meet (:class:`~jax_data.serving.rendezvous.Rendezvous`). The bridge's
 callback calls :meth:`Host.serve` or :meth:`Host.serve_into` with a request
 for several *lanes* (a chain and a chunk index each); checkpoints go
 through :meth:`Host.save_chain` and :meth:`Host.restore_chain`.
@@ -24,19 +24,19 @@ from typing import Tuple
 
 import numpy as np
 
-from jax_data.chain_records import ChainRecord
-from jax_data.chain_records import ChainTable
-from jax_data.chains import ChainSpec
-from jax_data.chains import Chunk
-from jax_data.chains import ChunkLayout
-from jax_data.chunk_store import ChainStore
-from jax_data.chunk_store import Deferred
 from jax_data.errors import PipelineReleasedError
-from jax_data.gather import Gatherer
-from jax_data.host_loader import HostDataLoader
 from jax_data.lifetime import LIVE_HOSTS
-from jax_data.prefetch import Prefetcher
-from jax_data.rendezvous import Rendezvous
+from jax_data.loaders.chains import ChainSpec
+from jax_data.loaders.chains import Chunk
+from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.gather import Gatherer
+from jax_data.loaders.host_loader import HostDataLoader
+from jax_data.serving.chain_records import ChainRecord
+from jax_data.serving.chain_records import ChainTable
+from jax_data.serving.chunk_store import ChainStore
+from jax_data.serving.chunk_store import Deferred
+from jax_data.serving.prefetch import Prefetcher
+from jax_data.serving.rendezvous import Rendezvous
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:

@@ -15,19 +15,19 @@ from typing import Tuple
 import jax
 import numpy as np
 
-from jax_data.chains import ChainCursor
-from jax_data.chains import ChainSpec
-from jax_data.chains import ChunkLayout
-from jax_data.file_rows import MappedRows
-from jax_data.file_rows import file_bytes_needed
-from jax_data.file_rows import map_hdf5
-from jax_data.file_rows import mapped_file_size
-from jax_data.file_rows import read_sliced_rows
-from jax_data.gather import Gatherer
-from jax_data.gather import digest_rows
-from jax_data.gather import is_run
-from jax_data.host_loader import HostDataLoader
-from jax_data.indexed import IndexedCursor
+from jax_data.loaders.chains import ChainCursor
+from jax_data.loaders.chains import ChainSpec
+from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.file_rows import MappedRows
+from jax_data.loaders.file_rows import file_bytes_needed
+from jax_data.loaders.file_rows import map_hdf5
+from jax_data.loaders.file_rows import mapped_file_size
+from jax_data.loaders.file_rows import read_sliced_rows
+from jax_data.loaders.gather import Gatherer
+from jax_data.loaders.gather import digest_rows
+from jax_data.loaders.gather import is_run
+from jax_data.loaders.host_loader import HostDataLoader
+from jax_data.loaders.indexed import IndexedCursor
 from jax_data.types import PyTree
 from jax_data.validation import check_bool
 from jax_data.validation import is_jax_dtype

@@ -1,6 +1,7 @@
 """Counter-based streams drawn on the device: :func:`device_batch`.
 
-The same batches as :func:`jax_data.counter_streams.stream_batches` on the
+The same batches as :func:`jax_data.streams.counter_streams.stream_batches` on
+the
 host, bit for bit, in ``jax.numpy`` with 32-bit integers only (a
 device-resident loader's chains): positions are split into ``uint32`` words
 and multiplied and divided without 64-bit integers.
@@ -11,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 from typing import Tuple
 
-from jax_data.counter_streams import permute
-from jax_data.counter_streams import uniform
+from jax_data.streams.counter_streams import permute
+from jax_data.streams.counter_streams import uniform
 
 #: Modes of :func:`device_batch`, in the order of its ``mode`` argument.
 DEVICE_MODES = ("independent", "shuffle", "epochs")

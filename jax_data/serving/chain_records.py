@@ -22,17 +22,17 @@ from typing import Optional
 from typing import Sequence
 from typing import Tuple
 
-from jax_data.chains import ChainCursor
-from jax_data.chains import ChainSpec
-from jax_data.chains import ChunkLayout
-from jax_data.chains import Position
-from jax_data.chains import RandomChain
-from jax_data.chains import spec_from_json
-from jax_data.chains import spec_to_json
 from jax_data.errors import CheckpointError
 from jax_data.errors import PipelineReleasedError
-from jax_data.host_loader import HostDataLoader
-from jax_data.host_loader import StoreLimits
+from jax_data.loaders.chains import ChainCursor
+from jax_data.loaders.chains import ChainSpec
+from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.chains import Position
+from jax_data.loaders.chains import RandomChain
+from jax_data.loaders.chains import spec_from_json
+from jax_data.loaders.chains import spec_to_json
+from jax_data.loaders.host_loader import HostDataLoader
+from jax_data.loaders.host_loader import StoreLimits
 from jax_data.validation import check_int
 
 #: A chunk to produce: its chain, its index, the future its requests wait
@@ -160,7 +160,7 @@ class Shelf:
 
   Args:
     layout: The chunks' arrays.
-    limits: The loader's :class:`~jax_data.host_loader.StoreLimits`.
+    limits: The loader's :class:`~jax_data.loaders.host_loader.StoreLimits`.
     keep: Served chunks kept per chain that cannot regenerate them.
   """
 

@@ -1,11 +1,12 @@
-"""Where the rows of :class:`~jax_data.tensorflow_loader.TensorflowDataLoader`'s
+"""Where the rows of
+:class:`~jax_data.loaders.tensorflow_loader.TensorflowDataLoader`'s
 chains come from.
 
 Either the pipeline, read in order pass after pass (:class:`PipelineRows`,
 its iterators made by :func:`in_order` and dropped in a background thread by
 an :class:`IteratorCloser`, since dropping one can take seconds), or NumPy
 arrays read once (:class:`MemoryRows`, ``in_memory=True``). The cursors of
-:mod:`jax_data.tensorflow_streams` take rows from them.
+:mod:`jax_data.loaders.tensorflow_streams` take rows from them.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from typing import Tuple
 import numpy as np
 import tensorflow as tf
 
-from jax_data.chains import LeafFormat
-from jax_data.gather import Gatherer
-from jax_data.gather import is_run
-from jax_data.sampling import ObservationRange
+from jax_data.loaders.chains import LeafFormat
+from jax_data.loaders.gather import Gatherer
+from jax_data.loaders.gather import is_run
+from jax_data.streams.sampling import ObservationRange
 
 Rows = List[np.ndarray]  # one array per leaf, observations first
 

@@ -38,8 +38,8 @@ from typing import Sequence
 
 import numpy as np
 
-from jax_data.gather import Gatherer
-from jax_data.gather import is_run
+from jax_data.loaders.gather import Gatherer
+from jax_data.loaders.gather import is_run
 
 # Reads in flight when rows are not in the page cache. A disk serves random
 # reads faster the more it has queued (measured here with os.pread of 128-byte
@@ -165,7 +165,8 @@ class MappedRows:
 
     A view is read later: whoever reads it must first check that the file
     was not truncated (a read past the end of a file kills the process).
-    ``run``: whether ``flat`` is a run (:func:`~jax_data.gather.is_run`),
+    ``run``: whether ``flat`` is a run
+    (:func:`~jax_data.loaders.gather.is_run`),
     if the caller knows.
     """
     if run is None:

@@ -16,26 +16,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_data import device_loader
-from jax_data import pipeline as pl
-from jax_data import states
-from jax_data.bridge import Callback
-from jax_data.bridge import check_callback
-from jax_data.host import Host
-from jax_data.host_loader import HostDataLoader
+from jax_data.compiled import device_loader
+from jax_data.compiled import pipeline as pl
+from jax_data.compiled import states
+from jax_data.compiled.bridge import Callback
+from jax_data.compiled.bridge import check_callback
+from jax_data.compiled.pass_keys import MAX_COMPILED
+from jax_data.compiled.pass_keys import Recent
+from jax_data.compiled.pass_keys import Traced
+from jax_data.compiled.pass_loop import PassPlan
+from jax_data.compiled.pass_loop import Progress
+from jax_data.compiled.pass_loop import applier
+from jax_data.compiled.pass_loop import map_pass
+from jax_data.compiled.pass_loop import progress_reporter
 from jax_data.lifetime import BATCHED
 from jax_data.lifetime import PASSES
-from jax_data.loader import DataLoader
-from jax_data.loader import DeviceDataLoader
-from jax_data.pass_keys import MAX_COMPILED
-from jax_data.pass_keys import Recent
-from jax_data.pass_keys import Traced
-from jax_data.pass_loop import PassPlan
-from jax_data.pass_loop import Progress
-from jax_data.pass_loop import applier
-from jax_data.pass_loop import map_pass
-from jax_data.pass_loop import progress_reporter
-from jax_data.sampling import ObservationRange
+from jax_data.loaders.host_loader import HostDataLoader
+from jax_data.loaders.loader import DataLoader
+from jax_data.loaders.loader import DeviceDataLoader
+from jax_data.serving.host import Host
+from jax_data.streams.sampling import ObservationRange
 from jax_data.types import CacheState
 from jax_data.types import PyTree
 from jax_data.validation import check_bool

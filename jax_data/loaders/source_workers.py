@@ -31,9 +31,9 @@ from typing import Sequence
 import numpy as np
 
 from jax_data.errors import PipelineReleasedError
-from jax_data.source_records import RecordError
-from jax_data.source_records import RecordFormat
-from jax_data.source_records import RecordReader
+from jax_data.loaders.source_records import RecordError
+from jax_data.loaders.source_records import RecordFormat
+from jax_data.loaders.source_records import RecordReader
 
 USE_THREADS = "or use processes=False (worker threads)"
 

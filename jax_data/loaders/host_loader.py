@@ -2,12 +2,13 @@
 
 A host loader describes its data (:attr:`~HostDataLoader.static_information`,
 :attr:`~HostDataLoader.observation_format`) and opens *chains* from typed
-specs (``jax_data.chains``). A chain is a stream of chunks, each
+specs (``jax_data.loaders.chains``). A chain is a stream of chunks, each
 ``cache_size`` batches of ``mb_size`` observations; the loader produces them
-through a :class:`~jax_data.chains.ChainCursor`, whose position can be saved
+through a :class:`~jax_data.loaders.chains.ChainCursor`, whose position can be
+saved
 and restored. That is the whole contract: registering chains, keeping
 chunks, snapshots, prefetching, several devices and checkpoints are the host
-side's work (``jax_data.host``), the same for every loader.
+side's work (``jax_data.serving.host``), the same for every loader.
 
 A new loader subclasses :class:`HostDataLoader` and implements
 ``static_information``, ``observation_format`` and :meth:`open_chain`
@@ -15,7 +16,7 @@ A new loader subclasses :class:`HostDataLoader` and implements
 predecessor's API (``register_random_pipeline``, ``get_batches``,
 ``save_state``, ``load_state``) then come for free. A loader written or
 extended the predecessor's way (its class overrides ``get_batches``) is
-served through those methods instead (``jax_data.legacy_loader``).
+served through those methods instead (``jax_data.loaders.legacy_loader``).
 
 Only NumPy runs behind the cursors: the host calls them from its own threads
 while compiled code waits.
@@ -35,18 +36,18 @@ from typing import Tuple
 import jax
 import numpy as np
 
-from jax_data.chains import STREAMS
-from jax_data.chains import ChainCursor
-from jax_data.chains import ChainSpec
-from jax_data.chains import ChunkLayout
-from jax_data.chains import LeafFormat
-from jax_data.chains import OrderedChain
-from jax_data.chains import RandomChain
-from jax_data.legacy_loader import LegacyCursor
-from jax_data.legacy_loader import OwnChain
-from jax_data.legacy_loader import PredecessorAdapter
-from jax_data.loader import DataLoader
-from jax_data.sampling import ObservationRange
+from jax_data.loaders.chains import STREAMS
+from jax_data.loaders.chains import ChainCursor
+from jax_data.loaders.chains import ChainSpec
+from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.chains import LeafFormat
+from jax_data.loaders.chains import OrderedChain
+from jax_data.loaders.chains import RandomChain
+from jax_data.loaders.legacy_loader import LegacyCursor
+from jax_data.loaders.legacy_loader import OwnChain
+from jax_data.loaders.legacy_loader import PredecessorAdapter
+from jax_data.loaders.loader import DataLoader
+from jax_data.streams.sampling import ObservationRange
 from jax_data.types import PyTree
 from jax_data.validation import check_bool
 from jax_data.validation import check_int
@@ -131,7 +132,7 @@ class HostDataLoader(DataLoader):
   chain's seed defaults to its number. The predecessor's methods
   (``register_*_pipeline``, ``get_batches``, ``save_state``,
   ``load_state``, ``release_chain``) are handed on to a
-  :class:`~jax_data.legacy_loader.PredecessorAdapter` over the loader.
+  :class:`~jax_data.loaders.legacy_loader.PredecessorAdapter` over the loader.
 
   Subclasses implement ``static_information``, ``observation_format`` and
   :meth:`open_chain`, and set :attr:`random_keywords` to the options their
@@ -199,7 +200,8 @@ class HostDataLoader(DataLoader):
     """
     allowed = self.ordered_keywords if ordered else self.random_keywords
     kind = "an ordered" if ordered else "a random"
-    # Loaders that read rows by index (jax_data.indexed) take ``stream``.
+    # Loaders that read rows by index (jax_data.loaders.indexed) take
+    # ``stream``.
     streams = "stream" in allowed
     stream = keywords.pop("stream", "auto") if streams else "exact"
     check_keywords(f"{kind} chain of {type(self).__name__}", keywords,

@@ -8,7 +8,8 @@ TensorFlow's matrix kernels, which a data pipeline rarely runs). It also
 hides the GPUs from TensorFlow, whose memory belongs to JAX.
 
 Random chains stream the pipeline through a shuffle buffer computed in
-NumPy (:class:`jax_data.sampling.BufferShuffle`); ordered chains read it in
+NumPy (:class:`jax_data.streams.sampling.BufferShuffle`); ordered chains read
+it in
 order. By default the rows come from ``tf.data`` pass after pass; with
 ``in_memory=True`` the pipeline is read once into NumPy arrays and chunks are
 gathers from them. The host bridge asks for the next chunk from a background
@@ -36,27 +37,27 @@ import jax
 import numpy as np
 import tensorflow as tf
 
-from jax_data.chains import ChainCursor
-from jax_data.chains import ChainSpec
-from jax_data.chains import ChunkLayout
-from jax_data.chains import OrderedChain
-from jax_data.chains import RandomChain
-from jax_data.gather import Gatherer
-from jax_data.gather import digest_rows
-from jax_data.host_loader import HostDataLoader
-from jax_data.indexed import IndexedCursor
-from jax_data.sampling import ENDLESS
-from jax_data.sampling import ObservationRange
-from jax_data.tensorflow_rows import IteratorCloser
-from jax_data.tensorflow_rows import MemoryRows
-from jax_data.tensorflow_rows import PipelineRows
-from jax_data.tensorflow_rows import Reading
-from jax_data.tensorflow_rows import Rows
-from jax_data.tensorflow_rows import in_order
-from jax_data.tensorflow_streams import MAX_SEED
-from jax_data.tensorflow_streams import OrderedMemoryCursor
-from jax_data.tensorflow_streams import OrderedPipelineCursor
-from jax_data.tensorflow_streams import ShuffleCursor
+from jax_data.loaders.chains import ChainCursor
+from jax_data.loaders.chains import ChainSpec
+from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.chains import OrderedChain
+from jax_data.loaders.chains import RandomChain
+from jax_data.loaders.gather import Gatherer
+from jax_data.loaders.gather import digest_rows
+from jax_data.loaders.host_loader import HostDataLoader
+from jax_data.loaders.indexed import IndexedCursor
+from jax_data.loaders.tensorflow_rows import IteratorCloser
+from jax_data.loaders.tensorflow_rows import MemoryRows
+from jax_data.loaders.tensorflow_rows import PipelineRows
+from jax_data.loaders.tensorflow_rows import Reading
+from jax_data.loaders.tensorflow_rows import Rows
+from jax_data.loaders.tensorflow_rows import in_order
+from jax_data.loaders.tensorflow_streams import MAX_SEED
+from jax_data.loaders.tensorflow_streams import OrderedMemoryCursor
+from jax_data.loaders.tensorflow_streams import OrderedPipelineCursor
+from jax_data.loaders.tensorflow_streams import ShuffleCursor
+from jax_data.streams.sampling import ENDLESS
+from jax_data.streams.sampling import ObservationRange
 from jax_data.types import PyTree
 from jax_data.validation import check_bool
 from jax_data.validation import check_int
@@ -213,7 +214,8 @@ class TensorflowDataLoader(HostDataLoader):
 
   Streams are reproducible: the same seed gives the same batches, given the
   same pipeline order. The shuffle buffer works as ``tf.data``'s ``shuffle``
-  does, but is computed in NumPy (:class:`jax_data.sampling.BufferShuffle`),
+  does, but is computed in NumPy
+  (:class:`jax_data.streams.sampling.BufferShuffle`),
   so streams do not depend on TensorFlow's seeds or version. Options of the
   pipeline are kept, except that ``deterministic`` is set.
 
@@ -226,7 +228,7 @@ class TensorflowDataLoader(HostDataLoader):
 
   >>> import numpy as np
   >>> import tensorflow as tf
-  >>> from jax_data.tensorflow_loader import TensorflowDataLoader
+  >>> from jax_data.loaders.tensorflow_loader import TensorflowDataLoader
   >>> pipeline = tf.data.Dataset.from_tensor_slices(
   ...     {"x": np.arange(10), "name": [b"obs"] * 10})
   >>> loader = TensorflowDataLoader(pipeline, exclude_keys=["name"])

@@ -24,18 +24,18 @@ from typing import Tuple
 import jax
 import numpy as np
 
-from jax_data.chains import ChainCursor
-from jax_data.chains import ChainSpec
-from jax_data.chains import ChunkLayout
-from jax_data.gather import digest_rows
-from jax_data.gather import usable_cores
-from jax_data.host_loader import HostDataLoader
-from jax_data.indexed import IndexedCursor
-from jax_data.source_records import RecordReader
-from jax_data.source_workers import WorkerPool
-from jax_data.source_workers import pickle_for_workers
-from jax_data.source_workers import stopped
-from jax_data.source_workers import wait
+from jax_data.loaders.chains import ChainCursor
+from jax_data.loaders.chains import ChainSpec
+from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.gather import digest_rows
+from jax_data.loaders.gather import usable_cores
+from jax_data.loaders.host_loader import HostDataLoader
+from jax_data.loaders.indexed import IndexedCursor
+from jax_data.loaders.source_records import RecordReader
+from jax_data.loaders.source_workers import WorkerPool
+from jax_data.loaders.source_workers import pickle_for_workers
+from jax_data.loaders.source_workers import stopped
+from jax_data.loaders.source_workers import wait
 from jax_data.types import PyTree
 from jax_data.types import RandomAccessSource
 from jax_data.validation import check_bool

@@ -1,6 +1,7 @@
 """Counter-based batches drawn on the host, for one chain or many at once.
 
-:mod:`jax_data.counter_streams` defines the streams: a batch's indices as a
+:mod:`jax_data.streams.counter_streams` defines the streams: a batch's indices
+as a
 pure function of (seed, position), for any positions, on the host and on
 the device. This module draws what a host cursor asks for, the same values
 bit for bit, faster:
@@ -30,8 +31,8 @@ from typing import Tuple
 
 import numpy as np
 
-from jax_data import counter_streams as cs
-from jax_data.sampling import random_mode
+from jax_data.streams import counter_streams as cs
+from jax_data.streams.sampling import random_mode
 
 # Indices permuted per pass: the temporaries of one pass (a few dozen
 # arrays of this many words) stay in the caches; 1,024 chunks of 640
@@ -87,7 +88,7 @@ def _remainder(x: np.ndarray, n: Any, out: np.ndarray) -> np.ndarray:
 def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
                  n: int) -> np.ndarray:
   """``uniform(seeds[c], starts[c] + arange(length), n)`` for every ``c``
-  (:func:`jax_data.counter_streams.uniform`, the same values): shape
+  (:func:`jax_data.streams.counter_streams.uniform`, the same values): shape
   ``(C, length)``, int64. ``starts[c] + length`` must stay below
   ``2**63``."""
   seeds = [int(s) for s in seeds]
@@ -229,7 +230,7 @@ class CounterStream:
   """Random mini-batch indices of a counter-based stream: batch ``j`` is a
   pure function of (seed, ``j``), so the position is the batch count and
   any position is reached at once. The interface of
-  :class:`jax_data.sampling.RandomStream`, in O(1) memory.
+  :class:`jax_data.streams.sampling.RandomStream`, in O(1) memory.
   """
 
   def __init__(self, observations: Any, mb_size: int, seed: int,

@@ -29,7 +29,7 @@ from typing import get_args
 
 import numpy as np
 
-from jax_data.sampling import ObservationRange
+from jax_data.streams.sampling import ObservationRange
 from jax_data.validation import check_bool
 from jax_data.validation import check_int
 from jax_data.validation import check_keywords
@@ -59,7 +59,7 @@ class RandomChain:
       padded and masked.
     stream: ``"exact"``: the streams of ``spec/SAMPLING.md`` (the
       predecessor's batches); ``"counter"``: counter-based streams
-      (:mod:`jax_data.counter_streams`), O(1) in memory and in seeking.
+      (:mod:`jax_data.streams.counter_streams`), O(1) in memory and in seeking.
   """
   seed: Optional[int]
   observations: ObservationRange

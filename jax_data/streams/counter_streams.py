@@ -1,7 +1,7 @@
 """Counter-based index streams: a batch's indices are a pure function of
 (seed, position), in O(1) memory, with no replay to reach any position.
 
-Three modes, as the exact streams of :mod:`jax_data.sampling` have:
+Three modes, as the exact streams of :mod:`jax_data.streams.sampling` have:
 
 * independent draws: position ``t`` of the stream is observation
   ``uniform(seed, t)``, a keyed hash reduced modulo ``n`` with the few

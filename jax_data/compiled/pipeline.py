@@ -26,14 +26,14 @@ import jax
 import numpy as np
 from jax import lax
 
-from jax_data import bridge as bridge_lib
-from jax_data.bridge import Bridge
-from jax_data.bridge import Callback
-from jax_data.host import Host
-from jax_data.host_loader import HostDataLoader
+from jax_data.compiled import bridge as bridge_lib
+from jax_data.compiled.bridge import Bridge
+from jax_data.compiled.bridge import Callback
 from jax_data.lifetime import LIVE_HOSTS
-from jax_data.loader import DataLoader
-from jax_data.loader import DeviceDataLoader
+from jax_data.loaders.host_loader import HostDataLoader
+from jax_data.loaders.loader import DataLoader
+from jax_data.loaders.loader import DeviceDataLoader
+from jax_data.serving.host import Host
 from jax_data.types import CacheState
 from jax_data.validation import check_sizes as _check_sizes
 

@@ -18,17 +18,17 @@ from typing import Union
 
 import numpy as np
 
-from jax_data.chains import ChainCursor
-from jax_data.chains import ChainSpec
-from jax_data.chains import Chunk
-from jax_data.chains import ChunkLayout
-from jax_data.chains import OrderedChain
-from jax_data.chains import Position
-from jax_data.chains import readable
-from jax_data.counter_chains import CounterStream
-from jax_data.counter_chains import chain_batches
-from jax_data.sampling import OrderedStream
-from jax_data.sampling import RandomStream
+from jax_data.loaders.chains import ChainCursor
+from jax_data.loaders.chains import ChainSpec
+from jax_data.loaders.chains import Chunk
+from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.chains import OrderedChain
+from jax_data.loaders.chains import Position
+from jax_data.loaders.chains import readable
+from jax_data.streams.counter_chains import CounterStream
+from jax_data.streams.counter_chains import chain_batches
+from jax_data.streams.sampling import OrderedStream
+from jax_data.streams.sampling import RandomStream
 
 # Reads rows ``flat`` (int64 indices into the loader's observations) and
 # returns one array per leaf with ``flat.size`` rows: the given buffers
@@ -54,14 +54,14 @@ class IndexedCursor(ChainCursor):
 
   Chains with counter-based streams produce their chunks together
   (:meth:`produce_group`): all chains' indices in one vectorised draw
-  (:func:`jax_data.counter_chains.chain_batches`), all their rows in one
+  (:func:`jax_data.streams.counter_chains.chain_batches`), all their rows in one
   call of ``read``.
 
   Args:
     spec: The chain.
     layout: Its chunks.
     read: Reads rows by index (see :data:`ReadRows`).
-    check: Each chunk's :attr:`~jax_data.chains.Chunk.check`.
+    check: Each chunk's :attr:`~jax_data.loaders.chains.Chunk.check`.
     rows: Identifies the rows ``read`` reads, for grouping: the cursors
       of chains over the same rows (and with the same ``check``) may read
       them through each other's ``read``. Default: ``read`` itself (a

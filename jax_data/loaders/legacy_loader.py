@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_data.chains import ChainCursor
-from jax_data.chains import ChainSpec
-from jax_data.chains import Chunk
-from jax_data.chains import ChunkLayout
-from jax_data.chains import OrderedChain
-from jax_data.chains import Position
+from jax_data.loaders.chains import ChainCursor
+from jax_data.loaders.chains import ChainSpec
+from jax_data.loaders.chains import Chunk
+from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.chains import OrderedChain
+from jax_data.loaders.chains import Position
 from jax_data.types import PyTree
 from jax_data.validation import check_int
 from jax_data.validation import check_saved_state
@@ -139,7 +139,7 @@ class OwnChain:
 
 class LoaderSeam(Protocol):
   """What :class:`PredecessorAdapter` needs of a host loader
-  (``jax_data.host_loader.HostDataLoader``)."""
+  (``jax_data.loaders.host_loader.HostDataLoader``)."""
 
   observation_format: Any
 

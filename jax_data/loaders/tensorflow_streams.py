@@ -1,12 +1,16 @@
-"""The chains of :class:`~jax_data.tensorflow_loader.TensorflowDataLoader`:
+"""The chains of
+:class:`~jax_data.loaders.tensorflow_loader.TensorflowDataLoader`:
 where their rows come from and the order they are served in.
 
 Random chains stream the observations through a shuffle buffer computed in
-NumPy (:class:`~jax_data.sampling.BufferShuffle`), cut into batches; ordered
+NumPy (:class:`~jax_data.streams.sampling.BufferShuffle`), cut into batches;
+ordered
 chains serve them in pipeline order, each pass padded up to whole batches.
 Rows come either from the pipeline, read in order pass after pass
-(:class:`~jax_data.tensorflow_rows.PipelineRows`), or from NumPy arrays read
-once (:class:`~jax_data.tensorflow_rows.MemoryRows`, ``in_memory=True``).
+(:class:`~jax_data.loaders.tensorflow_rows.PipelineRows`), or from NumPy arrays
+read
+once (:class:`~jax_data.loaders.tensorflow_rows.MemoryRows`,
+``in_memory=True``).
 A chain's position is the number of batches it served,
 so restoring one replays less than one pass.
 """
@@ -21,20 +25,20 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from jax_data.chains import ChainCursor
-from jax_data.chains import Chunk
-from jax_data.chains import ChunkLayout
-from jax_data.chains import OrderedChain
-from jax_data.chains import Position
-from jax_data.chains import RandomChain
-from jax_data.sampling import BufferShuffle
-from jax_data.sampling import ObservationRange
-from jax_data.sampling import OrderedStream
-from jax_data.tensorflow_rows import IteratorCloser
-from jax_data.tensorflow_rows import MemoryRows
-from jax_data.tensorflow_rows import Reading
-from jax_data.tensorflow_rows import Rows
-from jax_data.tensorflow_rows import in_order
+from jax_data.loaders.chains import ChainCursor
+from jax_data.loaders.chains import Chunk
+from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.chains import OrderedChain
+from jax_data.loaders.chains import Position
+from jax_data.loaders.chains import RandomChain
+from jax_data.loaders.tensorflow_rows import IteratorCloser
+from jax_data.loaders.tensorflow_rows import MemoryRows
+from jax_data.loaders.tensorflow_rows import Reading
+from jax_data.loaders.tensorflow_rows import Rows
+from jax_data.loaders.tensorflow_rows import in_order
+from jax_data.streams.sampling import BufferShuffle
+from jax_data.streams.sampling import ObservationRange
+from jax_data.streams.sampling import OrderedStream
 from jax_data.validation import check_int
 from jax_data.validation import check_saved_state
 

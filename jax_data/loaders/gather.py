@@ -1,7 +1,7 @@
 """Reading rows by index into chunk buffers: what several host loaders share.
 
 Pure NumPy. A chunk is ``cache_size * mb_size`` rows picked by index from
-arrays (:mod:`jax_data.file_rows` reads those on disk):
+arrays (:mod:`jax_data.loaders.file_rows` reads those on disk):
 
 * :func:`is_run` tells when the rows are consecutive, so a slice reads them;
 * :class:`Gatherer` copies rows of an in-memory array, or a whole chunk,

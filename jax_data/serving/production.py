@@ -31,15 +31,15 @@ from typing import Tuple
 
 import numpy as np
 
-from jax_data.chain_records import ChainRecord
-from jax_data.chain_records import Job
-from jax_data.chain_records import settle
-from jax_data.chains import Chunk
-from jax_data.chains import ChunkLayout
 from jax_data.errors import HostLoaderError
 from jax_data.errors import PipelineReleasedError
-from jax_data.gather import BufferPool
-from jax_data.host_loader import StoreLimits
+from jax_data.loaders.chains import Chunk
+from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.gather import BufferPool
+from jax_data.loaders.host_loader import StoreLimits
+from jax_data.serving.chain_records import ChainRecord
+from jax_data.serving.chain_records import Job
+from jax_data.serving.chain_records import settle
 
 
 class CursorBudget:
@@ -160,8 +160,8 @@ class Producer:
                    into: Optional[Dict[int, Chunk]] = None) -> None:
     """Produces the chunks ``(chain, index, future)`` of ``jobs`` and
     settles their futures as :meth:`produce_into` does. The chains whose
-    cursors share a :meth:`~jax_data.chains.ChainCursor.group_key` are
-    produced together, in one :meth:`~jax_data.chains.ChainCursor.
+    cursors share a :meth:`~jax_data.loaders.chains.ChainCursor.group_key` are
+    produced together, in one :meth:`~jax_data.loaders.chains.ChainCursor.
     produce_group` call (the vmapped chains of one request); the others
     one by one.
 

@@ -11,11 +11,11 @@ with bounded memory:
   with ``device_count=N`` stays until N requests took it, within a hard cap;
   the chunks of all chains together stay within a byte budget, least
   recently used first out, so memory does not grow with the number of
-  chains created (:class:`~jax_data.chain_records.Shelf`);
+  chains created (:class:`~jax_data.serving.chain_records.Shelf`);
 * the loader cursor's position is saved before each chunk, and the
   snapshots thin out logarithmically with age; a chunk no longer kept is
   produced again from the nearest earlier snapshot
-  (:class:`~jax_data.production.Producer`).
+  (:class:`~jax_data.serving.production.Producer`).
 
 :class:`ChainStore` is the one owner of serving: it answers "chunk k of
 chain c" and schedules the chunks that come after through the
@@ -38,13 +38,13 @@ from typing import Protocol
 from typing import Sequence
 from typing import Tuple
 
-from jax_data.chain_records import ChainRecord
-from jax_data.chain_records import ChainTable
-from jax_data.chain_records import Shelf
-from jax_data.chain_records import settle
-from jax_data.chains import Chunk
-from jax_data.production import CursorBudget
-from jax_data.production import Producer
+from jax_data.loaders.chains import Chunk
+from jax_data.serving.chain_records import ChainRecord
+from jax_data.serving.chain_records import ChainTable
+from jax_data.serving.chain_records import Shelf
+from jax_data.serving.chain_records import settle
+from jax_data.serving.production import CursorBudget
+from jax_data.serving.production import Producer
 
 # Chunks whose production follows the copy of a served one: (chain, index).
 Deferred = List[Tuple[ChainRecord, int]]
@@ -52,7 +52,7 @@ Deferred = List[Tuple[ChainRecord, int]]
 
 class Scheduler(Protocol):
   """Where the store runs work in the background
-  (:class:`~jax_data.prefetch.Prefetcher`)."""
+  (:class:`~jax_data.serving.prefetch.Prefetcher`)."""
 
   def submit(self, keys: Iterable[Hashable], run: Callable[[], None],
              cancel: Callable[[BaseException], None]) -> bool:
@@ -96,7 +96,7 @@ class ChainStore:
   cheaply). Chunks still awaited by some of ``device_count`` devices are
   kept too, up to ``keep + ahead + 2 * device_count`` (at most
   ``max_stored``; the limits are the loader's
-  :class:`~jax_data.host_loader.StoreLimits`).
+  :class:`~jax_data.loaders.host_loader.StoreLimits`).
   """
 
   def __init__(self, chains: ChainTable, cycle: Optional[int] = None,

@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_data import pipeline as pl
-from jax_data import states
+from jax_data.compiled import pipeline as pl
+from jax_data.compiled import states
 from jax_data.errors import CheckpointError
 from jax_data.types import CacheState
 from jax_data.validation import check_int

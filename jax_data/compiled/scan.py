@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_data import pipeline as pl
-from jax_data import states
+from jax_data.compiled import pipeline as pl
+from jax_data.compiled import states
 from jax_data.types import CacheState
 from jax_data.types import MiniBatchInformation
 from jax_data.types import PyTree
