@@ -37,7 +37,10 @@ _install_old_paths()  # jax_data.sampling etc.: see jax_data.module_paths
 __all__ = [
     "CacheState",
     "CheckpointError",
+    "DataCheckpointHandler",
     "DataLoader",
+    "DataRestore",
+    "DataSave",
     "DeviceDataLoader",
     "DeviceNumpyDataLoader",
     "HostDataLoader",
@@ -62,9 +65,13 @@ __all__ = [
 ]
 
 
+_ORBAX = ("DataCheckpointHandler", "DataRestore", "DataSave")
+
+
 def __getattr__(name: str):
-  """Loads ``TensorflowDataLoader``, and with it TensorFlow, on first use;
-  a module's old path (``jax_data.sampling``) gives the module."""
+  """Loads ``TensorflowDataLoader``, and with it TensorFlow, and the Orbax
+  arguments, and with them Orbax, on first use; a module's old path
+  (``jax_data.sampling``) gives the module."""
   if name == "TensorflowDataLoader":
     try:
       from jax_data.loaders.tensorflow_loader import TensorflowDataLoader
@@ -73,6 +80,14 @@ def __getattr__(name: str):
           "jax_data.TensorflowDataLoader needs TensorFlow: "
           'pip install "jax_data[tensorflow]"') from e
     return TensorflowDataLoader
+  if name in _ORBAX:
+    try:
+      from jax_data.compiled import orbax_checkpoint
+    except ImportError as e:
+      raise ImportError(
+          f"jax_data.{name} needs Orbax: "
+          'pip install "jax_data[orbax]"') from e
+    return getattr(orbax_checkpoint, name)
   module = _old_module(name)
   if module is not None:
     return module

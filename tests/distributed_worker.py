@@ -36,6 +36,39 @@ def gaussian_loglik(x, mu, sigma=SIGMA):
   return -0.5 * z * z - math.log(sigma) - 0.5 * math.log(2 * math.pi)
 
 
+def _orbax_round_trip(jax, np, jax_data, count, process_id, directory):
+  """1 if this process's chains, saved through Orbax and restored, draw
+  what they drew after the save; -1 without Orbax."""
+  try:
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return -1
+  pipeline = jax_data.random_reference_data(
+      jax_data.NumpyDataLoader(index=np.arange(count)), 3, 8)
+  states = [pipeline[0](seed=100 + 10 * process_id + c, shuffle=True)
+            for c in range(2)]
+  state = jax.tree_util.tree_map(lambda *s: np.stack(s), *states)
+  step = jax.jit(jax.vmap(pipeline[1]))
+  state, _ = step(state)
+  with ocp.CheckpointManager(directory) as manager:
+    manager.save(1, args=ocp.args.Composite(
+        data=jax_data.DataSave(pipeline, state)))
+    manager.wait_until_finished()
+  after, drawn = state, []
+  for _ in range(4):
+    after, batch = step(after)
+    drawn.append(np.asarray(batch["index"]))
+  with ocp.CheckpointManager(directory) as manager:
+    restored = manager.restore(1, args=ocp.args.Composite(
+        data=jax_data.DataRestore(pipeline))).data
+  again = []
+  for _ in range(4):
+    restored, batch = step(restored)
+    again.append(np.asarray(batch["index"]))
+  pipeline[2]()
+  return int(np.array_equal(np.stack(drawn), np.stack(again)))
+
+
 def main(argv):
   port, process_id, process_count = (int(a) for a in argv[1:4])
   data_path, out_path = argv[4:6]
@@ -102,6 +135,12 @@ def main(argv):
     continued.append(np.asarray(batch["index"]))
   pipeline[2]()
 
+  # Orbax: every process saves its own chains into one CheckpointManager
+  # step (a file each), draws on, restores them and draws the same.
+  orbax_same = _orbax_round_trip(
+      jax, np, jax_data, count, process_id,
+      os.path.join(os.path.dirname(os.path.abspath(out_path)), "orbax"))
+
   # Combine across processes with a real collective (gloo on CPU). Shards
   # differ in size by one, so the index lists are padded with -1 first.
   longest = -(-count // process_count)
@@ -114,7 +153,7 @@ def main(argv):
   np.savez(out_path, partial=partial, partials=partials,
            total=partials.sum(axis=0), seen=seen, indices=indices,
            drawn=np.stack(drawn), continued=np.stack(continued),
-           device_count=jax.device_count(),
+           device_count=jax.device_count(), orbax_same=orbax_same,
            local_device_count=jax.local_device_count())
   jax.distributed.shutdown()
   return 0

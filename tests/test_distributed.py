@@ -170,7 +170,13 @@ def test_two_processes_map_their_shards_and_combine_to_the_full_value(
   np.testing.assert_allclose(full, full_numpy, rtol=1e-5)
 
   shards = [ObservationRange.shard(N, i, PROCESSES) for i in range(PROCESSES)]
+  orbax_files = sorted(p.name for p in tmp_path.glob("orbax/1/data/*"))
   for i, (out, shard) in enumerate(zip(outs, shards)):
+    # Through Orbax, each process saved and restored its own chains.
+    if importlib.util.find_spec("orbax") is not None:
+      assert int(out["orbax_same"]) == 1, report
+      assert f"data.process-{i}-of-{PROCESSES}.npz" in orbax_files, (
+          orbax_files)
     assert int(out["device_count"]) == PROCESSES, report
     assert int(out["local_device_count"]) == 1, report
     # Combined with the collective: every process holds the full value.

@@ -20,6 +20,7 @@ import os
 import zipfile
 import zlib
 from typing import Any
+from typing import BinaryIO
 from typing import Dict
 from typing import Mapping
 from typing import Optional
@@ -328,37 +329,48 @@ def restore_checkpoint(path: Union[str, os.PathLike], pipeline: Any,
   """
   path = os.fspath(path)
   with open(path, "rb") as f:
-    _check_kind(path, f.read(len(_NPY_MAGIC)))
-    f.seek(0)
-    try:
-      loaded = np.load(f, allow_pickle=False)
-      if not isinstance(loaded, np.lib.npyio.NpzFile):
-        raise CheckpointError(
-            f"{path} holds one array of shape {np.shape(loaded)}, not a "
-            "jax_data checkpoint: save_checkpoint writes a .npz archive")
-      with loaded as data:
-        tree = {k: data[k] for k in data.files}
-    except (EOFError, NotImplementedError, OSError, ValueError,
-            zipfile.BadZipFile, zlib.error) as e:
-      # NotImplementedError, OSError: a corrupt compression method or
-      # offset in the zip's headers.
-      if isinstance(e, CheckpointError):
-        raise
-      # Not NumPy's words on object arrays: they advise loading the file
-      # "unsafely" with allow_pickle, which a checkpoint never needs.
-      reason = ("it holds Python objects (pickled data), which "
-                "save_checkpoint never writes" if "pickle" in str(e) else
-                f"{type(e).__name__}: {e}")
+    tree = read_tree(f, path)
+  return state_from_pytree(pipeline, tree, lanes)
+
+
+def read_tree(f: BinaryIO, path: str) -> Dict[str, np.ndarray]:
+  """The arrays of a checkpoint file opened as ``f`` (named ``path`` in
+  messages), checked to be one :func:`save_checkpoint` writes.
+
+  Raises:
+    CheckpointError: the file is corrupt, truncated or not a checkpoint.
+  """
+  _check_kind(path, f.read(len(_NPY_MAGIC)))
+  f.seek(0)
+  try:
+    loaded = np.load(f, allow_pickle=False)
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
       raise CheckpointError(
-          f"{path} is not a readable jax_data checkpoint (corrupt, "
-          f"truncated, or another kind of file): {reason}") from e
+          f"{path} holds one array of shape {np.shape(loaded)}, not a "
+          "jax_data checkpoint: save_checkpoint writes a .npz archive")
+    with loaded as data:
+      tree = {k: data[k] for k in data.files}
+  except (EOFError, NotImplementedError, OSError, ValueError,
+          zipfile.BadZipFile, zlib.error) as e:
+    # NotImplementedError, OSError: a corrupt compression method or
+    # offset in the zip's headers.
+    if isinstance(e, CheckpointError):
+      raise
+    # Not NumPy's words on object arrays: they advise loading the file
+    # "unsafely" with allow_pickle, which a checkpoint never needs.
+    reason = ("it holds Python objects (pickled data), which "
+              "save_checkpoint never writes" if "pickle" in str(e) else
+              f"{type(e).__name__}: {e}")
+    raise CheckpointError(
+        f"{path} is not a readable jax_data checkpoint (corrupt, "
+        f"truncated, or another kind of file): {reason}") from e
   missing = sorted(set(_TREE_FIELDS) - set(tree))
   if missing:
     raise CheckpointError(
         f"{path} is not a jax_data checkpoint: it is a .npz archive of "
         f"{sorted(tree) or 'no arrays'}, without the fields "
         f"{', '.join(map(repr, missing))} that save_checkpoint writes")
-  return state_from_pytree(pipeline, tree, lanes)
+  return tree
 
 
 # How the files np.load reads begin: .npz archives (a zip, empty or not),
