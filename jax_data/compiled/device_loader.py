@@ -187,8 +187,7 @@ class RandomPipeline(pl.RandomPipeline):
                device_count: int = 1):
     """The next batch, drawn on the device, and the advanced state."""
     state = states.check_state(state, self.template, "batch_fn")
-    information = check_bool("information", information)
-    check_int("device_count", device_count, minimum=1)
+    information = pl.Call.checked(information, device_count).information
     loader = self._ref.loader
     if isinstance(loader, DeviceNumpyDataLoader):
       new_state, (batch, info) = loader.draw(state, self._mb_size)

@@ -20,7 +20,6 @@ from jax_data.compiled import device_loader
 from jax_data.compiled import pipeline as pl
 from jax_data.compiled import states
 from jax_data.compiled.bridge import Callback
-from jax_data.compiled.bridge import check_callback
 from jax_data.compiled.pass_keys import MAX_COMPILED
 from jax_data.compiled.pass_keys import Recent
 from jax_data.compiled.pass_keys import Traced
@@ -35,11 +34,9 @@ from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.loader import DataLoader
 from jax_data.loaders.loader import DeviceDataLoader
 from jax_data.serving.host import Host
-from jax_data.streams.sampling import ObservationRange
 from jax_data.types import CacheState
 from jax_data.types import PyTree
 from jax_data.validation import check_bool
-from jax_data.validation import check_int
 from jax_data.validation import check_keywords
 
 
@@ -96,21 +93,13 @@ def full_reference_data(data_loader: DataLoader,
 def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
                    shard_count, progress, callback, stacklevel
                    ) -> "FullPipeline":
-  loader = pl.check_loader(data_loader)
-  callback = check_callback(callback)
-  total = loader.observation_count
-  if total is None:
-    raise ValueError(
-        "full-data passes visit every observation once, so they need the "
-        f"number of observations, which data_loader={loader!r} does not "
-        "know (a pipeline of unknown length); give it, e.g. "
-        "TensorflowDataLoader(pipeline, observation_count=N)")
-  observations = ObservationRange.from_arguments(total, shard_index,
-                                                 shard_count)
-  cache_size, mb_size = pl.check_sizes(loader, cached_batches_count, mb_size,
-                                       observations.count)
-  plan = PassPlan(observations.count, cache_size, mb_size)
-  pl.check_cache_bytes(loader, plan.cache_size, mb_size)
+  config = pl.Config.checked(data_loader, cached_batches_count, mb_size,
+                             callback, full=True, shard_index=shard_index,
+                             shard_count=shard_count,
+                             stacklevel=stacklevel + 1)
+  loader, observations, mb_size = (config.loader, config.observations,
+                                   config.mb_size)
+  plan = PassPlan(observations.count, config.cache_size, mb_size)
   if isinstance(loader, DeviceDataLoader):
     if progress is not None:
       raise ValueError(
@@ -119,12 +108,11 @@ def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
     chunks = device_loader.FullChunks(loader, observations, plan.cache_size,
                                       mb_size)
   else:
-    pl.warn_large_cache(cache_size, mb_size, observations.count, stacklevel)
     shard = ({} if shard_index is None else
              {"shard_index": shard_index, "shard_count": shard_count})
     chunks = HostChunks(loader, plan, shard, progress_reporter(progress,
                                                                 plan),
-                        callback)
+                        config.callback)
   return FullPipeline(chunks, plan, loader)
 
 
@@ -287,9 +275,9 @@ class FullPipeline(pl.Pipeline):
     if not callable(fun):
       raise TypeError(f"fun must be callable, got fun={fun!r}")
     data_state = states.check_state(data_state, self.template, "map_fn")
-    masking = check_bool("masking", masking)
-    information = check_bool("information", information)
-    device_count = check_int("device_count", device_count, minimum=1)
+    call = pl.Call.checked(information, device_count, masking)
+    masking, information, device_count = (call.masking, call.information,
+                                           call.device_count)
     self._chunks.check_open()
     traced = self._traced(fun, data_state, carry, masking, information,
                           device_count)

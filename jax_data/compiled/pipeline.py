@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import collections.abc
+import dataclasses
 import math
 import secrets
 import warnings
@@ -34,7 +35,10 @@ from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.loader import DataLoader
 from jax_data.loaders.loader import DeviceDataLoader
 from jax_data.serving.host import Host
+from jax_data.streams.sampling import ObservationRange
 from jax_data.types import CacheState
+from jax_data.validation import check_bool
+from jax_data.validation import check_int
 from jax_data.validation import check_sizes as _check_sizes
 
 
@@ -186,6 +190,87 @@ def fingerprint(kind: str, loader: str, cache_size: int, mb_size: int,
   return {"kind": kind, "loader": loader, "cache_size": cache_size,
           "mb_size": mb_size, "observation_count": observation_count,
           "data": digest}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """A constructor's arguments, checked before anything is traced or
+  allocated (:meth:`checked`): what :func:`jax_data.random_reference_data`,
+  :func:`jax_data.full_reference_data` and the device loaders build from.
+
+  Attributes:
+    loader: The data loader.
+    cache_size: Batches per chunk (``cached_batches_count``).
+    mb_size: Observations per batch.
+    callback: How compiled code receives chunks.
+    observation_count: The observations drawn from (a random chain) or
+      passed over (a full-data pass, its shard); None if unknown.
+    observations: The observations a full-data pass visits; None for random
+      chains.
+  """
+  loader: DataLoader
+  cache_size: int
+  mb_size: int
+  callback: Callback
+  observation_count: Optional[int]
+  observations: Optional[ObservationRange] = None
+
+  @property
+  def on_device(self) -> bool:
+    """Whether the data are on the device (a ``DeviceDataLoader``)."""
+    return isinstance(self.loader, DeviceDataLoader)
+
+  @classmethod
+  def checked(cls, data_loader: Any, cached_batches_count: Any, mb_size: Any,
+              callback: Any, *, full: bool = False, shard_index: Any = None,
+              shard_count: Any = None, stacklevel: int = 4) -> "Config":
+    """The checked configuration of a random (or, ``full``, full-data)
+    pipeline over ``data_loader``.
+
+    Raises:
+      TypeError, ValueError: an argument is wrong, named with its value;
+        a cache over :data:`MAX_CACHE_BYTES`; a full-data pass over data of
+        unknown length.
+    """
+    loader = check_loader(data_loader)
+    callback = bridge_lib.check_callback(callback)
+    count, observations = loader.observation_count, None
+    if full:
+      if count is None:
+        raise ValueError(
+            "full-data passes visit every observation once, so they need "
+            "the number of observations, which "
+            f"data_loader={loader!r} does not know (a pipeline of unknown "
+            "length); give it, e.g. "
+            "TensorflowDataLoader(pipeline, observation_count=N)")
+      observations = ObservationRange.from_arguments(count, shard_index,
+                                                     shard_count)
+      count = observations.count
+    cache_size, mb_size = check_sizes(loader, cached_batches_count, mb_size,
+                                      count)
+    config = cls(loader, cache_size, mb_size, callback, count, observations)
+    if full or not config.on_device:  # a device loader's chains cache none
+      passed = math.ceil(count / mb_size) if full else cache_size
+      check_cache_bytes(loader, min(cache_size, passed), mb_size)
+    if not config.on_device:
+      warn_large_cache(cache_size, mb_size, count, stacklevel)
+    return config
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """The options of a ``batch_fn`` or ``map_fn`` call, checked
+  (:meth:`checked`)."""
+  information: bool = False
+  device_count: int = 1
+  masking: bool = False
+
+  @classmethod
+  def checked(cls, information: Any = False, device_count: Any = 1,
+              masking: Any = False) -> "Call":
+    return cls(check_bool("information", information),
+               check_int("device_count", device_count, minimum=1),
+               check_bool("masking", masking))
 
 
 def check_loader(data_loader: Any) -> DataLoader:

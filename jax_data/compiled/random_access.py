@@ -15,15 +15,12 @@ from jax_data.compiled import scan as scan_lib
 from jax_data.compiled import states
 from jax_data.compiled.bridge import Bridge
 from jax_data.compiled.bridge import Callback
-from jax_data.compiled.bridge import check_callback
 from jax_data.lifetime import STEPS
 from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.loader import DataLoader
-from jax_data.loaders.loader import DeviceDataLoader
 from jax_data.types import CacheState
 from jax_data.types import MiniBatchInformation
 from jax_data.validation import check_bool
-from jax_data.validation import check_int
 
 
 def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
@@ -69,16 +66,13 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
   Raises:
     TypeError, ValueError: bad arguments, named with their values.
   """
-  loader = pl.check_loader(data_loader)
+  config = pl.Config.checked(data_loader, cached_batches_count, mb_size,
+                             callback)
   verify_calls = check_bool("verify_calls", verify_calls)
-  callback = check_callback(callback)
-  count = loader.observation_count
-  cache_size, mb_size = pl.check_sizes(loader, cached_batches_count, mb_size)
-  if isinstance(loader, DeviceDataLoader):
-    return device_loader.RandomPipeline(loader, mb_size)
-  pl.check_cache_bytes(loader, cache_size, mb_size)
-  pl.warn_large_cache(cache_size, mb_size, count)
-  return RandomPipeline(loader, cache_size, mb_size, verify_calls, callback)
+  if config.on_device:
+    return device_loader.RandomPipeline(config.loader, config.mb_size)
+  return RandomPipeline(config.loader, config.cache_size, config.mb_size,
+                        verify_calls, config.callback)
 
 
 class RandomPipeline(pl.RandomPipeline):
@@ -116,8 +110,8 @@ class RandomPipeline(pl.RandomPipeline):
                device_count: int = 1):
     """The next batch of the state's chain, and the advanced state."""
     state = states.check_state(state, self.template, "batch_fn")
-    information = check_bool("information", information)
-    device_count = check_int("device_count", device_count, minimum=1)
+    call = pl.Call.checked(information, device_count)
+    information, device_count = call.information, call.device_count
     self.host.check_open()
     new_state, batch, batch_mask = self._step(self._owner, state,
                                               device_count)
