@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import jax_data
+from tests import calls
 
 tf = pytest.importorskip("tensorflow")
 tensorflow_loader = pytest.importorskip("jax_data.tensorflow_loader")
@@ -188,23 +189,22 @@ def test_save_and_load_state_continue_exactly(kind):
 
 
 @pytest.mark.parametrize("in_memory", [False, True])
-def test_load_state_replays_only_when_the_position_moves(monkeypatch,
-                                                         in_memory):
+def test_load_state_replays_only_when_the_position_moves(in_memory):
   loader = TensorflowDataLoader(_pipeline(23), shuffle_cache=6,
                                 in_memory=in_memory)
   chain = loader.register_random_pipeline(3, 4, seed=1)
   first = _chunks(loader, chain, 1)
-  seek = jax_data.sampling.BufferShuffle.seek
-  seeks = []
-  monkeypatch.setattr(jax_data.sampling.BufferShuffle, "seek",
-                      lambda self, step: seeks.append(step) or seek(self, step))
-  loader.load_state(chain, loader.save_state(chain))
-  _chunks(loader, chain, 1)
-  assert seeks == []  # at the current position: no replay
+  seeks = calls.calls_of(jax_data.sampling.BufferShuffle.seek, "position")
+  with calls.watch(seeks) as seen:
+    loader.load_state(chain, loader.save_state(chain))
+    _chunks(loader, chain, 1)
+  assert seen == []  # at the current position: no replay
   state = loader.save_state(chain)
   state["position"] = 0
-  loader.load_state(chain, state)
-  assert _chunks(loader, chain, 1) == first and seeks == [0]
+  with calls.watch(seeks) as seen:
+    loader.load_state(chain, state)
+    assert _chunks(loader, chain, 1) == first
+  assert seen == [0]
 
 
 def test_load_state_names_what_differs():
@@ -421,18 +421,21 @@ def test_importing_jax_data_does_not_import_tensorflow_and_env_defaults():
       "{'level': '2', 'onednn': '1', 'hidden': ([], 'GPU')}")
 
 
-def test_gpus_stay_hidden_or_a_warning_says_why(monkeypatch):
+def test_gpus_stay_hidden_or_a_warning_says_why():
   assert tf.config.get_visible_devices("GPU") == []
 
-  def too_late(devices, kind):
-    raise RuntimeError("Visible devices cannot be modified after being "
-                       "initialized")
+  class InitialisedWithGpus:
+    """What tf.config answers once TensorFlow has taken the GPUs."""
 
-  monkeypatch.setattr(tf.config, "set_visible_devices", too_late)
-  monkeypatch.setattr(tf.config, "get_visible_devices",
-                      lambda kind: ["GPU:0"])
+    def set_visible_devices(self, devices, kind):
+      raise RuntimeError("Visible devices cannot be modified after being "
+                         "initialized")
+
+    def get_visible_devices(self, kind):
+      return ["GPU:0"]
+
   with pytest.warns(UserWarning, match="can still see the GPUs"):
-    tensorflow_loader._hide_gpus()
+    tensorflow_loader._hide_gpus(InitialisedWithGpus())
 
 
 def test_streams_do_not_depend_on_tensorflow_seeds():

@@ -63,12 +63,13 @@ from jax_data.validation import check_bool
 from jax_data.validation import check_int
 
 
-def _hide_gpus() -> None:
-  """Keeps TensorFlow off the GPUs, so it takes no device memory from JAX."""
+def _hide_gpus(config: Any = tf.config) -> None:
+  """Keeps TensorFlow off the GPUs (``config``: ``tf.config``), so it takes
+  no device memory from JAX."""
   try:
-    tf.config.set_visible_devices([], "GPU")
+    config.set_visible_devices([], "GPU")
   except RuntimeError:  # TensorFlow was initialised before this import
-    if tf.config.get_visible_devices("GPU"):
+    if config.get_visible_devices("GPU"):
       warnings.warn(
           "TensorFlow was initialised before jax_data.tensorflow_loader was "
           "imported and can still see the GPUs, so it may take device memory "
