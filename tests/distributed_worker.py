@@ -36,15 +36,53 @@ def gaussian_loglik(x, mu, sigma=SIGMA):
   return -0.5 * z * z - math.log(sigma) - 0.5 * math.log(2 * math.pi)
 
 
+def _orbax_pipeline(jax_data, np, count):
+  return jax_data.random_reference_data(
+      jax_data.NumpyDataLoader(index=np.arange(count)), 3, 8)
+
+
+def _draw(step, state, steps, np):
+  drawn = []
+  for _ in range(steps):
+    state, batch = step(state)
+    drawn.append(np.asarray(batch["index"]))
+  return state, np.stack(drawn)
+
+
+def orbax_restore(argv):
+  """Another job: every process restores its share of the chains that an
+  Orbax step (saved by the first job's processes) holds, and draws."""
+  port, process_id, process_count = (int(a) for a in argv[1:4])
+  count, out_path, directory = int(argv[4]), argv[5], argv[7]
+  import jax
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                             num_processes=process_count,
+                             process_id=process_id,
+                             initialization_timeout=30)
+  import numpy as np
+  import orbax.checkpoint as ocp
+
+  import jax_data
+  pipeline = _orbax_pipeline(jax_data, np, count)
+  with ocp.CheckpointManager(directory) as manager:
+    restored = manager.restore(1, args=ocp.args.Composite(
+        data=jax_data.DataRestore(pipeline))).data
+  _, drawn = _draw(jax.jit(jax.vmap(pipeline[1])), restored, 4, np)
+  np.savez(out_path, drawn=drawn)
+  pipeline[2]()
+  jax.distributed.shutdown()
+  return 0
+
+
 def _orbax_round_trip(jax, np, jax_data, count, process_id, directory):
   """1 if this process's chains, saved through Orbax and restored, draw
-  what they drew after the save; -1 without Orbax."""
+  what they drew after the save, and those draws; -1 without Orbax."""
   try:
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   except ImportError:
-    return -1
-  pipeline = jax_data.random_reference_data(
-      jax_data.NumpyDataLoader(index=np.arange(count)), 3, 8)
+    return -1, np.zeros(0)
+  pipeline = _orbax_pipeline(jax_data, np, count)
   states = [pipeline[0](seed=100 + 10 * process_id + c, shuffle=True)
             for c in range(2)]
   state = jax.tree_util.tree_map(lambda *s: np.stack(s), *states)
@@ -54,19 +92,13 @@ def _orbax_round_trip(jax, np, jax_data, count, process_id, directory):
     manager.save(1, args=ocp.args.Composite(
         data=jax_data.DataSave(pipeline, state)))
     manager.wait_until_finished()
-  after, drawn = state, []
-  for _ in range(4):
-    after, batch = step(after)
-    drawn.append(np.asarray(batch["index"]))
+  _, drawn = _draw(step, state, 4, np)
   with ocp.CheckpointManager(directory) as manager:
     restored = manager.restore(1, args=ocp.args.Composite(
         data=jax_data.DataRestore(pipeline))).data
-  again = []
-  for _ in range(4):
-    restored, batch = step(restored)
-    again.append(np.asarray(batch["index"]))
+  _, again = _draw(step, restored, 4, np)
   pipeline[2]()
-  return int(np.array_equal(np.stack(drawn), np.stack(again)))
+  return int(np.array_equal(drawn, again)), drawn
 
 
 def main(argv):
@@ -137,7 +169,7 @@ def main(argv):
 
   # Orbax: every process saves its own chains into one CheckpointManager
   # step (a file each), draws on, restores them and draws the same.
-  orbax_same = _orbax_round_trip(
+  orbax_same, orbax_drawn = _orbax_round_trip(
       jax, np, jax_data, count, process_id,
       os.path.join(os.path.dirname(os.path.abspath(out_path)), "orbax"))
 
@@ -154,6 +186,7 @@ def main(argv):
            total=partials.sum(axis=0), seen=seen, indices=indices,
            drawn=np.stack(drawn), continued=np.stack(continued),
            device_count=jax.device_count(), orbax_same=orbax_same,
+           orbax_drawn=orbax_drawn,
            local_device_count=jax.local_device_count())
   jax.distributed.shutdown()
   return 0
@@ -161,7 +194,8 @@ def main(argv):
 
 if __name__ == "__main__":
   try:
-    status = main(sys.argv)
+    status = (orbax_restore(sys.argv) if sys.argv[6:7] == ["orbax-restore"]
+              else main(sys.argv))
   except BaseException:  # noqa: BLE001 - report anything, then leave
     # A failed process must not linger: at exit jax.distributed would wait
     # (up to its shutdown timeout) for the other processes, which in turn

@@ -73,7 +73,8 @@ def _worker_env():
   return env
 
 
-def _run_workers(tmp_path, data_path):
+def _run_workers(tmp_path, data_path, processes=PROCESSES, extra=(),
+                 name="worker"):
   """Starts the workers, waits for all, kills them on a failure or timeout.
 
   Returns ``([(returncode, output_text, out_path), ...], report)``.
@@ -84,11 +85,11 @@ def _run_workers(tmp_path, data_path):
   timed_out = False
   with contextlib.ExitStack() as stack:
     try:
-      for i in range(PROCESSES):
-        log = stack.enter_context(open(tmp_path / f"worker{i}.log", "wb"))
+      for i in range(processes):
+        log = stack.enter_context(open(tmp_path / f"{name}{i}.log", "wb"))
         procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), str(port), str(i), str(PROCESSES),
-             str(data_path), str(tmp_path / f"worker{i}.npz")],
+            [sys.executable, str(WORKER), str(port), str(i), str(processes),
+             str(data_path), str(tmp_path / f"{name}{i}.npz"), *extra],
             cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True))
       # Wait for all; stop at once when one fails (the others would wait
@@ -108,8 +109,8 @@ def _run_workers(tmp_path, data_path):
             os.killpg(p.pid, signal.SIGKILL)
           p.wait()
   results = [(p.returncode,
-              (tmp_path / f"worker{i}.log").read_text(errors="replace"),
-              tmp_path / f"worker{i}.npz") for i, p in enumerate(procs)]
+              (tmp_path / f"{name}{i}.log").read_text(errors="replace"),
+              tmp_path / f"{name}{i}.npz") for i, p in enumerate(procs)]
   report = "\n".join(
       f"--- worker {i} (exit {rc}) on port {port} ---\n{text[-4000:]}"
       for i, (rc, text, _) in enumerate(results))
@@ -201,6 +202,9 @@ def test_two_processes_map_their_shards_and_combine_to_the_full_value(
     assert drawn.min() >= shard.start, (i, drawn)
     assert drawn.max() < shard.start + shard.count, (i, drawn)
 
+  if importlib.util.find_spec("orbax") is not None:
+    _restore_on_other_topologies(tmp_path, outs)
+
   # The file route agrees with the collective.
   np.testing.assert_allclose(sum(o["partial"] for o in outs), full,
                              rtol=1e-5)
@@ -264,3 +268,32 @@ def test_process_shard_defaults_to_this_single_process():
                                            **jax_data.process_shard())
   seen, _ = mapper_fn(lambda b, c: (b["index"], c), None)
   np.testing.assert_array_equal(seen, np.arange(N))
+
+
+def _restore_on_other_topologies(tmp_path, outs):
+  """The Orbax step that the 2 workers saved (2 chains each) restores in
+  this one process (all 4 chains, in process order) and in a job of 4
+  processes (one chain each); every chain draws what its worker drew after
+  the save."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  drawn = np.concatenate([o["orbax_drawn"] for o in outs], axis=1)
+  pipeline = jax_data.random_reference_data(
+      NumpyDataLoader(index=np.arange(N)), 3, 8)
+  with ocp.CheckpointManager(tmp_path / "orbax") as manager:
+    state = manager.restore(1, args=ocp.args.Composite(
+        data=jax_data.DataRestore(pipeline))).data
+  step = jax.jit(jax.vmap(pipeline[1]))
+  here = []
+  for _ in range(drawn.shape[0]):
+    state, batch = step(state)
+    here.append(np.asarray(batch["index"]))
+  np.testing.assert_array_equal(np.stack(here), drawn)
+  pipeline[2]()
+
+  results, report = _run_workers(
+      tmp_path, N, processes=4,
+      extra=("orbax-restore", str(tmp_path / "orbax")), name="restore")
+  assert all(rc == 0 for rc, _, _ in results), report
+  for i, (_, _, out) in enumerate(results):
+    np.testing.assert_array_equal(np.load(out)["drawn"][:, 0], drawn[:, i],
+                                  err_msg=report)

@@ -127,13 +127,15 @@ def test_a_position_that_does_not_fit_is_refused_with_named_errors(tmp_path):
   # Other data: the fingerprint differs.
   other = jax_data.random_reference_data(
       jax_data.NumpyDataLoader(x=np.ones((1000, 3), np.float32)), 5, 8)
-  with pytest.raises(jax_data.CheckpointError, match="data is .* in the checkpoint but"):
+  with pytest.raises(jax_data.CheckpointError,
+                     match="data is .* in the checkpoint but"):
     _restore(tmp_path / "run", 2, other, params)
   # Another batch size.
   smaller = jax_data.random_reference_data(
       jax_data.NumpyDataLoader(
           x=np.arange(3000.0, dtype=np.float32).reshape(1000, 3)), 5, 4)
-  with pytest.raises(jax_data.CheckpointError, match="mb_size is 8 in the checkpoint but 4 here"):
+  with pytest.raises(jax_data.CheckpointError,
+                     match="mb_size is 8 in the checkpoint but 4 here"):
     _restore(tmp_path / "run", 2, smaller, params)
   # A position of another format version.
   [path] = (tmp_path / "run").glob("2/data/data.process-0-of-1.npz")
@@ -148,16 +150,49 @@ def test_a_position_that_does_not_fit_is_refused_with_named_errors(tmp_path):
     _restore(tmp_path / "run", 2, pipeline, params)
 
 
-def test_a_position_saved_by_another_process_count_says_so(tmp_path):
+def _split_by_process(directory, step_number, pipeline, state, processes):
+  """Rewrites a step saved by this process as if ``processes`` processes
+  had each saved an equal share of the chains."""
+  [own] = (directory / str(step_number) / "data").glob("data.process-*")
+  own.unlink()
+  share = np.shape(state.chain)[0] // processes
+  for i in range(processes):
+    lanes = slice(i * share, (i + 1) * share)
+    part = jax.tree_util.tree_map(lambda x, lanes=lanes: x[lanes], state)
+    np.savez(own.with_name(f"data.process-{i}-of-{processes}.npz"),
+             **jax_data.state_to_pytree(pipeline, part))
+
+
+def test_a_position_saved_by_other_processes_restores_here(tmp_path):
+  """Chains saved by 2 processes (a file each) restore in this one
+  process, all of them in process order or some lanes, each continuing its
+  stream."""
+  pipeline, step, init_fn = _pipeline()
+  state, _ = _run(step, _chains(init_fn), 3)
+  params = {"w": np.ones(2)}
+  with _save(tmp_path / "run", 3, pipeline, state, params) as manager:
+    manager.wait_until_finished()
+  _split_by_process(tmp_path / "run", 3, pipeline, state, 2)
+  _, expected = _run(step, state, 12)
+  restored = _restore(tmp_path / "run", 3, pipeline, params)
+  np.testing.assert_array_equal(_run(step, restored.data, 12)[1], expected)
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    some = manager.restore(3, args=ocp.args.Composite(
+        data=jax_data.DataRestore(pipeline, lanes=[1, 2]))).data
+  np.testing.assert_array_equal(_run(step, some, 12)[1], expected[:, 1:3])
+
+
+def test_an_incomplete_or_uneven_set_of_positions_says_so(tmp_path):
   pipeline, step, init_fn = _pipeline()
   state, _ = _run(step, _chains(init_fn), 1)
   params = {"w": np.ones(2)}
   with _save(tmp_path / "run", 1, pipeline, state, params) as manager:
     manager.wait_until_finished()
-  [path] = (tmp_path / "run").glob("1/data/data.process-0-of-1.npz")
-  os.rename(path, path.with_name("data.process-0-of-2.npz"))
+  _split_by_process(tmp_path / "run", 1, pipeline, state, 4)
+  # 4 chains of 4 processes restore here, but not when one file is gone.
+  (tmp_path / "run" / "1" / "data" / "data.process-2-of-4.npz").unlink()
   with pytest.raises(jax_data.CheckpointError,
-                     match="process 0 of 1.*saved by 2 process"):
+                     match=r"processes \[0, 1, 3\] of 4, not of all"):
     _restore(tmp_path / "run", 1, pipeline, params)
 
 

@@ -86,6 +86,51 @@ def state_to_pytree(pipeline: Any, state: CacheState) -> Dict[str, np.ndarray]:
           "key": arrays["key"].astype(np.uint32)}
 
 
+def concatenate_trees(trees: Sequence[Mapping[str, Any]]
+                      ) -> Dict[str, np.ndarray]:
+  """The saved states of ``trees`` (from :func:`state_to_pytree`, e.g. one
+  per process) as one, their lanes one after the other on one axis; what
+  :func:`state_from_pytree` then restores whole or in part (``lanes``), in
+  any number of processes.
+
+  Raises:
+    CheckpointError: a tree is not a checkpoint, or they come from
+      different pipelines or format versions (the message shows both).
+  """
+  if not trees:
+    raise CheckpointError("no saved states to concatenate")
+  hosts, arrays = [], {"chunk": [], "position": [], "key": []}
+  for tree in trees:
+    missing = sorted({"host", *arrays} - set(tree))
+    if missing:
+      raise CheckpointError(
+          f"checkpoint has no field {', '.join(map(repr, missing))}: it is "
+          "not a jax_data checkpoint, or was cut short")
+    try:
+      host = json.loads(np.asarray(tree["host"], np.uint8).tobytes()
+                        .decode())
+      count = math.prod(host["lanes"])
+    except (TypeError, ValueError, KeyError) as e:
+      raise CheckpointError(
+          f"the checkpoint's host field is not jax_data's JSON: {e}") from e
+    if hosts:
+      _check("format version", host.get("version"), hosts[0].get("version"))
+      _check("pipeline", host.get("fingerprint"),
+             hosts[0].get("fingerprint"))
+    hosts.append(host)
+    for name, parts in arrays.items():
+      value = np.asarray(tree[name])
+      lead = len(host["lanes"])
+      parts.append(value.reshape((count,) + value.shape[lead:]))
+  host = dict(hosts[0], lanes=[sum(math.prod(h["lanes"]) for h in hosts)],
+              chains=[c for h in hosts for c in h.get("chains", [])])
+  if all("device_chains" in h for h in hosts):
+    host["device_chains"] = [c for h in hosts for c in h["device_chains"]]
+  encoded = json.dumps(host, default=_json_default).encode()
+  return {"host": np.frombuffer(encoded, np.uint8).copy(),
+          **{name: np.concatenate(parts) for name, parts in arrays.items()}}
+
+
 def _json_default(value):
   if isinstance(value, np.integer):
     return int(value)

@@ -30,16 +30,20 @@ True
 
 The position is taken when ``save`` is called, also when the manager
 writes asynchronously: the sampler may go on at once. Each process of a
-``jax.distributed`` job writes and reads the chains of its own states, in
-a file of its own. A restore checks what :func:`jax_data.restore_checkpoint`
-checks (the format version, the fingerprint of the data, the batch and
-cache sizes) and raises :class:`jax_data.CheckpointError` naming what
+``jax.distributed`` job writes the chains of its own states, in a file of
+its own, and reads them back; a job of another number of processes (one
+process, or more) restores each process's even share of all saved chains
+instead: a chain is its seed and position, never a process. A restore
+checks what :func:`jax_data.restore_checkpoint` checks (the format
+version, the fingerprint of the data, the batch and cache sizes) and
+raises :class:`jax_data.CheckpointError` naming what
 differs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from typing import Any
@@ -97,27 +101,48 @@ class DataCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     """The state saved in ``directory``, its chains registered anew in
     ``args.pipeline``.
 
+    Saved by as many processes as restore it: each restores its own
+    chains. Saved by another number: each process restores its even share
+    of all saved chains, in process order (or ``args.lanes`` of them).
+
     Raises:
-      CheckpointError: no position of this process was saved there (or by
-        another number of processes), or it does not fit the pipeline.
+      CheckpointError: no position was saved there, or the chains do not
+        split evenly over the processes (and no ``lanes`` were given), or
+        the position does not fit the pipeline.
     """
     if not isinstance(args, DataRestore):
       raise TypeError(
           "a jax_data data position is restored with args=jax_data."
           f"DataRestore(pipeline), got args={args!r}")
     index, count = jax.process_index(), jax.process_count()
-    path = directory / _file_name(index, count)
-    if not path.exists():
-      saved = sorted({int(m.group(2)) for p in directory.iterdir()
-                      if (m := _FILE.fullmatch(p.name))})
-      raise CheckpointError(
-          f"{directory} holds no data position of process {index} of "
-          f"{count}: " + (f"it was saved by {saved[0]} process(es); restore "
-                          "it with as many" if saved else
-                          "no jax_data position was saved there"))
-    with path.open("rb") as f:
-      tree = checkpoint.read_tree(f, os.fspath(path))
-    return checkpoint.state_from_pytree(args.pipeline, tree, args.lanes)
+    saved = {}
+    for path in directory.iterdir():
+      match = _FILE.fullmatch(path.name)
+      if match:
+        saved.setdefault(int(match.group(2)), {})[int(match.group(1))] = path
+    if not saved:
+      raise CheckpointError(f"{directory} holds no jax_data data position")
+    if count in saved and index in saved[count]:
+      tree, lanes = _read(saved[count][index]), args.lanes
+    else:
+      [(writers, paths)] = saved.items()
+      if sorted(paths) != list(range(writers)):
+        raise CheckpointError(
+            f"{directory} holds the positions of processes {sorted(paths)} "
+            f"of {writers}, not of all of them")
+      tree = checkpoint.concatenate_trees(
+          [_read(paths[i]) for i in range(writers)])
+      lanes = args.lanes
+      if lanes is None:
+        total = len(json.loads(tree["host"].tobytes())["chains"])
+        if total % count:
+          raise CheckpointError(
+              f"the {total} chains saved by {writers} process(es) do not "
+              f"split evenly over {count} processes; give each process "
+              "its chains with DataRestore(pipeline, lanes=...)")
+        share = total // count
+        lanes = range(index * share, (index + 1) * share)
+    return checkpoint.state_from_pytree(args.pipeline, tree, lanes)
 
   def metadata(self, directory: Any) -> None:
     del directory
@@ -128,6 +153,11 @@ class DataCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
 
   def close(self) -> None:
     pass
+
+
+def _read(path: Any) -> dict:
+  with path.open("rb") as f:
+    return checkpoint.read_tree(f, os.fspath(path))
 
 
 def _write(path: Any, tree: dict) -> None:
