@@ -196,11 +196,15 @@ def state_from_pytree(pipeline: Any, tree: Dict[str, Any],
   chunk, position, key = arrays["chunk"], arrays["position"], arrays["key"]
   if not lanes:
     return build(chain, chunk, position, key)
-  built = [build(chain[i], chunk[i], position[i], key[i])
-           for i in np.ndindex(*lanes)]
-  stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *built)
-  return jax.tree_util.tree_map(
-      lambda x: x.reshape(lanes + x.shape[1:]), stacked)
+  # Every lane at once, from NumPy: no per-lane JAX operations (a stack of
+  # 1,024 lanes would compile a 1,024-operand concatenation).
+  stacked = jax.tree_util.tree_map(
+      lambda x: jnp.broadcast_to(x, lanes + np.shape(x)), template)
+  return stacked._replace(
+      chain=jnp.asarray(chain, jnp.int32), chunk=jnp.asarray(chunk, jnp.int32),
+      position=jnp.asarray(position, jnp.int32),
+      cached_chunk=jnp.full(lanes, -1, jnp.int32),
+      key=jnp.asarray(key, jnp.uint32))
 
 
 def _read_tree(tree: Any, pipeline: pl.Pipeline
