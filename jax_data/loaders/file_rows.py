@@ -166,8 +166,7 @@ class MappedRows:
     A view is read later: whoever reads it must first check that the file
     was not truncated (a read past the end of a file kills the process).
     ``run``: whether ``flat`` is a run
-    (:func:`~jax_data.loaders.gather.is_run`),
-    if the caller knows.
+    (:func:`~jax_data.loaders.gather.is_run`), if the caller knows.
     """
     if run is None:
       run = bool(flat.size) and is_run(flat)

@@ -4,11 +4,10 @@ A host loader describes its data (:attr:`~HostDataLoader.static_information`,
 :attr:`~HostDataLoader.observation_format`) and opens *chains* from typed
 specs (``jax_data.loaders.chains``). A chain is a stream of chunks, each
 ``cache_size`` batches of ``mb_size`` observations; the loader produces them
-through a :class:`~jax_data.loaders.chains.ChainCursor`, whose position can be
-saved
-and restored. That is the whole contract: registering chains, keeping
-chunks, snapshots, prefetching, several devices and checkpoints are the host
-side's work (``jax_data.serving.host``), the same for every loader.
+through a :class:`~jax_data.loaders.chains.ChainCursor`, whose position can
+be saved and restored. That is the whole contract: registering chains,
+keeping chunks, snapshots, prefetching, several devices and checkpoints are
+the host side's work (``jax_data.serving``), the same for every loader.
 
 A new loader subclasses :class:`HostDataLoader` and implements
 ``static_information``, ``observation_format`` and :meth:`open_chain`
@@ -200,8 +199,7 @@ class HostDataLoader(DataLoader):
     """
     allowed = self.ordered_keywords if ordered else self.random_keywords
     kind = "an ordered" if ordered else "a random"
-    # Loaders that read rows by index (jax_data.loaders.indexed) take
-    # ``stream``.
+    # Loaders that read rows by index (loaders.indexed) take ``stream``.
     streams = "stream" in allowed
     stream = keywords.pop("stream", "auto") if streams else "exact"
     check_keywords(f"{kind} chain of {type(self).__name__}", keywords,

@@ -3,9 +3,8 @@ keep the whole dataset on the device.
 
 A :class:`DataLoader` describes a dataset: its size and the format of one
 observation. A :class:`DeviceDataLoader` keeps the whole dataset on the
-device; host loaders (``jax_data.loaders.host_loader.HostDataLoader``) keep it
-on
-the host and serve it in chunks.
+device; host loaders (``jax_data.loaders.host_loader.HostDataLoader``) keep
+it on the host and serve it in chunks.
 """
 
 from __future__ import annotations

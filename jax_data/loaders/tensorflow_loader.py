@@ -7,15 +7,14 @@ TensorFlow's C++ start-up messages off the console (oneDNN speeds up
 TensorFlow's matrix kernels, which a data pipeline rarely runs). It also
 hides the GPUs from TensorFlow, whose memory belongs to JAX.
 
-Random chains stream the pipeline through a shuffle buffer computed in
-NumPy (:class:`jax_data.streams.sampling.BufferShuffle`); ordered chains read
-it in
+Random chains stream the pipeline through a shuffle buffer computed in NumPy
+(:class:`jax_data.streams.sampling.BufferShuffle`); ordered chains read it in
 order. By default the rows come from ``tf.data`` pass after pass; with
 ``in_memory=True`` the pipeline is read once into NumPy arrays and chunks are
 gathers from them. The host bridge asks for the next chunk from a background
-thread while the device works. A chain's position is the number of batches
-it has served, so a state is a few integers; restoring one replays less than
-one pass.
+thread while the device works. A chain's position is the number of batches it
+has served, so a state is a few integers; restoring one replays less than one
+pass.
 """
 
 from __future__ import annotations
@@ -216,9 +215,9 @@ class TensorflowDataLoader(HostDataLoader):
   Streams are reproducible: the same seed gives the same batches, given the
   same pipeline order. The shuffle buffer works as ``tf.data``'s ``shuffle``
   does, but is computed in NumPy
-  (:class:`jax_data.streams.sampling.BufferShuffle`),
-  so streams do not depend on TensorFlow's seeds or version. Options of the
-  pipeline are kept, except that ``deterministic`` is set.
+  (:class:`jax_data.streams.sampling.BufferShuffle`), so streams do not
+  depend on TensorFlow's seeds or version. Options of the pipeline are kept,
+  except that ``deterministic`` is set.
 
   By default every pass reads the pipeline again, so data larger than
   memory work and random augmentations in the pipeline stay random. With

@@ -1,6 +1,5 @@
-"""Where the rows of
-:class:`~jax_data.loaders.tensorflow_loader.TensorflowDataLoader`'s
-chains come from.
+"""Where the rows of the chains of
+:class:`~jax_data.loaders.tensorflow_loader.TensorflowDataLoader` come from.
 
 Either the pipeline, read in order pass after pass (:class:`PipelineRows`,
 its iterators made by :func:`in_order` and dropped in a background thread by

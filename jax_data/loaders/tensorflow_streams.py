@@ -4,14 +4,11 @@ where their rows come from and the order they are served in.
 
 Random chains stream the observations through a shuffle buffer computed in
 NumPy (:class:`~jax_data.streams.sampling.BufferShuffle`), cut into batches;
-ordered
-chains serve them in pipeline order, each pass padded up to whole batches.
-Rows come either from the pipeline, read in order pass after pass
-(:class:`~jax_data.loaders.tensorflow_rows.PipelineRows`), or from NumPy arrays
-read
-once (:class:`~jax_data.loaders.tensorflow_rows.MemoryRows`,
-``in_memory=True``).
-A chain's position is the number of batches it served,
+ordered chains serve them in pipeline order, each pass padded up to whole
+batches. Rows come either from the pipeline, read in order pass after pass
+(:class:`~jax_data.loaders.tensorflow_rows.PipelineRows`), or from NumPy
+arrays read once (:class:`~jax_data.loaders.tensorflow_rows.MemoryRows`,
+``in_memory=True``). A chain's position is the number of batches it served,
 so restoring one replays less than one pass.
 """
 

@@ -1,10 +1,9 @@
 """Counter-based batches drawn on the host, for one chain or many at once.
 
-:mod:`jax_data.streams.counter_streams` defines the streams: a batch's indices
-as a
-pure function of (seed, position), for any positions, on the host and on
-the device. This module draws what a host cursor asks for, the same values
-bit for bit, faster:
+:mod:`jax_data.streams.counter_streams` defines the streams: a batch's
+indices as a pure function of (seed, position), for any positions, on the
+host and on the device. This module draws what a host cursor asks for, the
+same values bit for bit, faster:
 
 * a refresh of ``C`` vmapped chains asks for a chunk of every chain at
   once. Drawn chain by chain, each chunk costs about a hundred NumPy calls

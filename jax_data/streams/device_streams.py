@@ -1,8 +1,7 @@
 """Counter-based streams drawn on the device: :func:`device_batch`.
 
-The same batches as :func:`jax_data.streams.counter_streams.stream_batches` on
-the
-host, bit for bit, in ``jax.numpy`` with 32-bit integers only (a
+The same batches as :func:`jax_data.streams.counter_streams.stream_batches`
+on the host, bit for bit, in ``jax.numpy`` with 32-bit integers only (a
 device-resident loader's chains): positions are split into ``uint32`` words
 and multiplied and divided without 64-bit integers.
 """
