@@ -125,6 +125,10 @@ class DataCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     if count in saved and index in saved[count]:
       tree, lanes = _read(saved[count][index]), args.lanes
     else:
+      if len(saved) > 1:
+        raise CheckpointError(
+            f"{directory} holds the positions of jobs of {sorted(saved)} "
+            "processes; restore it with one of these process counts")
       [(writers, paths)] = saved.items()
       if sorted(paths) != list(range(writers)):
         raise CheckpointError(
