@@ -75,6 +75,43 @@ def orbax_restore(argv):
   return 0
 
 
+def pmap_chains(argv):
+  """Another job, two devices per process: a chain per local device under
+  pmap; the refresh's devices meet on their own process's host."""
+  port, process_id, process_count = (int(a) for a in argv[1:4])
+  count, out_path = int(argv[4]), argv[5]
+  import warnings  # pylint: disable=g-import-not-at-top
+
+  import jax
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                             num_processes=process_count,
+                             process_id=process_id,
+                             initialization_timeout=30)
+  import numpy as np
+
+  import jax_data
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      jax_data.NumpyDataLoader(index=np.arange(count)), 3, 8)
+  local = jax.local_device_count()
+  state = jax.tree_util.tree_map(
+      lambda *s: np.stack(s),
+      *[init_fn(seed=100 + local * process_id + d) for d in range(local)])
+  step = jax.pmap(batch_fn)
+  drawn = []
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(5):  # past a refresh: cache 3
+      state, batch = step(state)
+      drawn.append(np.asarray(batch["index"]))
+  stalls = sum("asked for chunk" in str(w.message) for w in caught)
+  np.savez(out_path, drawn=np.stack(drawn), stalls=stalls,
+           local_device_count=local, device_count=jax.device_count())
+  release_fn()
+  jax.distributed.shutdown()
+  return 0
+
+
 def _orbax_round_trip(jax, np, jax_data, count, process_id, directory):
   """1 if this process's chains, saved through Orbax and restored, draw
   what they drew after the save, and those draws; -1 without Orbax."""
@@ -194,8 +231,9 @@ def main(argv):
 
 if __name__ == "__main__":
   try:
-    status = (orbax_restore(sys.argv) if sys.argv[6:7] == ["orbax-restore"]
-              else main(sys.argv))
+    mode = sys.argv[6:7]
+    status = (orbax_restore(sys.argv) if mode == ["orbax-restore"] else
+              pmap_chains(sys.argv) if mode == ["pmap"] else main(sys.argv))
   except BaseException:  # noqa: BLE001 - report anything, then leave
     # A failed process must not linger: at exit jax.distributed would wait
     # (up to its shutdown timeout) for the other processes, which in turn

@@ -56,12 +56,14 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _worker_env():
+def _worker_env(devices=1):
   env = dict(os.environ)
   env["JAX_PLATFORMS"] = "cpu"
-  # One CPU device per process: drop conftest's forced device count.
+  # ``devices`` CPU devices per process, not conftest's forced count.
   flags = [f for f in env.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_force_host_platform_device_count")]
+  if devices > 1:
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
   if flags:
     env["XLA_FLAGS"] = " ".join(flags)
   else:
@@ -74,13 +76,13 @@ def _worker_env():
 
 
 def _run_workers(tmp_path, data_path, processes=PROCESSES, extra=(),
-                 name="worker"):
+                 name="worker", devices=1):
   """Starts the workers, waits for all, kills them on a failure or timeout.
 
   Returns ``([(returncode, output_text, out_path), ...], report)``.
   """
   port = _free_port()
-  env = _worker_env()
+  env = _worker_env(devices)
   procs = []
   timed_out = False
   with contextlib.ExitStack() as stack:
@@ -297,3 +299,26 @@ def _restore_on_other_topologies(tmp_path, outs):
   for i, (_, _, out) in enumerate(results):
     np.testing.assert_array_equal(np.load(out)["drawn"][:, 0], drawn[:, i],
                                   err_msg=report)
+
+
+def test_two_processes_of_two_devices_pmap_their_own_chains(tmp_path):
+  """Under pmap over all 4 devices of 2 processes, each process's host
+  serves the refreshes of its 2 devices: they meet there at once (no wait
+  for the other process's devices), and every chain draws its own stream."""
+  results, report = _run_workers(tmp_path, N, extra=("pmap",), name="pmap",
+                                 devices=2)
+  assert all(rc == 0 for rc, _, _ in results), report
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      NumpyDataLoader(index=np.arange(N)), 3, 8)
+  for i, (_, _, out) in enumerate(results):
+    out = dict(np.load(out))
+    assert int(out["local_device_count"]) == 2, report
+    assert int(out["device_count"]) == 4, report
+    assert int(out["stalls"]) == 0, report
+    for d in range(2):
+      state, expected = init_fn(seed=100 + 2 * i + d), []
+      for _ in range(5):
+        state, batch = batch_fn(state)
+        expected.append(np.asarray(batch["index"]))
+      np.testing.assert_array_equal(out["drawn"][:, d], np.stack(expected))
+  release_fn()

@@ -178,10 +178,17 @@ def shared(batch_format: PyTree, callback: Callback = "auto") -> Bridge:
 
 
 def _participants() -> int:
-  """How many devices run the current per-device code (pmap, shard_map):
-  each of them makes the same refresh request at the same point."""
+  """How many devices of this process run the current per-device code
+  (pmap, shard_map): each of them makes the same refresh request at the
+  same point, to this process's host. In a job of several processes a
+  mesh over every device (pmap's, a global shard_map's) holds this
+  process's local devices; the others ask their own processes' hosts."""
   mesh = jax.sharding.get_abstract_mesh()
-  return math.prod(mesh.shape[a] for a in getattr(mesh, "manual_axes", ()))
+  devices = math.prod(mesh.shape[a] for a in getattr(mesh, "manual_axes",
+                                                      ()))
+  if devices > 1 and jax.process_count() > 1:
+    return min(devices, jax.local_device_count())
+  return devices
 
 
 class _Ops:
