@@ -176,6 +176,12 @@ def main(argv):
 
   mus = jnp.asarray(MUS, jnp.float32)
   partial = np.asarray(jax.jit(jax.vmap(loglik))(mus))  # this shard's sums
+  # The full-data value as one value inside compiled code: pmap over every
+  # process's device, each passing over its process's shard, summed over
+  # the processes by psum.
+  in_jit = np.asarray(jax.pmap(
+      lambda mu: jax.lax.psum(jax.vmap(loglik)(mu), "processes"),
+      axis_name="processes")(np.asarray(mus)[None]))[0]
   seen, _ = jax.jit(lambda: mapper_fn(lambda b, c: (b["index"], c), None))()
   seen = np.asarray(seen)
   release_fn()
@@ -223,6 +229,7 @@ def main(argv):
            total=partials.sum(axis=0), seen=seen, indices=indices,
            drawn=np.stack(drawn), continued=np.stack(continued),
            device_count=jax.device_count(), orbax_same=orbax_same,
+           in_jit=in_jit,
            orbax_drawn=orbax_drawn,
            local_device_count=jax.local_device_count())
   jax.distributed.shutdown()

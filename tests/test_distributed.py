@@ -184,6 +184,9 @@ def test_two_processes_map_their_shards_and_combine_to_the_full_value(
     assert int(out["local_device_count"]) == 1, report
     # Combined with the collective: every process holds the full value.
     np.testing.assert_allclose(out["total"], full, rtol=1e-5, err_msg=report)
+    # Also as one value inside compiled code (pmap, psum over processes).
+    np.testing.assert_allclose(out["in_jit"], full, rtol=1e-5,
+                               err_msg=report)
     np.testing.assert_allclose(out["total"], full_numpy, rtol=1e-5)
     # Gathered in process order; each process's part is its shard's value.
     np.testing.assert_array_equal(
