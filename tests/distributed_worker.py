@@ -69,7 +69,7 @@ def orbax_restore(argv):
     restored = manager.restore(1, args=ocp.args.Composite(
         data=jax_data.DataRestore(pipeline))).data
   _, drawn = _draw(jax.jit(jax.vmap(pipeline[1])), restored, 4, np)
-  np.savez(out_path, drawn=drawn)
+  np.savez(out_path, drawn=drawn, local_device_count=jax.local_device_count())
   pipeline[2]()
   jax.distributed.shutdown()
   return 0

@@ -278,8 +278,8 @@ def test_process_shard_defaults_to_this_single_process():
 def _restore_on_other_topologies(tmp_path, outs):
   """The Orbax step that the 2 workers saved (2 chains each) restores in
   this one process (all 4 chains, in process order) and in a job of 4
-  processes (one chain each); every chain draws what its worker drew after
-  the save."""
+  processes of 2 CPU devices each (one chain each); every chain draws what
+  its worker drew after the save."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   drawn = np.concatenate([o["orbax_drawn"] for o in outs], axis=1)
   pipeline = jax_data.random_reference_data(
@@ -297,10 +297,13 @@ def _restore_on_other_topologies(tmp_path, outs):
 
   results, report = _run_workers(
       tmp_path, N, processes=4,
-      extra=("orbax-restore", str(tmp_path / "orbax")), name="restore")
+      extra=("orbax-restore", str(tmp_path / "orbax")), name="restore",
+      devices=2)
   assert all(rc == 0 for rc, _, _ in results), report
   for i, (_, _, out) in enumerate(results):
-    np.testing.assert_array_equal(np.load(out)["drawn"][:, 0], drawn[:, i],
+    out = dict(np.load(out))
+    assert int(out["local_device_count"]) == 2, report
+    np.testing.assert_array_equal(out["drawn"][:, 0], drawn[:, i],
                                   err_msg=report)
 
 
