@@ -53,12 +53,14 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     return importlib.util.spec_from_loader(fullname, self)
 
   def create_module(self, spec) -> types.ModuleType:
-    return importlib.import_module(MOVED[spec.name])
+    module = importlib.import_module(MOVED[spec.name])
+    spec.loader_state = module.__spec__  # the import system replaces it
+    return module
 
   def exec_module(self, module: types.ModuleType) -> None:
     # The import system set the old name's spec on the module: give it its
     # own back (its name stays the new one).
-    module.__spec__ = importlib.util.find_spec(module.__name__)
+    module.__spec__ = module.__spec__.loader_state
 
 
 def install() -> None:

@@ -1,0 +1,55 @@
+"""The modules' paths from before the folders keep working
+(jax_data.module_paths)."""
+
+import importlib
+import pickle
+import subprocess
+import sys
+
+import jax_data
+from jax_data import module_paths
+
+
+def test_every_old_path_is_the_moved_module_itself():
+  for old, new in module_paths.MOVED.items():
+    if "tensorflow" in old:
+      continue  # imports TensorFlow: below, in a fresh process
+    module = importlib.import_module(old)
+    assert module is importlib.import_module(new), old
+    assert module.__name__ == new and module.__spec__.name == new
+    assert getattr(jax_data, old.rsplit(".", 1)[1]) is module
+
+
+def test_jax_data_scan_is_still_the_function():
+  import jax_data.sampling  # pylint: disable=g-import-not-at-top,unused-import
+  assert callable(jax_data.scan) and jax_data.scan.__name__ == "scan"
+
+
+def test_old_paths_import_tensorflow_only_when_asked_for():
+  script = """
+import sys
+import jax_data
+import jax_data.sampling
+from jax_data.host_loader import StoreLimits
+assert "tensorflow" not in sys.modules, "imported TensorFlow"
+from jax_data.tensorflow_loader import TensorflowDataLoader
+assert TensorflowDataLoader.__module__ == "jax_data.loaders.tensorflow_loader"
+assert jax_data.TensorflowDataLoader is TensorflowDataLoader
+print("ok")
+"""
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                        text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.strip() == "ok"
+
+
+def test_objects_pickle_under_the_new_paths_and_load_by_the_old():
+  limits = jax_data.host_loader.StoreLimits(ahead=1)
+  assert type(limits).__module__ == "jax_data.loaders.host_loader"
+  assert pickle.loads(pickle.dumps(limits)) == limits
+  # A pickle written before the move names the old module (protocol 0:
+  # the names are text lines).
+  old = pickle.dumps(limits, protocol=0).replace(
+      b"jax_data.loaders.host_loader", b"jax_data.host_loader")
+  assert b"jax_data.host_loader" in old
+  assert pickle.loads(old) == limits
