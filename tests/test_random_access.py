@@ -307,3 +307,24 @@ def test_a_state_of_another_pipeline_is_refused(pipelines):
   _, (y, _) = _scan(b[1], 4)(foreign)
   assert x.tolist() == y.tolist()
 
+
+
+def test_a_released_pipelines_loader_is_freed_without_a_collection(pipelines):
+  """Nothing of jax_data forms a reference cycle with a loader: once the
+  pipeline is released and the prefetch thread idle, dropping the loader
+  frees it (and its arrays) at once, not at the next garbage collection."""
+  loader = NumpyDataLoader(x=np.arange(100.0))
+  ref = weakref.ref(loader)
+  pipeline = pipelines.random_reference_data(loader, 2, 2)
+  init_fn, batch_fn, release_fn = pipeline
+  _scan(batch_fn, 5)(init_fn())
+  host = pipeline.host
+  release_fn()
+  assert host.wait_idle()
+  gc.collect()  # what earlier tests left behind
+  gc.disable()
+  try:
+    del loader  # the last reference outside jax_data's objects
+    assert ref() is None, gc.get_referrers(ref())
+  finally:
+    gc.enable()

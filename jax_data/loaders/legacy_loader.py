@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from typing import Any
 from typing import Callable
 from typing import Dict
@@ -174,10 +175,20 @@ class PredecessorAdapter:
   """
 
   def __init__(self, loader: LoaderSeam):
-    self._loader = loader
+    # Weakly: the loader holds its adapter, and a cycle between them would
+    # keep a dropped loader (and its arrays) alive until a garbage
+    # collection instead of freeing it at once.
+    self._loader_ref = weakref.ref(loader)
     self._lock = threading.Lock()
     # The chains registered here (None once released), by id.
     self._chains: Dict[int, Optional[OwnChain]] = {}
+
+  @property
+  def _loader(self) -> LoaderSeam:
+    loader = self._loader_ref()
+    if loader is None:  # only through a stale reference to the adapter
+      raise ReferenceError("the loader of this adapter was dropped")
+    return loader
 
   def register(self, ordered: bool, cache_size: Any, mb_size: Any,
                keywords: Dict[str, Any]) -> int:
