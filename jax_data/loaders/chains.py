@@ -47,6 +47,18 @@ Position = Dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
+class BatchPart:
+  """Part ``index`` of ``count`` equal parts of every batch: the columns
+  ``[index * n, (index + 1) * n)`` of batches of ``count * n``
+  observations, where ``n`` is the chunk layout's ``mb_size``. The part of
+  a global batch that one device along a mesh axis holds
+  (:mod:`jax_data.compiled.global_batches`).
+  """
+  index: int
+  count: int
+
+
+@dataclasses.dataclass(frozen=True)
 class RandomChain:
   """A chain of random mini-batches (``spec/SAMPLING.md``).
 
@@ -60,12 +72,22 @@ class RandomChain:
     stream: ``"exact"``: the streams of ``spec/SAMPLING.md`` (the
       predecessor's batches); ``"counter"``: counter-based streams
       (:mod:`jax_data.streams.counter_streams`), O(1) in memory and in seeking.
+    part: None: the chain's batches whole; else the part of each batch it
+      keeps: it draws the whole chain's indices and reads only its rows.
   """
   seed: Optional[int]
   observations: ObservationRange
   shuffle: bool = False
   in_epochs: bool = False
   stream: Stream = "exact"
+  part: Optional[BatchPart] = None
+
+
+def batch_rows(spec: ChainSpec, mb_size: int) -> int:
+  """The observations of a whole batch of ``spec`` whose chunks hold
+  ``mb_size`` of each (a part's chunks hold a part of each batch)."""
+  part = getattr(spec, "part", None)
+  return mb_size if part is None else mb_size * part.count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +104,8 @@ def spec_to_json(spec: ChainSpec) -> Dict[str, Any]:
   """A spec as a JSON-compatible dict (for checkpoints)."""
   fields = dataclasses.asdict(spec)
   fields["observations"] = list(dataclasses.astuple(spec.observations))
+  if fields.get("part", 0) is None:  # the format of whole-batch chains
+    del fields["part"]
   return {"kind": type(spec).__name__, **fields}
 
 
@@ -105,7 +129,7 @@ def spec_from_json(data: Mapping[str, Any]) -> ChainSpec:
       check_keywords("an ordered chain's spec", fields, ())
       return OrderedChain(observations)
     check_keywords("a random chain's spec", fields,
-                   ("seed", "shuffle", "in_epochs", "stream"))
+                   ("seed", "shuffle", "in_epochs", "stream", "part"))
     shuffle = check_bool("shuffle", fields.get("shuffle", False))
     in_epochs = check_bool("in_epochs", fields.get("in_epochs", False))
     if in_epochs and not shuffle:
@@ -114,8 +138,14 @@ def spec_from_json(data: Mapping[str, Any]) -> ChainSpec:
     stream = fields.get("stream", "exact")
     if stream not in STREAMS:
       raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
+    part = fields.get("part")
+    if part is not None:
+      check_keywords("a batch part", part, ("index", "count"))
+      count = check_int("part count", part["count"], minimum=1)
+      part = BatchPart(check_int("part index", part["index"], minimum=0,
+                                 maximum=count - 1), count)
     return RandomChain(check_int("seed", fields.get("seed"), minimum=0),
-                       observations, shuffle, in_epochs, stream)
+                       observations, shuffle, in_epochs, stream, part)
   except (KeyError, TypeError, ValueError) as e:
     raise ValueError(f"not a chain spec: {data!r} ({type(e).__name__}: {e})"
                      ) from e
@@ -220,7 +250,14 @@ class ChainCursor(abc.ABC):
   :meth:`seek` to the position saved before chunk ``i`` it continues with
   chunk ``i``. Calls for one cursor never overlap; cursors of one loader may
   run in different threads at once.
+
+  Attributes:
+    serves_parts: Whether the cursor serves chains with a
+      :attr:`RandomChain.part` (a loader that reads rows by index); the
+      host refuses such chains of other cursors.
   """
+
+  serves_parts: bool = False
 
   @abc.abstractmethod
   def produce(self, index: int, out: Chunk) -> Chunk:

@@ -42,6 +42,7 @@ from jax_data.loaders.chains import ChunkLayout
 from jax_data.loaders.chains import LeafFormat
 from jax_data.loaders.chains import OrderedChain
 from jax_data.loaders.chains import RandomChain
+from jax_data.loaders.chains import batch_rows
 from jax_data.loaders.legacy_loader import LegacyCursor
 from jax_data.loaders.legacy_loader import OwnChain
 from jax_data.loaders.legacy_loader import PredecessorAdapter
@@ -262,12 +263,21 @@ class HostDataLoader(DataLoader):
     """Numbers a chain (:class:`ChainNumbering`) whose spec the loader
     accepts (:meth:`check_spec`) and opens its cursor with
     ``open_cursor(number, spec)``; nothing is numbered if that raises."""
-    check_int("mb_size", layout.mb_size, minimum=1,
+    check_int("mb_size", batch_rows(spec, layout.mb_size), minimum=1,
               maximum=spec.observations.count, what="the observation count")
 
     def checked_open(number: int, spec: ChainSpec) -> ChainCursor:
       self.check_spec(spec)
-      return open_cursor(number, spec)
+      cursor = open_cursor(number, spec)
+      if getattr(spec, "part", None) is not None and not cursor.serves_parts:
+        cursor.close()
+        raise ValueError(
+            "global batches split each batch over devices, which needs a "
+            "loader that reads rows by index (NumpyDataLoader, "
+            "SourceDataLoader, TensorflowDataLoader(in_memory=True) with "
+            f"stream='counter'); {type(self).__name__} serves this chain "
+            f"through a {type(cursor).__name__}")
+      return cursor
 
     return self._parts()[0].number(spec, checked_open)
 

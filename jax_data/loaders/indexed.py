@@ -24,6 +24,7 @@ from jax_data.loaders.chains import Chunk
 from jax_data.loaders.chains import ChunkLayout
 from jax_data.loaders.chains import OrderedChain
 from jax_data.loaders.chains import Position
+from jax_data.loaders.chains import batch_rows
 from jax_data.loaders.chains import readable
 from jax_data.streams.counter_chains import CounterStream
 from jax_data.streams.counter_chains import chain_batches
@@ -71,7 +72,11 @@ class IndexedCursor(ChainCursor):
   def __init__(self, spec: ChainSpec, layout: ChunkLayout, read: ReadRows,
                check: Callable[[], None] = readable,
                rows: Optional[Hashable] = None):
-    self._stream = stream_of(spec, layout.mb_size)
+    part = getattr(spec, "part", None)
+    self._stream = stream_of(spec, batch_rows(spec, layout.mb_size))
+    # A part of each batch: its columns of the whole batch's indices.
+    self._columns = (slice(None) if part is None else slice(
+        part.index * layout.mb_size, (part.index + 1) * layout.mb_size))
     self._layout = layout
     self._read = read
     self._check = check
@@ -79,9 +84,13 @@ class IndexedCursor(ChainCursor):
     self._all_valid = np.ones(layout.lead, bool)
     self._all_valid.setflags(write=False)
 
+  serves_parts = True
+
   def produce(self, index: int, out: Chunk) -> Chunk:
     del index
     indices, mask = self._stream.draw(self._layout.cache_size)
+    indices = indices[:, self._columns]
+    mask = None if mask is None else mask[:, self._columns]
     rows = indices.size
     flat_out = [leaf.reshape((rows,) + leaf.shape[2:]) for leaf in out.leaves]
     leaves = self._read(indices.reshape(-1), flat_out)
@@ -95,7 +104,7 @@ class IndexedCursor(ChainCursor):
     if not isinstance(stream, CounterStream):
       return None
     return (IndexedCursor, self._rows, self._check, self._layout,
-            stream.observations, stream.mode)
+            stream.observations, stream.mode, self._columns.start)
 
   @classmethod
   def produce_group(cls, cursors: Sequence[ChainCursor],
@@ -111,8 +120,11 @@ class IndexedCursor(ChainCursor):
     indices, mask = chain_batches(
         [stream.seed for stream in streams],
         [stream.advance(count) for stream in streams], count,
-        layout.mb_size, first.observations.count, first.shuffle,
+        first.mb_size, first.observations.count, first.shuffle,
         first.in_epochs, first.observations.start)
+    columns = cursors[0]._columns  # pylint: disable=protected-access
+    indices = indices[..., columns]
+    mask = None if mask is None else mask[..., columns]
     rows = count * layout.mb_size
     flat_out = [allocate((indices.size,) + leaf.shape, leaf.dtype)
                 for leaf in layout.leaves]
