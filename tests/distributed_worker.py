@@ -112,6 +112,106 @@ def pmap_chains(argv):
   return 0
 
 
+GLOBAL_MB = 8  # rows of one chain's global batch
+GLOBAL_STEPS = 5  # past a refresh: cache 3
+GLOBAL_SEEDS = (11, 12)  # the chains of the 2-D mesh
+
+
+def global_data(np, count):
+  """The logistic-regression data of the global-batch job."""
+  x = np.random.default_rng(1).normal(size=(count, 3)).astype(np.float32)
+  y = (x @ np.array([1.0, -2.0, 0.5], np.float32) > 0).astype(np.float32)
+  return {"x": x, "y": y, "index": np.arange(count)}
+
+
+def logistic_loss(jnp, w, batch):
+  """The negative log-likelihood of a batch; works on NumPy and JAX."""
+  z = batch["x"] @ w
+  return jnp.sum(jnp.logaddexp(0.0, z) - batch["y"] * z)
+
+
+def global_batches(argv):
+  """Another job, two devices per process: one chain's global batch over
+  every device (a data-parallel gradient step), and chains x batch rows on
+  a 2-D mesh whose batch axis spans the processes."""
+  port, process_id, process_count = (int(a) for a in argv[1:4])
+  count, out_path = int(argv[4]), argv[5]
+  import jax
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                             num_processes=process_count,
+                             process_id=process_id,
+                             initialization_timeout=30)
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.experimental import multihost_utils
+  from jax.sharding import Mesh
+
+  import jax_data
+  loader = jax_data.NumpyDataLoader(**global_data(np, count))
+  devices = np.array(jax.devices())
+  gather = lambda x: np.asarray(multihost_utils.process_allgather(
+      x, tiled=True))
+
+  pipeline = jax_data.random_reference_data(
+      loader, 3, GLOBAL_MB, mesh=Mesh(devices, ("data",)), batch_axis="data")
+  init_fn, batch_fn, release_fn = pipeline
+
+  @jax.jit
+  def step(w, state):
+    state, batch = batch_fn(state)
+    grad = jax.grad(lambda w: logistic_loss(jnp, w, batch))(w)
+    return w - 0.01 * grad, state, batch["index"]
+
+  w, state = jnp.zeros(3), init_fn(seed=7, shuffle=True)
+  drawn, weights = [], []
+  for _ in range(GLOBAL_STEPS):
+    w, state, index = step(w, state)
+    drawn.append(gather(index))
+    weights.append(gather(w))
+  # This process's host serves the parts of its own devices only.
+  parts = sorted(pipeline.host.chain(n).spec.part.index
+                 for n in pipeline.host.chains())
+  after = []
+  try:
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    ocp = None
+  if ocp is not None:  # the global state, saved by every process
+    directory = os.path.join(os.path.dirname(out_path), "global-orbax")
+    with ocp.CheckpointManager(directory) as manager:
+      manager.save(1, args=ocp.args.Composite(
+          data=jax_data.DataSave(pipeline, state)))
+      manager.wait_until_finished()
+    for _ in range(GLOBAL_STEPS):
+      w, state, index = step(w, state)
+      after.append(gather(index))
+  release_fn()
+
+  mesh = Mesh(devices.reshape(process_count, -1), ("data", "chains"))
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      loader, 3, GLOBAL_MB, mesh=mesh, batch_axis="data",
+      chain_axis="chains")
+
+  @jax.jit
+  def scanned(state):
+    return jax_data.scan(lambda c, b: (c, b["index"]), 0, state,
+                         batch_fn=batch_fn, length=GLOBAL_STEPS)
+
+  (_, state), index = scanned(init_fn(seed=list(GLOBAL_SEEDS),
+                                      shuffle=True, in_epochs=True))
+  grid = gather(index)
+  release_fn()
+  multihost_utils.sync_global_devices("jax_data global batches done")
+  np.savez(out_path, drawn=np.stack(drawn), weights=np.stack(weights),
+           after=np.array(after),
+           parts=np.array(parts), grid=grid,
+           local_device_count=jax.local_device_count(),
+           device_count=jax.device_count())
+  jax.distributed.shutdown()
+  return 0
+
+
 def _orbax_round_trip(jax, np, jax_data, count, process_id, directory):
   """1 if this process's chains, saved through Orbax and restored, draw
   what they drew after the save, and those draws; -1 without Orbax."""
@@ -240,7 +340,9 @@ if __name__ == "__main__":
   try:
     mode = sys.argv[6:7]
     status = (orbax_restore(sys.argv) if mode == ["orbax-restore"] else
-              pmap_chains(sys.argv) if mode == ["pmap"] else main(sys.argv))
+              pmap_chains(sys.argv) if mode == ["pmap"] else
+              global_batches(sys.argv) if mode == ["global"] else
+              main(sys.argv))
   except BaseException:  # noqa: BLE001 - report anything, then leave
     # A failed process must not linger: at exit jax.distributed would wait
     # (up to its shutdown timeout) for the other processes, which in turn

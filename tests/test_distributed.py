@@ -328,3 +328,69 @@ def test_two_processes_of_two_devices_pmap_their_own_chains(tmp_path):
         expected.append(np.asarray(batch["index"]))
       np.testing.assert_array_equal(out["drawn"][:, d], np.stack(expected))
   release_fn()
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_global_batches_over_processes_equal_one_process(tmp_path,
+                                                         processes):
+  """One chain's batch split over the devices (2 each) of 2 or 4
+  processes: each process serves only its devices' rows, the global batch
+  equals the single-process batch of the seed, and a data-parallel
+  gradient step (XLA reduces the gradient across processes) follows the
+  single-process one. On a 2-D mesh (batch axis across the processes,
+  chains within them), ``jax_data.scan`` draws each chain's single-process
+  batches. The global state the processes saved through Orbax restores in
+  this one process."""
+  results, report = _run_workers(tmp_path, N, processes=processes,
+                                 extra=("global",), name="global", devices=2)
+  assert all(rc == 0 for rc, _, _ in results), report
+  data = worker.global_data(np, N)
+  loader = NumpyDataLoader(**data)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      loader, 3, worker.GLOBAL_MB)
+  state, w = init_fn(seed=7, shuffle=True), np.zeros(3, np.float32)
+  drawn, weights = [], []
+  for _ in range(worker.GLOBAL_STEPS):
+    state, batch = batch_fn(state)
+    grad = jax.grad(lambda w, b=batch: worker.logistic_loss(jnp, w, b))(w)
+    w = w - 0.01 * grad
+    drawn.append(np.asarray(batch["index"]))
+    weights.append(np.asarray(w))
+  grid = []
+  for seed in worker.GLOBAL_SEEDS:
+    chain, rows = init_fn(seed=seed, shuffle=True, in_epochs=True), []
+    for _ in range(worker.GLOBAL_STEPS):
+      chain, batch = batch_fn(chain)
+      rows.append(np.asarray(batch["index"]))
+    grid.append(rows)
+  release_fn()
+  for i, (_, _, out) in enumerate(results):
+    out = dict(np.load(out))
+    assert int(out["device_count"]) == 2 * processes, report
+    assert out["parts"].tolist() == [2 * i, 2 * i + 1], report
+    np.testing.assert_array_equal(out["drawn"], np.stack(drawn),
+                                  err_msg=report)
+    np.testing.assert_allclose(out["weights"], np.stack(weights),
+                               rtol=1e-5, err_msg=report)
+    np.testing.assert_array_equal(
+        out["grid"], np.stack(grid).transpose(1, 0, 2), err_msg=report)
+  if importlib.util.find_spec("orbax") is not None:
+    _restore_global_state(tmp_path / "global-orbax", loader, out["after"])
+
+
+def _restore_global_state(directory, loader, after):
+  """The global state that 2 processes saved through Orbax restores in
+  this one process on a mesh of 4 devices, and without a mesh."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+  for extra in ({"mesh": mesh, "batch_axis": "data"}, {}):
+    pipeline = jax_data.random_reference_data(loader, 3, worker.GLOBAL_MB,
+                                              **extra)
+    with ocp.CheckpointManager(directory) as manager:
+      state = manager.restore(1, args=ocp.args.Composite(
+          data=jax_data.DataRestore(pipeline))).data
+    for expected in after:
+      state, batch = pipeline[1](state)
+      np.testing.assert_array_equal(batch["index"], expected)
+    pipeline[2]()

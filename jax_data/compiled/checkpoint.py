@@ -28,28 +28,15 @@ from typing import Sequence
 from typing import Tuple
 from typing import Union
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_data.compiled import pipeline as pl
-from jax_data.compiled import states
 from jax_data.errors import CheckpointError
 from jax_data.types import CacheState
 from jax_data.validation import check_int
 
 FORMAT_VERSION = 2
 _FIELDS = ("chain", "chunk", "position", "cached_chunk", "key")
-
-
-def _lanes(state: CacheState, template: CacheState):
-  """The leading (vmap/pmap) axes of a state, e.g. () or (4,)."""
-  if not isinstance(state, CacheState):
-    raise TypeError(f"state must be a CacheState, got {type(state).__name__}")
-  shape = np.shape(state.chain)
-  if np.shape(state.key)[len(shape):] != np.shape(template.key):
-    raise TypeError("state does not belong to this pipeline")
-  return shape
 
 
 def state_to_pytree(pipeline: Any, state: CacheState) -> Dict[str, np.ndarray]:
@@ -67,18 +54,23 @@ def state_to_pytree(pipeline: Any, state: CacheState) -> Dict[str, np.ndarray]:
     ``{"host": uint8 JSON bytes, "chunk", "position": int32, "key": uint32}``.
   """
   pipeline = pl.of(pipeline)
-  lanes = _lanes(state, pipeline.template)
-  states.check_identity(state.pipeline, pipeline.id, "state_to_pytree")
-  arrays = {f: np.asarray(getattr(state, f)) for f in _FIELDS}
+  lanes, arrays = pipeline.saved_lanes(state)
   chains = []
   if pipeline.host is not None:
     for lane in np.ndindex(*lanes):
-      chains.append(pipeline.host.save_chain(int(arrays["chain"][lane]),
-                                             int(arrays["chunk"][lane])))
+      saved = pipeline.host.save_chain(int(arrays["chain"][lane]),
+                                       int(arrays["chunk"][lane]))
+      # A chain whole: a global batch's part chain saves the chain it is
+      # a part of (its position is the whole chain's).
+      saved["spec"].pop("part", None)
+      chains.append(saved)
   host = {"version": FORMAT_VERSION, "lanes": list(lanes), "chains": chains,
           "fingerprint": pipeline.fingerprint}
   if pipeline.host is None:  # -1: a jax.random chain; -2 - mode: counter
     host["device_chains"] = arrays["chain"].astype(np.int64).ravel().tolist()
+  if pipeline.global_state:
+    # Every process of a job saves the same chains.
+    host["global"] = True
   encoded = json.dumps(host, default=_json_default).encode()
   return {"host": np.frombuffer(encoded, np.uint8).copy(),
           "chunk": arrays["chunk"].astype(np.int32),
@@ -174,37 +166,7 @@ def state_from_pytree(pipeline: Any, tree: Dict[str, Any],
   chain = np.full(lanes, -1, np.int32)
   if pipeline.host is None and "device_chains" in host:
     chain = _device_chains(host["device_chains"], lanes)
-  if pipeline.host is not None:
-    restored = []
-    try:
-      for lane, saved in zip(np.ndindex(*lanes), host["chains"]):
-        chain[lane] = pipeline.host.restore_chain(
-            saved, int(arrays["chunk"][lane]))
-        restored.append(int(chain[lane]))
-    except BaseException:
-      for number in restored:
-        pipeline.host.remove_chain(number)
-      raise
-  template = pipeline.template
-
-  def build(lane_chain, lane_chunk, lane_position, lane_key):
-    return template._replace(
-        chain=jnp.int32(lane_chain), chunk=jnp.int32(lane_chunk),
-        position=jnp.int32(lane_position), cached_chunk=jnp.int32(-1),
-        key=jnp.asarray(lane_key, jnp.uint32))
-
-  chunk, position, key = arrays["chunk"], arrays["position"], arrays["key"]
-  if not lanes:
-    return build(chain, chunk, position, key)
-  # Every lane at once, from NumPy: no per-lane JAX operations (a stack of
-  # 1,024 lanes would compile a 1,024-operand concatenation).
-  stacked = jax.tree_util.tree_map(
-      lambda x: jnp.broadcast_to(x, lanes + np.shape(x)), template)
-  return stacked._replace(
-      chain=jnp.asarray(chain, jnp.int32), chunk=jnp.asarray(chunk, jnp.int32),
-      position=jnp.asarray(position, jnp.int32),
-      cached_chunk=jnp.full(lanes, -1, jnp.int32),
-      key=jnp.asarray(key, jnp.uint32))
+  return pipeline.restore_lanes(host["chains"], arrays, lanes, chain)
 
 
 def _read_tree(tree: Any, pipeline: pl.Pipeline

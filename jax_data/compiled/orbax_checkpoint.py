@@ -103,7 +103,9 @@ class DataCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
 
     Saved by as many processes as restore it: each restores its own
     chains. Saved by another number: each process restores its even share
-    of all saved chains, in process order (or ``args.lanes`` of them).
+    of all saved chains, in process order (or ``args.lanes`` of them); the
+    global state of a pipeline with global batches (every process saved
+    the same chains) is restored whole in every process.
 
     Raises:
       CheckpointError: no position was saved there, or the chains do not
@@ -134,9 +136,14 @@ class DataCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         raise CheckpointError(
             f"{directory} holds the positions of processes {sorted(paths)} "
             f"of {writers}, not of all of them")
-      tree = checkpoint.concatenate_trees(
-          [_read(paths[i]) for i in range(writers)])
+      tree = _read(paths[0])
       lanes = args.lanes
+      if json.loads(tree["host"].tobytes()).get("global"):
+        # A global state: every process saved the same chains, and every
+        # process restores them all.
+        return checkpoint.state_from_pytree(args.pipeline, tree, lanes)
+      tree = checkpoint.concatenate_trees(
+          [tree] + [_read(paths[i]) for i in range(1, writers)])
       if lanes is None:
         total = len(json.loads(tree["host"].tobytes())["chains"])
         if total % count:

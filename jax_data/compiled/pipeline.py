@@ -20,14 +20,17 @@ from typing import Any
 from typing import Callable
 from typing import ClassVar
 from typing import Dict
+from typing import List
 from typing import Optional
 from typing import Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from jax_data.compiled import bridge as bridge_lib
+from jax_data.compiled import states
 from jax_data.compiled.bridge import Bridge
 from jax_data.compiled.bridge import Callback
 from jax_data.lifetime import LIVE_HOSTS
@@ -63,6 +66,10 @@ class Pipeline(collections.abc.Sequence):
 
   kind: ClassVar[str]
   functions: Tuple[Callable[..., Any], ...]
+  #: Whether a state is one global state of a ``jax.distributed`` job,
+  #: the same chains in every process (global batches), rather than each
+  #: process's own chains.
+  global_state: ClassVar[bool] = False
 
   def __init__(self, host: Optional[Host], template: CacheState,
                loader: DataLoader, cache_size: int, mb_size: int,
@@ -81,6 +88,54 @@ class Pipeline(collections.abc.Sequence):
     if self._digest is None and self.host is not None:
       self._digest = self.host.loader.content_digest()
     return fingerprint(self.kind, *self._shape, self._digest)
+
+  def saved_lanes(self, state: Any
+                  ) -> Tuple[Tuple[int, ...], Dict[str, np.ndarray]]:
+    """What a checkpoint saves of ``state``: its lane shape (``()``, or the
+    vmap/pmap axes) and its fields ``chain`` (a host chain per lane, or a
+    device chain's kind), ``chunk``, ``position`` and ``key`` as NumPy
+    arrays with that leading shape.
+
+    Raises:
+      TypeError, ValueError: not a state of this pipeline.
+    """
+    if not isinstance(state, CacheState):
+      raise TypeError(f"state must be a CacheState, got {type(state).__name__}")
+    lanes = np.shape(state.chain)
+    if np.shape(state.key)[len(lanes):] != np.shape(self.template.key):
+      raise TypeError("state does not belong to this pipeline")
+    states.check_identity(state.pipeline, self.id, "state_to_pytree")
+    return lanes, {f: np.asarray(getattr(state, f))
+                   for f in ("chain", "chunk", "position", "key")}
+
+  def restore_lanes(self, saved: List[Dict[str, Any]],
+                    arrays: Dict[str, np.ndarray], lanes: Tuple[int, ...],
+                    chain: np.ndarray) -> CacheState:
+    """A state of the checked saved lanes: each lane's chain (``saved``,
+    from :meth:`Host.save_chain`) registered anew at its ``chunk``, or
+    ``chain`` (device chains' kinds) without a host; no chain is left
+    registered if one fails."""
+    if self.host is not None:
+      chain, restored = chain.copy(), []
+      try:
+        for lane, one in zip(np.ndindex(*lanes), saved):
+          chain[lane] = self.host.restore_chain(one,
+                                                int(arrays["chunk"][lane]))
+          restored.append(int(chain[lane]))
+      except BaseException:
+        for number in restored:
+          self.host.remove_chain(number)
+        raise
+    # Every lane at once, from NumPy: no per-lane JAX operations (a stack
+    # of 1,024 lanes would compile a 1,024-operand concatenation).
+    stacked = jax.tree_util.tree_map(
+        lambda x: jnp.broadcast_to(x, lanes + np.shape(x)), self.template)
+    return stacked._replace(
+        chain=jnp.asarray(chain, jnp.int32),
+        chunk=jnp.asarray(arrays["chunk"], jnp.int32),
+        position=jnp.asarray(arrays["position"], jnp.int32),
+        cached_chunk=jnp.full(lanes, -1, jnp.int32),
+        key=jnp.asarray(arrays["key"], jnp.uint32))
 
   def check_open(self) -> None:
     """Raises :class:`~jax_data.PipelineReleasedError` once released."""
@@ -110,6 +165,15 @@ class RandomPipeline(Pipeline):
   def batch_fn(self, state: CacheState, information: bool = False,
                device_count: int = 1) -> Tuple[CacheState, Any]:
     """The next batch of the state's chain, and the advanced state."""
+
+  def check_state(self, state: Any, where: str) -> CacheState:
+    """``state``, checked before anything is traced
+    (:func:`jax_data.compiled.states.check_state`).
+
+    Raises:
+      TypeError, ValueError: not a state of this pipeline, named.
+    """
+    return states.check_state(state, self.template, where)
 
   def scan_batches(self, f: Callable[..., Any], init: Any,
                    state: CacheState, xs: Any, length: int,

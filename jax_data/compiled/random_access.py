@@ -5,11 +5,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 from typing import Callable
+from typing import Optional
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jax_data.compiled import device_loader
+from jax_data.compiled import global_batches
 from jax_data.compiled import pipeline as pl
 from jax_data.compiled import scan as scan_lib
 from jax_data.compiled import states
@@ -25,7 +28,10 @@ from jax_data.validation import check_bool
 
 def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
                           mb_size: int, verify_calls: bool = False, *,
-                          callback: Callback = "auto") -> pl.Pipeline:
+                          callback: Callback = "auto",
+                          mesh: Optional[Mesh] = None,
+                          batch_axis: Optional[str] = None,
+                          chain_axis: Optional[str] = None) -> pl.Pipeline:
   """Random mini-batches of a loader, drawn inside ``jit`` and ``lax.scan``.
 
   A host loader serves chunks of ``cached_batches_count`` batches through a
@@ -54,6 +60,14 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
     callback: How compiled code receives chunks: ``"auto"`` (written in
       place into XLA's buffer on CPU, ``jax.pure_callback`` elsewhere) or
       ``"pure"`` (``jax.pure_callback`` everywhere).
+    mesh: With ``batch_axis``: global batches. Each batch is a global
+      ``jax.Array`` split along its first axis over the mesh axis
+      ``batch_axis``; each process reads only its devices' rows, and the
+      batch equals the batch of the same seed without a mesh. See
+      :doc:`/distributed`.
+    batch_axis: The mesh axis each batch is split along.
+    chain_axis: A second mesh axis that chains are split along: then
+      ``init_fn(seed=[...])`` makes one state of a chain per seed.
 
   Returns:
     ``(init_fn, batch_fn, release_fn)``. ``init_fn(**kwargs)`` registers a
@@ -69,6 +83,16 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
   config = pl.Config.checked(data_loader, cached_batches_count, mb_size,
                              callback)
   verify_calls = check_bool("verify_calls", verify_calls)
+  if mesh is not None or batch_axis is not None or chain_axis is not None:
+    if config.on_device:
+      raise TypeError(
+          "global batches (mesh, batch_axis) need a host loader, got "
+          f"data_loader={config.loader!r}")
+    axes = global_batches.MeshAxes.checked(mesh, batch_axis, chain_axis,
+                                           config.mb_size)
+    return global_batches.GlobalPipeline(RandomPipeline(
+        config.loader, config.cache_size, config.mb_size // axes.parts,
+        verify_calls, config.callback), axes, config.mb_size)
   if config.on_device:
     return device_loader.RandomPipeline(config.loader, config.mb_size)
   return RandomPipeline(config.loader, config.cache_size, config.mb_size,
@@ -122,21 +146,32 @@ class RandomPipeline(pl.RandomPipeline):
           batch_size=self._mb_size))
     return new_state, batch
 
+  def advance(self, state: CacheState, device_count: int = 1):
+    """``batch_fn``'s step for a checked state: ``(state, batch, mask)``;
+    what pipelines built over this one call (global batches)."""
+    return self._step(self._owner, state, device_count)
+
   def scan_batches(self, f, init, state: CacheState, xs, length: int,
                    information: bool, device_count: int):
     """The loop of :func:`jax_data.scan` over this pipeline's chunks: each
     chunk's batches scanned over as elements (:func:`jax_data.scan.
     chunked_scan`)."""
-    def fetch(state, chunk):
-      return self._bridge.fetch(self._owner, state.pipeline, state.chain,
-                                chunk, device_count)
-
-    def refresh(state):
-      return _refresh(self._bridge, self._owner, state, device_count)
-
     return scan_lib.chunked_scan(
-        f, init, state, xs, length, information, device_count, fetch=fetch,
-        refresh=refresh, observation_count=self._count, mb_size=self._mb_size)
+        f, init, state, xs, length, information, device_count,
+        fetch=functools.partial(self.fetch, device_count=device_count),
+        refresh=functools.partial(self.refresh, device_count=device_count),
+        observation_count=self._count, mb_size=self._mb_size)
+
+  def fetch(self, state: CacheState, chunk: jax.Array,
+            device_count: int = 1):
+    """Chunk ``chunk`` of the state's chain, inside compiled code:
+    ``(batches, mask)`` (for :func:`jax_data.scan.chunked_scan`)."""
+    return self._bridge.fetch(self._owner, state.pipeline, state.chain,
+                              chunk, device_count)
+
+  def refresh(self, state: CacheState, device_count: int = 1) -> CacheState:
+    """``state`` with the chunk it points at in its cache."""
+    return _refresh(self._bridge, self._owner, state, device_count)
 
   def release_fn(self) -> None:
     """Drops every reference the pipeline holds to the loader."""

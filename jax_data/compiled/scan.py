@@ -105,7 +105,7 @@ def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
   information = check_bool("information", information)
   device_count = check_int("device_count", device_count, minimum=1)
   length = _check_length(xs, length)
-  state = states.check_state(state, pipeline.template, "scan")
+  state = pipeline.check_state(state, "scan")
   pipeline.check_open()
   return pipeline.scan_batches(f, init, state, xs, length, information,
                                device_count)
