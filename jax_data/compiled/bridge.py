@@ -73,14 +73,9 @@ def check_callback(callback: Any) -> Callback:
   return callback
 
 
-def _vma(x) -> frozenset:
-  return frozenset(getattr(jax.typeof(x), "vma", ()) or ())
-
-
 def _varying(x) -> frozenset:
   """The mesh axes (of an enclosing ``shard_map``) that ``x`` varies over."""
-  manual = getattr(jax.typeof(x), "manual_axis_type", None)
-  return frozenset(manual.varying) if manual is not None else _vma(x)
+  return frozenset(jax.typeof(x).manual_axis_type.varying)
 
 
 def _broadcast(axis_size: int, batched: Sequence[bool], args: Sequence[Any]
@@ -177,6 +172,13 @@ def shared(batch_format: PyTree, callback: Callback = "auto") -> Bridge:
   return BRIDGES.get(key, lambda: Bridge(batch_format, callback))
 
 
+def _manual_axes() -> tuple:
+  """The mesh axes of the enclosing ``shard_map`` (or ``pmap``); none
+  outside one. One device of this process may run per-device code of a
+  mesh over the devices of several processes."""
+  return tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
 def _participants() -> int:
   """How many devices of this process run the current per-device code
   (pmap, shard_map): each of them makes the same refresh request at the
@@ -184,8 +186,7 @@ def _participants() -> int:
   mesh over every device (pmap's, a global shard_map's) holds this
   process's local devices; the others ask their own processes' hosts."""
   mesh = jax.sharding.get_abstract_mesh()
-  devices = math.prod(mesh.shape[a] for a in getattr(mesh, "manual_axes",
-                                                      ()))
+  devices = math.prod(mesh.shape[a] for a in _manual_axes())
   if devices > 1 and jax.process_count() > 1:
     return min(devices, jax.local_device_count())
   return devices
@@ -227,8 +228,8 @@ class _Ops:
   def _fetch_lanes_flat(self, owners, pipelines, chains, chunks):
     need = jnp.ones(chains.shape, jnp.bool_)
     outs = self._fetch_lanes(owners, pipelines, chains, chunks, need)
-    return _varying_like(outs, chains == chains,
-                         _vma(pipelines) | _vma(chains) | _vma(chunks))
+    return _varying_like(outs, chains == chains, _varying(pipelines)
+                         | _varying(chains) | _varying(chunks))
 
   def _merge_lanes(self, owners, pipelines, chains, chunks, need, old
                    ) -> List[jax.Array]:
@@ -312,7 +313,7 @@ class _Ops:
         new = [n[0] for n in self._fetch_lanes(
             owner[None], pipeline[None], chain[None], chunk[None],
             need[None])]
-        if _participants() == 1:  # no manual axes: no varying types
+        if not _manual_axes():  # outside shard_map: no varying types
           return [chunk] + new
         # Inside shard_map, merging with the old cache (a select over the
         # cache) gives the outputs the device-varying type of the state.

@@ -26,9 +26,11 @@ from jax_data.compiled.pass_keys import Traced
 from jax_data.compiled.pass_loop import PassPlan
 from jax_data.compiled.pass_loop import Progress
 from jax_data.compiled.pass_loop import applier
+from jax_data.compiled.pass_loop import cast_varying
 from jax_data.compiled.pass_loop import map_pass
 from jax_data.compiled.pass_loop import progress_reporter
-from jax_data.lifetime import BATCHED
+from jax_data.compiled.pass_loop import varying_axes
+from jax_data.compiled.pass_loop import vectorised
 from jax_data.lifetime import PASSES
 from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.loader import DataLoader
@@ -198,6 +200,21 @@ def _pass(fetch_fn: Callable, plan: PassPlan, traced: Traced, owner: Any,
   return data_state, (results, carry)
 
 
+def varying_like(tree: PyTree, like: PyTree, example: bool = False
+                 ) -> PyTree:
+  """``tree`` varying over the mesh axes (of an enclosing ``shard_map``)
+  that any leaf of ``like`` varies over: a carry that meets batches of a
+  per-device chain (its chunks vary) takes their type, or the pass's loop
+  would change the carry's type. With ``example``, ``tree`` holds shapes,
+  and the result zeros of that type, to trace with (unused values)."""
+  axes = varying_axes(like)
+  if not axes:
+    return tree
+  return jax.tree_util.tree_map(lambda leaf: cast_varying(
+      jnp.zeros(leaf.shape, leaf.dtype) if example else jnp.asarray(leaf),
+      axes), tree)
+
+
 def _check_per_observation(fun: Callable, results: PyTree,
                            mb_size: int) -> None:
   """With ``masking=False`` every result of a batch has one row per
@@ -252,6 +269,9 @@ class FullPipeline(pl.Pipeline):
       one = lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype)
       batch = self._batch_shapes[shapes] = (
           jax.tree_util.tree_map(one, batches), one(mask))
+    # Inside shard_map a batch varies over the mesh axes where the state's
+    # chain does (each device its own chunks): traced as such a value.
+    batch = varying_like(batch, data_state, example=True)
     return Traced(fun, applier(fun, self._plan, masking, information),
                    carry, *batch)
 
@@ -279,6 +299,7 @@ class FullPipeline(pl.Pipeline):
     masking, information, device_count = (call.masking, call.information,
                                            call.device_count)
     self._chunks.check_open()
+    carry = varying_like(carry, data_state)
     traced = self._traced(fun, data_state, carry, masking, information,
                           device_count)
     if not masking:
@@ -362,7 +383,7 @@ class MapperPipeline(pl.Pipeline):
             "batched=False")
       # The same wrapper for the same fun, also across pipelines: no new
       # compilation.
-      fun = self._batched.get(fun, lambda: _batched(fun))
+      fun = self._batched.get(fun, lambda: vectorised(fun))
     _, (results, carry) = self._full.map_fn(
         fun, self._state, carry, masking=masking, information=information,
         device_count=device_count)
@@ -371,17 +392,3 @@ class MapperPipeline(pl.Pipeline):
   def release_fn(self) -> None:
     """Drops every reference the pipeline holds to the loader."""
     self._full.release_fn()
-
-
-def _batched(fun: Callable) -> Callable:
-  return BATCHED.get(fun, lambda: _make_batched(fun))
-
-
-def _make_batched(fun: Callable) -> Callable:
-  vmapped = jax.vmap(fun, in_axes=(0, None))
-
-  def batched_fun(batch, carry):
-    results, carries = vmapped(batch, carry)
-    return results, jax.tree_util.tree_map(lambda c: c[0], carries)
-
-  return batched_fun

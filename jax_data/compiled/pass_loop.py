@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_data.lifetime import BATCHED
 from jax_data.types import MiniBatchInformation
 from jax_data.types import PyTree
 
@@ -161,14 +162,49 @@ def threads_carry(apply: Callable, carry: PyTree,
   if not leaves:
     return False
   batches, mask = jax.eval_shape(fetch_chunk, jnp.int32(0))
-  one = lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype)
-  batch = jax.tree_util.tree_map(one, batches)
+  # One batch of the fetched type (varying inside shard_map where the
+  # chunks do).
+  one = lambda s: cast_varying(
+      jnp.zeros(s.shape[1:], s.dtype),
+      frozenset(getattr(s, "manual_axis_type", None).varying
+                if getattr(s, "manual_axis_type", None) else ()))
 
   def step(carry, batch, mask):
     return jax.tree_util.tree_leaves(apply(carry, (batch, mask))[0])
 
-  traced = jax.make_jaxpr(step)(carry, batch, one(mask)).jaxpr
+  traced = jax.make_jaxpr(step)(carry, jax.tree_util.tree_map(one, batches),
+                                one(mask)).jaxpr
   given = traced.invars[:len(leaves)]
   returned = traced.outvars
   return len(returned) != len(given) or any(
       r is not g for r, g in zip(returned, given))
+
+
+def varying_axes(tree: PyTree) -> frozenset:
+  """The mesh axes (of an enclosing ``shard_map``) that any leaf of
+  ``tree`` varies over; none outside one."""
+  return frozenset().union(*(jax.typeof(leaf).manual_axis_type.varying
+                             for leaf in jax.tree_util.tree_leaves(tree)))
+
+
+def cast_varying(x: jax.Array, axes: frozenset) -> jax.Array:
+  """``x`` varying over ``axes`` (those it does not vary over already)."""
+  missing = tuple(sorted(axes - jax.typeof(x).manual_axis_type.varying))
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def vectorised(fun: Callable) -> Callable:
+  """``fun(observation, carry)`` as a batched function (vmapped over a
+  batch, keeping the carry of its first observation): one wrapper per
+  ``fun`` in a process (``lifetime.BATCHED``), so no new compilation."""
+  return BATCHED.get(fun, lambda: _make_batched(fun))
+
+
+def _make_batched(fun: Callable) -> Callable:
+  vmapped = jax.vmap(fun, in_axes=(0, None))
+
+  def batched_fun(batch, carry):
+    results, carries = vmapped(batch, carry)
+    return results, jax.tree_util.tree_map(lambda c: c[0], carries)
+
+  return batched_fun
