@@ -130,6 +130,14 @@ def logistic_loss(jnp, w, batch):
   return jnp.sum(jnp.logaddexp(0.0, z) - batch["y"] * z)
 
 
+def masked(jax, batch, mask):
+  """``batch`` with the rows that ``mask`` marks invalid zeroed (their loss
+  is then log 2 each: the loss of the valid rows is ``logistic_loss`` of
+  it less ``log 2`` per invalid row)."""
+  return jax.tree_util.tree_map(
+      lambda v: v * mask.reshape((-1,) + (1,) * (v.ndim - 1)), batch)
+
+
 def global_batches(argv):
   """Another job, two devices per process: one chain's global batch over
   every device (a data-parallel gradient step), and chains x batch rows on
@@ -188,6 +196,20 @@ def global_batches(argv):
       after.append(gather(index))
   release_fn()
 
+  # A full-data pass split over every device: one value inside jit.
+  mapper_fn, release_fn = jax_data.full_data_mapper(
+      loader, 2, 16, mesh=Mesh(devices, ("data",)), batch_axis="data")
+
+  @jax.jit
+  def full_loss(w):
+    losses, _ = mapper_fn(
+        lambda b, m, c: (logistic_loss(jnp, w, masked(jax, b, m)), c),
+        None, masking=True)
+    return jnp.sum(losses)
+
+  full = np.asarray(gather(full_loss(jnp.ones(3))[None]))
+  release_fn()
+
   mesh = Mesh(devices.reshape(process_count, -1), ("data", "chains"))
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(
       loader, 3, GLOBAL_MB, mesh=mesh, batch_axis="data",
@@ -204,7 +226,7 @@ def global_batches(argv):
   release_fn()
   multihost_utils.sync_global_devices("jax_data global batches done")
   np.savez(out_path, drawn=np.stack(drawn), weights=np.stack(weights),
-           after=np.array(after),
+           after=np.array(after), full=full,
            parts=np.array(parts), grid=grid,
            local_device_count=jax.local_device_count(),
            device_count=jax.device_count())

@@ -330,19 +330,21 @@ def test_two_processes_of_two_devices_pmap_their_own_chains(tmp_path):
   release_fn()
 
 
-@pytest.mark.parametrize("processes", [2, 4])
+@pytest.mark.parametrize("processes, devices", [(2, 2), (4, 2), (4, 1)])
 def test_global_batches_over_processes_equal_one_process(tmp_path,
-                                                         processes):
-  """One chain's batch split over the devices (2 each) of 2 or 4
-  processes: each process serves only its devices' rows, the global batch
+                                                         processes, devices):
+  """One chain's batch split over the devices of 2 or 4 processes (1 or 2
+  each): each process serves only its devices' rows, the global batch
   equals the single-process batch of the seed, and a data-parallel
   gradient step (XLA reduces the gradient across processes) follows the
   single-process one. On a 2-D mesh (batch axis across the processes,
   chains within them), ``jax_data.scan`` draws each chain's single-process
   batches. The global state the processes saved through Orbax restores in
-  this one process."""
+  this one process. A full-data pass split over every device gives the
+  single-process value inside jit."""
   results, report = _run_workers(tmp_path, N, processes=processes,
-                                 extra=("global",), name="global", devices=2)
+                                 extra=("global",), name="global",
+                                 devices=devices)
   assert all(rc == 0 for rc, _, _ in results), report
   data = worker.global_data(np, N)
   loader = NumpyDataLoader(**data)
@@ -356,6 +358,13 @@ def test_global_batches_over_processes_equal_one_process(tmp_path,
     w = w - 0.01 * grad
     drawn.append(np.asarray(batch["index"]))
     weights.append(np.asarray(w))
+  mapper_fn, mapper_release = jax_data.full_data_mapper(loader, 2, 16)
+  losses, _ = mapper_fn(
+      lambda b, m, c: (worker.logistic_loss(
+          jnp, jnp.ones(3), worker.masked(jax, b, m)), c),
+      None, masking=True)
+  full_value = float(jnp.sum(losses))
+  mapper_release()
   grid = []
   for seed in worker.GLOBAL_SEEDS:
     chain, rows = init_fn(seed=seed, shuffle=True, in_epochs=True), []
@@ -366,8 +375,11 @@ def test_global_batches_over_processes_equal_one_process(tmp_path,
   release_fn()
   for i, (_, _, out) in enumerate(results):
     out = dict(np.load(out))
-    assert int(out["device_count"]) == 2 * processes, report
-    assert out["parts"].tolist() == [2 * i, 2 * i + 1], report
+    assert int(out["device_count"]) == devices * processes, report
+    assert out["parts"].tolist() == list(
+        range(devices * i, devices * (i + 1))), report
+    np.testing.assert_allclose(out["full"], [full_value], rtol=1e-5,
+                               err_msg=report)
     np.testing.assert_array_equal(out["drawn"], np.stack(drawn),
                                   err_msg=report)
     np.testing.assert_allclose(out["weights"], np.stack(weights),

@@ -15,8 +15,10 @@ from typing import Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jax_data.compiled import device_loader
+from jax_data.compiled import global_passes
 from jax_data.compiled import pipeline as pl
 from jax_data.compiled import states
 from jax_data.compiled.bridge import Callback
@@ -319,7 +321,9 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
                      mb_size: int = 1, *, shard_index: Optional[int] = None,
                      shard_count: Optional[int] = None,
                      progress: Progress = None,
-                     callback: Callback = "auto") -> pl.Pipeline:
+                     callback: Callback = "auto",
+                     mesh: Optional[Mesh] = None,
+                     batch_axis: Optional[str] = None) -> pl.Pipeline:
   """Like :func:`full_reference_data`, but no data state is threaded through.
 
   >>> import jax.numpy as jnp
@@ -339,6 +343,12 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
     shard_count: See :func:`full_reference_data`.
     progress: See :func:`full_reference_data`.
     callback: See :func:`random_reference_data`.
+    mesh: With ``batch_axis``: split each pass over the devices of the
+      mesh axis ``batch_axis`` (of every process in a ``jax.distributed``
+      job), a contiguous block of batches each; the results are the
+      results without a mesh, and each device's carry comes back along a
+      leading axis of the devices (:doc:`/distributed`).
+    batch_axis: The mesh axis a pass is split along.
 
   Returns:
     ``(mapper_fn, release_fn)``. ``mapper_fn(fun, carry, masking=False,
@@ -347,6 +357,24 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
     is vmapped over each batch and the carry of the batch's first
     observation is kept.
   """
+  if mesh is not None or batch_axis is not None:
+    axes = global_passes.split_axes(
+        mesh, batch_axis, shard_index is not None or shard_count is not None)
+    config = pl.Config.checked(data_loader, cached_batches_count, mb_size,
+                               callback, full=True, stacklevel=4)
+    if config.on_device:
+      raise TypeError(
+          "a pass split over a mesh (mesh, batch_axis) needs a host loader, "
+          f"got data_loader={config.loader!r}")
+    split = global_passes.checked_split(config.observation_count,
+                                        config.mb_size, axes)
+    plan = PassPlan(split.per_device * split.mb_size, config.cache_size,
+                    split.mb_size)
+    chunks = HostChunks(config.loader, plan, {},
+                        progress_reporter(progress, plan), config.callback)
+    return global_passes.GlobalMapperPipeline(
+        FullPipeline(chunks, plan, config.loader), axes, split,
+        config.observations.start, config.loader)
   full = _full_pipeline(data_loader, cached_batches_count, mb_size,
                         shard_index, shard_count, progress, callback,
                         stacklevel=4)

@@ -74,8 +74,9 @@ class MeshAxes:
 
   @classmethod
   def checked(cls, mesh: Any, batch_axis: Any, chain_axis: Any,
-              mb_size: int) -> "MeshAxes":
-    """The checked axes of a pipeline of batches of ``mb_size``.
+              mb_size: Optional[int]) -> "MeshAxes":
+    """The checked axes of a pipeline of batches of ``mb_size`` (None: a
+    pass split by whole batches).
 
     Raises:
       TypeError, ValueError: not a mesh, an axis it lacks, an axis that is
@@ -100,7 +101,7 @@ class MeshAxes:
           f"chain_axis={chain_axis!r}, but mesh has axes {names}; make a "
           "mesh of those axes only")
     axes = cls(mesh, batch_axis, chain_axis)
-    if mb_size % axes.parts:
+    if mb_size is not None and mb_size % axes.parts:
       raise ValueError(
           f"mb_size={mb_size} must split evenly over the "
           f"{axes.parts} devices of batch_axis={batch_axis!r}")

@@ -93,8 +93,16 @@ def batch_rows(spec: ChainSpec, mb_size: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class OrderedChain:
   """A chain that passes over ``observations`` in order, pass after pass;
-  the last batch of a pass is padded and masked."""
+  the last batch of a pass is padded and masked.
+
+  Attributes:
+    observations: The observations of a pass.
+    batches: None: a pass is the batches the observations fill; else this
+      many, the rest all masked (one device's share of a pass split over a
+      mesh axis, :mod:`jax_data.compiled.global_passes`).
+  """
   observations: ObservationRange
+  batches: Optional[int] = None
 
 
 ChainSpec = Union[RandomChain, OrderedChain]
@@ -104,8 +112,9 @@ def spec_to_json(spec: ChainSpec) -> Dict[str, Any]:
   """A spec as a JSON-compatible dict (for checkpoints)."""
   fields = dataclasses.asdict(spec)
   fields["observations"] = list(dataclasses.astuple(spec.observations))
-  if fields.get("part", 0) is None:  # the format of whole-batch chains
-    del fields["part"]
+  for name in ("part", "batches"):  # the format of plain chains
+    if name in fields and fields[name] is None:
+      del fields[name]
   return {"kind": type(spec).__name__, **fields}
 
 
@@ -126,8 +135,10 @@ def spec_from_json(data: Mapping[str, Any]) -> ChainSpec:
     check_int("shard_index", index, maximum=shards - 1)
     observations = ObservationRange(start, count, index, shards)
     if kind is OrderedChain:
-      check_keywords("an ordered chain's spec", fields, ())
-      return OrderedChain(observations)
+      check_keywords("an ordered chain's spec", fields, ("batches",))
+      batches = fields.get("batches")
+      return OrderedChain(observations, None if batches is None else
+                          check_int("batches", batches, minimum=1))
     check_keywords("a random chain's spec", fields,
                    ("seed", "shuffle", "in_epochs", "stream", "part"))
     shuffle = check_bool("shuffle", fields.get("shuffle", False))
@@ -253,11 +264,12 @@ class ChainCursor(abc.ABC):
 
   Attributes:
     serves_parts: Whether the cursor serves chains with a
-      :attr:`RandomChain.part` (a loader that reads rows by index); the
-      host refuses such chains of other cursors.
+      :attr:`RandomChain.part` or an :attr:`OrderedChain.batches` (a loader
+      that reads rows by index); the host refuses such chains of other
+      cursors.
   """
 
-  serves_parts: bool = False
+  serves_parts: bool = False  # and ordered chains' ``batches``
 
   @abc.abstractmethod
   def produce(self, index: int, out: Chunk) -> Chunk:

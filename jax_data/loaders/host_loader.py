@@ -269,10 +269,12 @@ class HostDataLoader(DataLoader):
     def checked_open(number: int, spec: ChainSpec) -> ChainCursor:
       self.check_spec(spec)
       cursor = open_cursor(number, spec)
-      if getattr(spec, "part", None) is not None and not cursor.serves_parts:
+      split = getattr(spec, "part", None) or getattr(spec, "batches", None)
+      if split is not None and not cursor.serves_parts:
         cursor.close()
         raise ValueError(
-            "global batches split each batch over devices, which needs a "
+            "global batches and passes split the data over devices, which "
+            "needs a "
             "loader that reads rows by index (NumpyDataLoader, "
             "SourceDataLoader, TensorflowDataLoader(in_memory=True) with "
             f"stream='counter'); {type(self).__name__} serves this chain "

@@ -245,10 +245,14 @@ class OrderedStream:
   directly.
   """
 
-  def __init__(self, observations: ObservationRange, mb_size: int):
+  def __init__(self, observations: ObservationRange, mb_size: int,
+               batches_per_pass: Optional[int] = None):
     self.observations = observations
     self.mb_size = mb_size
-    self.batches_per_pass = math.ceil(observations.count / mb_size)
+    # More batches than the observations fill: the rest are all invalid
+    # (a device's share of a pass split over a mesh axis).
+    self.batches_per_pass = batches_per_pass or math.ceil(
+        observations.count / mb_size)
     self._batch = 0
 
   def trim(self) -> None:
@@ -277,22 +281,25 @@ class OrderedStream:
       indices = np.arange(low, low + count * mb).reshape(count, mb)
       mask = np.ones((count, mb), bool)
     else:
-      indices, mask = ordered_batches(first, count, mb, self.observations)
+      indices, mask = ordered_batches(first, count, mb, self.observations,
+                                      batches_per_pass=self.batches_per_pass)
     self._batch = int((first + count) % self.batches_per_pass)
     return indices, mask
 
 
 def ordered_batches(first: Any, count: int, mb_size: int,
-                    observations: ObservationRange, xp: Any = np
+                    observations: ObservationRange, xp: Any = np,
+                    batches_per_pass: Optional[int] = None
                     ) -> Tuple[Any, Any]:
   """Indices and mask of ``count`` batches of the ordered stream, from
   batch ``first`` of a pass on (:class:`OrderedStream`).
 
   ``xp`` is the array module: NumPy on the host, ``jax.numpy`` for a
-  device-resident loader (``first`` may then be traced).
+  device-resident loader (``first`` may then be traced). A pass of more
+  ``batches_per_pass`` than the observations fill ends in invalid batches.
   """
   n = observations.count
-  batches_per_pass = -(-n // mb_size)
+  batches_per_pass = batches_per_pass or -(-n // mb_size)
   batch = (first + xp.arange(count)) % batches_per_pass
   positions = batch[:, None] * mb_size + xp.arange(mb_size)[None, :]
   return positions % n + observations.start, positions < n

@@ -1,0 +1,199 @@
+"""Full-data passes split over a mesh axis: ``full_data_mapper(...,
+mesh=, batch_axis=)`` (:class:`GlobalMapperPipeline`).
+
+A pass of ``B`` batches splits into contiguous blocks of batches, one per
+device along the axis (:class:`PassSplit`): device ``d`` passes over its
+block, padded to the same number of batches with fully masked ones, through
+an ordered chain of its own (``OrderedChain.batches``) on its process's
+host. Its batches are the single-process pass's batches, so its results
+are too: the devices' results, put back in pass order by a static gather,
+are the single-process results, and a sum of them is the full-data value,
+inside ``jit``, on one device or over the processes of a
+``jax.distributed`` job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jax_data.compiled import pipeline as pl
+from jax_data.compiled.global_batches import MeshAxes
+from jax_data.compiled.pass_keys import Recent
+from jax_data.compiled.pass_loop import vectorised
+from jax_data.loaders.chains import OrderedChain
+from jax_data.loaders.loader import DataLoader
+from jax_data.streams.sampling import ObservationRange
+from jax_data.validation import check_bool
+
+if TYPE_CHECKING:  # full_access builds the pipeline, and hands it in
+  from jax_data.compiled.full_access import FullPipeline
+
+
+@dataclasses.dataclass(frozen=True)
+class PassSplit:
+  """A pass over ``count`` observations in batches of ``mb_size``, split
+  into ``devices`` contiguous blocks of batches whose sizes differ by at
+  most one, each padded to :attr:`per_device` batches."""
+  count: int
+  mb_size: int
+  devices: int
+
+  @property
+  def batches(self) -> int:
+    return math.ceil(self.count / self.mb_size)
+
+  @property
+  def per_device(self) -> int:
+    return math.ceil(self.batches / self.devices)
+
+  def block(self, device: int) -> range:
+    """The batches of the pass that ``device`` passes over."""
+    return range(device * self.batches // self.devices,
+                 (device + 1) * self.batches // self.devices)
+
+  def observations(self, device: int, start: int = 0) -> ObservationRange:
+    """The observations of ``device``'s block (of observations
+    ``start ..``)."""
+    block = self.block(device)
+    first = block.start * self.mb_size
+    return ObservationRange(start + first,
+                            min(block.stop * self.mb_size, self.count)
+                            - first)
+
+  def order(self, per_observation: bool) -> np.ndarray:
+    """Where the pass's batches (or observations) lie among the devices'
+    results, one after the other: the static gather back to pass order."""
+    rows = self.mb_size if per_observation else 1
+    spots = [d * self.per_device * rows + np.arange(len(self.block(d)) * rows)
+             for d in range(self.devices)]
+    spots = np.concatenate(spots)
+    return spots[:self.count] if per_observation else spots
+
+
+class GlobalMapperPipeline(pl.Pipeline):
+  """A :func:`jax_data.full_data_mapper` whose passes are split over a
+  mesh axis; see its ``mesh`` and ``batch_axis``.
+
+  Args:
+    full: The pass of one device's block: a full-data pipeline whose pass
+      is ``split.per_device`` batches.
+    axes: The mesh and its batch axis (no chain axis).
+    split: How the pass splits.
+    start: The first observation of the pass.
+    loader: The loader.
+  """
+
+  kind = "mapper"
+
+  def __init__(self, full: "FullPipeline", axes: MeshAxes, split: PassSplit,
+               start: int, loader: DataLoader):
+    self._full, self._axes, self._split = full, axes, split
+    host = full.host
+    super().__init__(host, full.template, loader, full.sizes[0],
+                     split.mb_size, split.count)
+
+    # The chain of each of this process's devices along the axis (-1 for
+    # the others'): a constant of this process's code, which each device
+    # reads at its axis index (a global array would span other processes'
+    # devices, which code that closes over the pipeline may not hold).
+    here = jax.process_index()
+    self._chains = np.array(
+        [host.register(OrderedChain(split.observations(d, start),
+                                    split.per_device))
+         if device.process_index == here else -1
+         for d, device in enumerate(axes.mesh.devices.reshape(-1))],
+        np.int32)
+    self._passes = Recent(full.max_compiled)
+    self.functions = (self.mapper_fn, self.release_fn)
+
+  def mapper_fn(self, fun: Callable, carry: Any, masking: bool = False,
+                information: bool = False, batched: bool = True,
+                device_count: int = 1):
+    """One pass of ``fun`` over every observation, split over the devices:
+    ``(results, carries)``. The results are those of the pass without a
+    mesh; each device threads the carry through its own batches, and the
+    carries come back with a leading axis of the devices."""
+    if not callable(fun):
+      raise TypeError(f"fun must be callable, got fun={fun!r}")
+    call = pl.Call.checked(information, device_count, masking)
+    if call.information or call.device_count != 1:
+      raise ValueError(
+          "a pass split over a mesh takes neither information=True (the "
+          "mask comes with masking=True) nor device_count, got "
+          f"information={information!r}, device_count={device_count!r}")
+    if not check_bool("batched", batched):
+      if call.masking:
+        raise ValueError(
+            "masking=True needs a batched fun (batched=True): vectorise fun "
+            "and take the mask as its second argument")
+      fun = vectorised(fun)
+    self.check_open()
+    run = self._passes.get((fun, call.masking), lambda: jax.jit(
+        functools.partial(_split_pass, self._full, self._axes,
+                          self._split, fun, call.masking, self._chains)))
+    return run(carry)
+
+  def release_fn(self) -> None:
+    """Drops every reference the pipeline holds to the loader."""
+    self._full.release_fn()
+
+
+def _split_pass(full: "FullPipeline", axes: MeshAxes, split: PassSplit,
+                fun: Callable, masking: bool, chains: np.ndarray,
+                carry: Any):
+  """The pass: each device's block through ``full``'s pass, inside
+  ``shard_map``; its results gathered back to pass order."""
+  axis = axes.batch_axis
+
+  def local(carry):
+    # Each device's chain, and so its carry, goes its own way from here.
+    state = full.template._replace(
+        chain=jnp.asarray(chains)[lax.axis_index(axis)])
+    _, (results, carry) = full.map_fn(fun, state, carry, masking=masking)
+    return results, jax.tree_util.tree_map(lambda c: c[None], carry)
+
+  results, carries = jax.shard_map(
+      local, mesh=axes.mesh, in_specs=P(), out_specs=(P(axis), P(axis)))(
+          carry)
+  order = split.order(per_observation=not masking)
+  return jax.tree_util.tree_map(lambda r: r[order], results), carries
+
+
+def split_axes(mesh: Any, batch_axis: Any, sharded: bool) -> MeshAxes:
+  """The checked mesh axes of a split pass.
+
+  Raises:
+    TypeError, ValueError: see :meth:`MeshAxes.checked` (a mesh with
+      another axis among them); ``shard_index``/``shard_count`` given too.
+  """
+  if sharded:
+    raise ValueError(
+        "a pass split over a mesh (mesh, batch_axis) visits every "
+        "observation; shard_index and shard_count do not apply")
+  return MeshAxes.checked(mesh, batch_axis, None, None)
+
+
+def checked_split(count: int, mb_size: int, axes: MeshAxes) -> PassSplit:
+  """The split of a pass over ``axes``' batch axis.
+
+  Raises:
+    ValueError: fewer batches than devices.
+  """
+  split = PassSplit(count, mb_size, axes.parts)
+  if split.batches < axes.parts:
+    raise ValueError(
+        f"a pass of {split.batches} batches of mb_size={mb_size} does not "
+        f"split over the {axes.parts} devices of batch_axis="
+        f"{axes.batch_axis!r}; use a smaller mb_size")
+  return split

@@ -1,0 +1,116 @@
+"""Full-data passes split over a mesh axis
+(``full_data_mapper(..., mesh=, batch_axis=)``).
+
+The invariant: the results are the results of the pass without a mesh,
+observation for observation (or batch for batch), and each observation is
+visited once over all devices. Several processes: tests/test_distributed.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jax_data
+from jax_data import NumpyDataLoader
+from jax_data.compiled.global_passes import PassSplit
+
+
+def _mesh(devices=4):
+  return Mesh(np.array(jax.devices()[:devices]), ("data",))
+
+
+@pytest.mark.parametrize("count, mb_size, cache, devices", [
+    (1001, 16, 4, 4), (23, 5, 2, 4), (10, 2, 1, 4), (64, 4, 3, 4),
+    (17, 4, 2, 2), (9, 9, 1, 1)])
+def test_a_split_pass_gives_the_results_of_one_pass(pipelines, count,
+                                                    mb_size, cache, devices):
+  x = np.random.default_rng(count).normal(size=count).astype(np.float32)
+  loader = NumpyDataLoader(x=x, index=np.arange(count))
+  split_fn, split_release = pipelines.full_data_mapper(
+      loader, cache, mb_size, mesh=_mesh(devices), batch_axis="data")
+  one_fn, one_release = pipelines.full_data_mapper(loader, cache, mb_size)
+
+  per_observation = lambda b, c: (b["index"] * 2, c)
+  got, _ = jax.jit(lambda: split_fn(per_observation, None))()
+  expected, _ = one_fn(per_observation, None)
+  np.testing.assert_array_equal(got, expected)
+  np.testing.assert_array_equal(got, 2 * np.arange(count))
+
+  per_batch = lambda b, m, c: (jnp.sum(jnp.where(m, b["x"], 0.0)),
+                               c + jnp.sum(m))
+  sums, counts = split_fn(per_batch, 0, masking=True)
+  expected_sums, _ = one_fn(per_batch, 0, masking=True)
+  np.testing.assert_allclose(sums, expected_sums, rtol=1e-6)
+  # Each device counted its own observations: all of them, once.
+  assert counts.shape == (devices,) and int(counts.sum()) == count
+  np.testing.assert_allclose(float(jnp.sum(sums)), float(np.sum(
+      x.astype(np.float64))), rtol=1e-5)
+
+  plus_one, _ = split_fn(lambda o, c: (o["index"] + 1, c), None,
+                         batched=False)
+  np.testing.assert_array_equal(plus_one, np.arange(count) + 1)
+  split_release()
+  one_release()
+
+
+def test_a_gradient_over_all_data_inside_jit():
+  x = np.random.default_rng(0).normal(1.5, 1.0, 333).astype(np.float32)
+  loader = NumpyDataLoader(x=x)
+  split_fn, release_fn = jax_data.full_data_mapper(
+      loader, 3, 10, mesh=_mesh(), batch_axis="data")
+
+  def log_likelihood(mu):
+    sums, _ = split_fn(lambda b, m, c: (jnp.sum(
+        jnp.where(m, -0.5 * (b["x"] - mu) ** 2, 0.0)), c), None,
+                       masking=True)
+    return jnp.sum(sums)
+
+  grad = jax.jit(jax.grad(log_likelihood))(0.5)
+  np.testing.assert_allclose(grad, np.sum(x.astype(np.float64) - 0.5),
+                             rtol=1e-5)
+  release_fn()
+
+
+def test_the_split_covers_every_batch_once():
+  for count, mb, devices in [(1001, 16, 4), (10, 2, 4), (17, 4, 2),
+                             (100, 1, 7)]:
+    split = PassSplit(count, mb, devices)
+    blocks = [split.block(d) for d in range(devices)]
+    assert [b for block in blocks for b in block] == list(
+        range(split.batches))
+    assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
+    assert max(map(len, blocks)) == split.per_device
+    seen = np.concatenate([
+        np.arange(r.start, r.start + r.count)
+        for r in (split.observations(d) for d in range(devices))])
+    np.testing.assert_array_equal(seen, np.arange(count))
+    order = split.order(per_observation=True)
+    assert len(order) == count and len(set(order.tolist())) == count
+
+
+def test_bad_split_passes_are_named():
+  loader = NumpyDataLoader(x=np.arange(10.0))
+  with pytest.raises(ValueError, match="does not split over the 4 devices"):
+    jax_data.full_data_mapper(loader, 1, 4, mesh=_mesh(), batch_axis="data")
+  with pytest.raises(ValueError, match="shard_index and shard_count do not"):
+    jax_data.full_data_mapper(loader, 1, 2, mesh=_mesh(), batch_axis="data",
+                              shard_index=0, shard_count=2)
+  with pytest.raises(ValueError, match="batch_axis must be one of"):
+    jax_data.full_data_mapper(loader, 1, 2, mesh=_mesh())
+  with pytest.raises(TypeError, match="needs a host loader"):
+    jax_data.full_data_mapper(jax_data.DeviceNumpyDataLoader(
+        x=np.arange(10.0)), 1, 2, mesh=_mesh(), batch_axis="data")
+  mapper_fn, release_fn = jax_data.full_data_mapper(
+      loader, 1, 2, mesh=_mesh(), batch_axis="data")
+  with pytest.raises(ValueError, match="neither information=True"):
+    mapper_fn(lambda b, c: (b["x"], c), None, information=True)
+  with pytest.raises(ValueError, match="masking=True needs a batched fun"):
+    mapper_fn(lambda b, m, c: (b["x"], c), None, masking=True,
+              batched=False)
+  with pytest.raises(TypeError, match="fun must be callable"):
+    mapper_fn(3, None)
+  release_fn()
+  with pytest.raises(jax_data.PipelineReleasedError):
+    mapper_fn(lambda b, c: (b["x"], c), None)
