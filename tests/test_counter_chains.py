@@ -57,6 +57,26 @@ def test_uniform_runs_equal_the_streams_definition(n):
           got[c], cs.uniform(seeds[c], starts[c] + np.arange(length), n))
 
 
+@pytest.mark.parametrize("n", [7, 1000, 2**33 + 5])
+@pytest.mark.parametrize("shuffle, in_epochs", [(False, False), (True, False),
+                                                (True, True)])
+def test_a_part_of_each_batch_is_those_columns_of_the_batch(n, shuffle,
+                                                            in_epochs):
+  """What one device of a global batch draws (``columns``) is its columns
+  of the whole batches, for one chain and for several."""
+  for seeds, firsts in [([3], [5]), ([3, 4, 9], [0, 7, 2**20])]:
+    whole, whole_mask = chain_batches(seeds, firsts, 6, 4, n, shuffle,
+                                      in_epochs, start=11)
+    for columns in (slice(0, 2), slice(2, 4), slice(1, 2)):
+      part, mask = chain_batches(seeds, firsts, 6, 4, n, shuffle, in_epochs,
+                                 start=11, columns=columns)
+      np.testing.assert_array_equal(part, whole[..., columns])
+      if whole_mask is None:
+        assert mask is None
+      else:
+        np.testing.assert_array_equal(mask, whole_mask[..., columns])
+
+
 def test_chain_batches_of_one_chain_and_of_many_blocks():
   """One chain, and more indices than one block of the permutation."""
   got, _ = chain_batches([9], [4], 7, 3, 50, True, False)

@@ -75,8 +75,8 @@ class IndexedCursor(ChainCursor):
     part = getattr(spec, "part", None)
     self._stream = stream_of(spec, batch_rows(spec, layout.mb_size))
     # A part of each batch: its columns of the whole batch's indices.
-    self._columns = (slice(None) if part is None else slice(
-        part.index * layout.mb_size, (part.index + 1) * layout.mb_size))
+    self._columns = None if part is None else slice(
+        part.index * layout.mb_size, (part.index + 1) * layout.mb_size)
     self._layout = layout
     self._read = read
     self._check = check
@@ -88,9 +88,14 @@ class IndexedCursor(ChainCursor):
 
   def produce(self, index: int, out: Chunk) -> Chunk:
     del index
-    indices, mask = self._stream.draw(self._layout.cache_size)
-    indices = indices[:, self._columns]
-    mask = None if mask is None else mask[:, self._columns]
+    if isinstance(self._stream, CounterStream):  # only a part's columns
+      indices, mask = self._stream.draw(self._layout.cache_size,
+                                        self._columns)
+    else:
+      indices, mask = self._stream.draw(self._layout.cache_size)
+      if self._columns is not None:
+        indices = indices[:, self._columns]
+        mask = None if mask is None else mask[:, self._columns]
     rows = indices.size
     flat_out = [leaf.reshape((rows,) + leaf.shape[2:]) for leaf in out.leaves]
     leaves = self._read(indices.reshape(-1), flat_out)
@@ -104,7 +109,8 @@ class IndexedCursor(ChainCursor):
     if not isinstance(stream, CounterStream):
       return None
     return (IndexedCursor, self._rows, self._check, self._layout,
-            stream.observations, stream.mode, self._columns.start)
+            stream.observations, stream.mode,
+            None if self._columns is None else self._columns.start)
 
   @classmethod
   def produce_group(cls, cursors: Sequence[ChainCursor],
@@ -117,14 +123,12 @@ class IndexedCursor(ChainCursor):
     streams = [cursor._stream for cursor in cursors]  # pylint: disable=protected-access
     first = streams[0]
     count = layout.cache_size
+    columns = cursors[0]._columns  # pylint: disable=protected-access
     indices, mask = chain_batches(
         [stream.seed for stream in streams],
         [stream.advance(count) for stream in streams], count,
         first.mb_size, first.observations.count, first.shuffle,
-        first.in_epochs, first.observations.start)
-    columns = cursors[0]._columns  # pylint: disable=protected-access
-    indices = indices[..., columns]
-    mask = None if mask is None else mask[..., columns]
+        first.in_epochs, first.observations.start, columns)
     rows = count * layout.mb_size
     flat_out = [allocate((indices.size,) + leaf.shape, leaf.dtype)
                 for leaf in layout.leaves]

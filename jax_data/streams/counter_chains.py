@@ -162,42 +162,53 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
 
 def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
                   mb_size: int, n: int, shuffle: bool, in_epochs: bool,
-                  start: int = 0) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+                  start: int = 0, columns: Optional[slice] = None
+                  ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
   """Indices (``(C, count, mb_size)``, int64) and mask (the same shape, or
   None when every position is valid) of batches ``firsts[c] ..
   firsts[c] + count - 1`` of the counter-based stream of seed ``seeds[c]``,
   for ``C`` chains that share the rest: row ``c`` equals
   ``stream_batches(seeds[c], firsts[c], count, mb_size, n, shuffle,
-  in_epochs, start)``.
+  in_epochs, start)``. With ``columns`` (a slice of ``0 .. mb_size``),
+  only those columns of each batch, computed alone: what one device's part
+  of a batch needs.
   """
-  if shuffle and len(seeds) == 1:  # one chain: epoch by epoch, tabulated
+  if shuffle and len(seeds) == 1:
+    # One chain: epoch by epoch, tabulated.
     indices, mask = cs.stream_batches(int(seeds[0]), int(firsts[0]), count,
-                                      mb_size, n, shuffle, in_epochs, start)
+                                      mb_size, n, shuffle, in_epochs, start,
+                                      columns=columns)
     return indices[None], None if mask is None else mask[None]
   seeds = np.asarray([int(s) for s in seeds], np.uint64)
   firsts = np.asarray([int(f) for f in firsts], np.int64)
   chains = seeds.size
+  cols = np.arange(mb_size, dtype=np.int64)[
+      slice(None) if columns is None else columns]
+  width = cols.size
+  batches = firsts[:, None] + np.arange(count, dtype=np.int64)
   with np.errstate(over="ignore"):  # uint32 arithmetic wraps
     if not in_epochs:
+      positions = (batches[:, :, None] * mb_size + cols).reshape(chains, -1)
       if shuffle:
-        positions = (firsts[:, None] * mb_size
-                     + np.arange(count * mb_size, dtype=np.int64))
         indices = _permute(seeds, positions // n, positions % n, n)
-      else:
+      elif columns is None:
         indices = uniform_runs(seeds.tolist(), (firsts * mb_size).tolist(),
                                count * mb_size, n)
+      else:  # a run per batch
+        indices = uniform_runs(
+            np.repeat(seeds, count).tolist(),
+            positions[:, ::width].reshape(-1).tolist(), width, n)
       mask = None
     else:
       per_epoch = -(-n // mb_size)
-      batches = firsts[:, None] + np.arange(count, dtype=np.int64)
-      epochs = np.repeat(batches // per_epoch, mb_size, axis=1)
+      epochs = np.repeat(batches // per_epoch, width, axis=1)
       offsets = ((batches % per_epoch)[:, :, None] * mb_size
-                 + np.arange(mb_size)).reshape(chains, -1)
+                 + cols).reshape(chains, -1)
       mask = offsets < n
       indices = _permute(seeds, epochs, np.where(mask, offsets, 0), n)
-      indices = np.where(mask.reshape(-1), indices, 0)
-      mask = mask.reshape(chains, count, mb_size)
-  indices = indices.reshape(chains, count, mb_size)
+      indices = np.where(mask.reshape(-1), indices.reshape(-1), 0)
+      mask = mask.reshape(chains, count, width)
+  indices = indices.reshape(chains, count, width)
   return (indices + start if start else indices), mask
 
 
@@ -277,11 +288,12 @@ class CounterStream:
     first, self._batch = self._batch, self._batch + count
     return first
 
-  def draw(self, count: int) -> Tuple[np.ndarray, Any]:
-    """Indices of the next ``count`` batches, and their mask (None when
-    every position is valid)."""
+  def draw(self, count: int, columns: Optional[slice] = None
+           ) -> Tuple[np.ndarray, Any]:
+    """Indices of the next ``count`` batches (only ``columns`` of each, if
+    given), and their mask (None when every position is valid)."""
     first = self.advance(count)
     indices, mask = chain_batches(
         [self.seed], [first], count, self.mb_size, self.observations.count,
-        self.shuffle, self.in_epochs, self.observations.start)
+        self.shuffle, self.in_epochs, self.observations.start, columns)
     return indices[0], None if mask is None else mask[0]

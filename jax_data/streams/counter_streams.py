@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import math
 from typing import Any
+from typing import Optional
 from typing import Tuple
 
 import numpy as np
@@ -376,9 +377,11 @@ def _check_device_size(n: int, bits: int, xp: Any) -> None:
 
 def stream_batches(seed: int, first: Any, count: int, mb_size: int, n: int,
                    shuffle: bool, in_epochs: bool, start: int = 0,
-                   xp: Any = np) -> Tuple[Any, Any]:
+                   xp: Any = np, columns: Optional[slice] = None
+                   ) -> Tuple[Any, Any]:
   """Indices (``(count, mb_size)``) and mask (None: all valid) of batches
-  ``first .. first + count - 1`` of a counter-based stream.
+  ``first .. first + count - 1`` of a counter-based stream; with
+  ``columns`` (NumPy only), only those columns of each batch.
 
   NumPy takes a Python int ``first``; ``jax.numpy`` a ``uint32`` (traced)
   value, with ``n`` at most ``2**32`` and positions below ``2**32``.
@@ -386,6 +389,8 @@ def stream_batches(seed: int, first: Any, count: int, mb_size: int, n: int,
   if xp is np:
     steps = np.arange(count * mb_size, dtype=np.int64).reshape(count,
                                                                mb_size)
+    if columns is not None:
+      steps = steps[:, columns]
   else:
     steps = xp.arange(count * mb_size, dtype=xp.uint32).reshape(count,
                                                                 mb_size)
