@@ -156,8 +156,8 @@ def main() -> None:
   if args.worker:
     _worker(*args.worker)
     return
-  print(f"| processes x devices | jax_data steps/s | compute only steps/s "
-        f"| jax_data / compute only | refresh transfer per process |")
+  print("| processes x devices | jax_data steps/s | compute only steps/s "
+        "| jax_data / compute only | refresh transfer per process |")
   print("|---|---|---|---|---|")
   for processes in args.processes:
     if DEVICES % processes:
