@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 
@@ -35,9 +34,6 @@ from jax_data.loaders.chains import OrderedChain
 from jax_data.loaders.loader import DataLoader
 from jax_data.streams.sampling import ObservationRange
 from jax_data.validation import check_bool
-
-if TYPE_CHECKING:  # full_access builds the pipeline, and hands it in
-  from jax_data.compiled.full_access import FullPipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +82,9 @@ class GlobalMapperPipeline(pl.Pipeline):
   mesh axis; see its ``mesh`` and ``batch_axis``.
 
   Args:
-    full: The pass of one device's block: a full-data pipeline whose pass
-      is ``split.per_device`` batches.
+    full: The pass of one device's block: a ``FullPipeline`` (which
+      ``full_access`` builds and hands in) whose pass is
+      ``split.per_device`` batches.
     axes: The mesh and its batch axis (no chain axis).
     split: How the pass splits.
     start: The first observation of the pass.
@@ -96,7 +93,7 @@ class GlobalMapperPipeline(pl.Pipeline):
 
   kind = "mapper"
 
-  def __init__(self, full: "FullPipeline", axes: MeshAxes, split: PassSplit,
+  def __init__(self, full: pl.Pipeline, axes: MeshAxes, split: PassSplit,
                start: int, loader: DataLoader):
     self._full, self._axes, self._split = full, axes, split
     host = full.host
@@ -149,7 +146,7 @@ class GlobalMapperPipeline(pl.Pipeline):
     self._full.release_fn()
 
 
-def _split_pass(full: "FullPipeline", axes: MeshAxes, split: PassSplit,
+def _split_pass(full: pl.Pipeline, axes: MeshAxes, split: PassSplit,
                 fun: Callable, masking: bool, chains: np.ndarray,
                 carry: Any):
   """The pass: each device's block through ``full``'s pass, inside
