@@ -846,10 +846,21 @@ def test_a_request_never_waits_for_trimming_other_chains():
                                                                  1, 4)
   step = jax.jit(batch_fn)
   states = []
-  for seed in range(12):
+
+  def serve(seed):
     state, _ = jax.block_until_ready(step(init_fn(seed=seed)))
     states.append(state)
     events.append("served")
+
+  for seed in range(12):
+    serve(seed)
+  # Under load the prefetch thread may begin its first trim late: more
+  # chains until it has, then one more request while the trim waits.
+  seed = 12
+  while "trim started" not in events and seed < 60:
+    serve(seed)
+    seed += 1
+  serve(seed)
   go.set()
   assert "trim started" in events
   first = events.index("trim started")
