@@ -49,17 +49,27 @@ def _draw(step, state, steps, np):
   return state, np.stack(drawn)
 
 
-def orbax_restore(argv):
-  """Another job: every process restores its share of the chains that an
-  Orbax step (saved by the first job's processes) holds, and draws."""
+def join(argv):
+  """Joins the job of ``argv`` (``PORT PROCESS_ID PROCESS_COUNT``):
+  returns ``(jax, process_id, process_count)``. Cross-process collectives
+  on CPU go over Gloo (jax 0.10.2 offers gloo, mpi or megascale; gloo is
+  the default and needs nothing installed), named anyway before
+  ``initialize`` so that ``process_allgather`` works."""
   port, process_id, process_count = (int(a) for a in argv[1:4])
-  count, out_path, directory = int(argv[4]), argv[5], argv[7]
-  import jax
+  import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
                              num_processes=process_count,
                              process_id=process_id,
                              initialization_timeout=30)
+  return jax, process_id, process_count
+
+
+def orbax_restore(argv):
+  """Another job: every process restores its share of the chains that an
+  Orbax step (saved by the first job's processes) holds, and draws."""
+  count, out_path, directory = int(argv[4]), argv[5], argv[7]
+  jax, process_id, process_count = join(argv)
   import numpy as np
   import orbax.checkpoint as ocp
 
@@ -78,16 +88,10 @@ def orbax_restore(argv):
 def pmap_chains(argv):
   """Another job, two devices per process: a chain per local device under
   pmap; the refresh's devices meet on their own process's host."""
-  port, process_id, process_count = (int(a) for a in argv[1:4])
   count, out_path = int(argv[4]), argv[5]
   import warnings  # pylint: disable=g-import-not-at-top
 
-  import jax
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
-                             num_processes=process_count,
-                             process_id=process_id,
-                             initialization_timeout=30)
+  jax, process_id, process_count = join(argv)
   import numpy as np
 
   import jax_data
@@ -139,17 +143,11 @@ def masked(jax, batch, mask):
 
 
 def global_batches(argv):
-  """Another job, two devices per process: one chain's global batch over
+  """Another job (1 or 2 devices per process): one chain's global batch over
   every device (a data-parallel gradient step), and chains x batch rows on
   a 2-D mesh whose batch axis spans the processes."""
-  port, process_id, process_count = (int(a) for a in argv[1:4])
   count, out_path = int(argv[4]), argv[5]
-  import jax
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
-                             num_processes=process_count,
-                             process_id=process_id,
-                             initialization_timeout=30)
+  jax, process_id, process_count = join(argv)
   import jax.numpy as jnp
   import numpy as np
   from jax.experimental import multihost_utils
@@ -261,18 +259,8 @@ def _orbax_round_trip(jax, np, jax_data, count, process_id, directory):
 
 
 def main(argv):
-  port, process_id, process_count = (int(a) for a in argv[1:4])
   data_path, out_path = argv[4:6]
-
-  import jax
-  # Cross-process collectives on CPU go over Gloo (jax 0.10.2 offers gloo,
-  # mpi or megascale; gloo is the default and needs nothing installed).
-  # Named anyway, before initialize, so process_allgather below works.
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
-                             num_processes=process_count,
-                             process_id=process_id,
-                             initialization_timeout=30)
+  jax, process_id, process_count = join(argv)
 
   import jax.numpy as jnp
   import numpy as np
