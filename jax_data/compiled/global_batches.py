@@ -139,16 +139,13 @@ class GlobalPipeline(pl.RandomPipeline):
     self._axes = axes
     self._mb_size = mb_size
     host = local.host
-    self._cache_size = cache_size = local.template.mask.shape[0]
+    cache_size = local.template.mask.shape[0]
     self._count = host.loader.observation_count
-    self._leaf_formats = jax.tree_util.tree_map(
-        lambda s: jax.ShapeDtypeStruct(
-            (cache_size, mb_size) + tuple(s.shape), s.dtype),
-        host.loader.observation_format)
     template = local.template._replace(
         chain=np.zeros((axes.parts,), np.int32),
         batches=jax.tree_util.tree_map(
-            lambda s: np.zeros(s.shape, s.dtype), self._leaf_formats),
+            lambda s: np.zeros((cache_size, mb_size) + tuple(s.shape),
+                               s.dtype), host.loader.observation_format),
         mask=np.zeros((cache_size, mb_size), np.bool_))
     super().__init__(host, template, host.loader, cache_size, mb_size,
                      self._count)
@@ -262,9 +259,9 @@ class GlobalPipeline(pl.RandomPipeline):
       raise TypeError(
           "the fields of a state of several chains must share their leading "
           f"(chain) axis, got leading axes {sorted(leads)}")
-    pipeline = _known(state.pipeline)
-    if pipeline is not None:
-      states.check_identity(pipeline, self.id, where)
+    if not isinstance(state.pipeline, jax.core.Tracer):
+      values, held = _local(state.pipeline)
+      states.check_identity(values[held], self.id, where)
     return state
 
   def scan_batches(self, f: Callable[..., Any], init: Any,
@@ -341,11 +338,10 @@ class GlobalPipeline(pl.RandomPipeline):
     arrays = {name: value.reshape(lanes + value.shape[value.ndim - (
         1 if name == "key" else 0):]) for name, value in arrays.items()}
     registered: List[int] = []
-    rows = [saved[i] for i in range(len(saved))]
     chunks = arrays["chunk"].reshape(-1)
 
     def number(row: int, part: int) -> int:
-      one = dict(rows[row], spec=dict(rows[row]["spec"], part={
+      one = dict(saved[row], spec=dict(saved[row]["spec"], part={
           "index": part, "count": self._axes.parts}))
       registered.append(self.host.restore_chain(one, int(chunks[row])))
       return registered[-1]
@@ -416,17 +412,6 @@ def _local(x: Any) -> Tuple[np.ndarray, np.ndarray]:
     values[shard.index] = np.asarray(shard.data)
     held[shard.index] = True
   return values, held
-
-
-def _known(x: Any) -> Optional[np.ndarray]:
-  """The value of ``x`` where this process knows it (its own shards of a
-  global array); None while tracing."""
-  if isinstance(x, jax.core.Tracer):
-    return None
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    return np.concatenate([np.asarray(s.data).reshape(-1)
-                           for s in x.addressable_shards])
-  return np.asarray(x)
 
 
 def _global_step(advance: Any, axes: MeshAxes):

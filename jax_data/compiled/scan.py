@@ -23,6 +23,7 @@ from jax import lax
 
 from jax_data.compiled import pipeline as pl
 from jax_data.compiled import states
+from jax_data.compiled.pass_loop import varying_axes
 from jax_data.types import CacheState
 from jax_data.types import MiniBatchInformation
 from jax_data.types import PyTree
@@ -166,7 +167,7 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
   _, y_format = jax.eval_shape(f, init, item(batch0, mask0, x0))
   # Inside shard_map the outputs vary over the mesh axes the inputs vary
   # over: so must the buffer they are written into, a loop carry.
-  axes = _varying_axes(init, state, xs)
+  axes = tuple(sorted(varying_axes((init, state, xs))))
 
   def zeros(s):
     buffer = jnp.zeros((length,) + s.shape, s.dtype)
@@ -253,12 +254,3 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
   final = states.advanced(state, length, cache_size)
   final = tail_state._replace(chunk=final.chunk, position=final.position)
   return (carry, final), ys
-
-
-def _varying_axes(*trees: Any) -> Tuple[str, ...]:
-  """The mesh axes (of an enclosing ``shard_map``) that any leaf varies
-  over; none outside one."""
-  axes = set()
-  for leaf in jax.tree_util.tree_leaves(trees):
-    axes |= jax.typeof(leaf).manual_axis_type.varying
-  return tuple(sorted(axes))
