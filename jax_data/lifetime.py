@@ -30,7 +30,7 @@ from jax_data.errors import PipelineReleasedError
 
 
 class Thread(Protocol):
-  """A background thread of a host (``jax_data.serving.prefetch.
+  """A background thread of a host (``jax_data.serving.chunk_store.
   Prefetcher``) that the exit hook ends."""
 
   def close(self, error: BaseException) -> None:
@@ -55,8 +55,8 @@ class ServedHost(Protocol):
                  device_count: int = 1, participants: int = 1) -> None:
     """The lanes' chunks, written into XLA's buffers ``outs``."""
 
-  def stop_prefetching(self) -> None:
-    """Ends the host's prefetch thread."""
+  def stop_prefetching(self) -> Optional[Thread]:
+    """Ends the host's prefetch thread; returns it to join, if any."""
 
 
 class LiveHosts:
@@ -73,9 +73,9 @@ class LiveHosts:
   def __init__(self):
     self._hosts: "weakref.WeakValueDictionary[int, ServedHost]" = (
         weakref.WeakValueDictionary())
-    # Every prefetch thread's prefetcher, also of hosts dropped without
-    # release_fn (a running thread keeps its prefetcher alive).
-    self._prefetchers: "weakref.WeakSet[Thread]" = weakref.WeakSet()
+    # The prefetchers of hosts dropped without release_fn, while their
+    # thread runs (a running thread keeps its prefetcher alive).
+    self._orphans: "weakref.WeakSet[Thread]" = weakref.WeakSet()
     self._changed = threading.Condition(threading.Lock())
     self._busy = 0
     self._last: Optional[float] = None  # when a request last started/ended
@@ -107,9 +107,12 @@ class LiveHosts:
         raise ValueError(f"pipeline id {host.id} is in use")
       self._hosts[host.id] = host
 
-  def track(self, prefetcher: Thread) -> None:
-    """Registers a prefetcher, for :meth:`stop_prefetching`."""
-    self._prefetchers.add(prefetcher)
+  def orphan(self, prefetcher: Thread, error: BaseException) -> None:
+    """Closes the prefetcher of a host that was dropped (``error`` for its
+    jobs not started); :meth:`stop_prefetching` waits for its running
+    job."""
+    self._orphans.add(prefetcher)
+    prefetcher.close(error)
 
   def taken(self, pipeline_id: int) -> bool:
     """Whether a live host has identity ``pipeline_id``."""
@@ -160,12 +163,11 @@ class LiveHosts:
     ``release_fn``, and waits up to ``timeout`` seconds in all for their
     running jobs: a thread that still runs Python or TensorFlow code while
     the interpreter finalizes aborts the process."""
-    for host in list(self._hosts.values()):
-      host.stop_prefetching()
-    prefetchers = list(self._prefetchers)
+    stopped = [host.stop_prefetching() for host in list(self._hosts.values())]
+    prefetchers = [p for p in stopped if p is not None] + list(self._orphans)
     error = PipelineReleasedError("the Python interpreter is exiting")
     for prefetcher in prefetchers:
-      prefetcher.close(error)
+      prefetcher.close(error)  # idempotent
     deadline = time.monotonic() + timeout
     for prefetcher in prefetchers:
       prefetcher.join(max(0.0, deadline - time.monotonic()))
@@ -176,9 +178,10 @@ LIVE_HOSTS = LiveHosts()
 
 
 class Shared:
-  """A process-wide cache of compiled code by key, thread-safe: values are
-  made once per key (:meth:`get`) and hold formats and functions, never a
-  host or a loader.
+  """A cache of compiled code by key, thread-safe: values are made once per
+  key (:meth:`get`). The process-wide ones (:data:`BRIDGES`, ...) hold
+  formats and functions, never a host or a loader; a pipeline keeps its
+  own compiled passes in one.
 
   Args:
     size: Keep the ``size`` most recently used values.

@@ -26,8 +26,7 @@ _FOLDERS = {
     "compiled": ("bridge", "checkpoint", "device_loader", "distributed",
                  "full_access", "pass_keys", "pass_loop", "pipeline",
                  "random_access", "states"),
-    "serving": ("chain_records", "chunk_store", "host", "prefetch",
-                "production", "rendezvous"),
+    "serving": ("chain_records", "chunk_store", "host", "production"),
     "loaders": ("chains", "file_rows", "gather", "host_loader", "indexed",
                 "legacy_loader", "loader", "numpy_loader", "source_loader",
                 "source_records", "source_workers", "tensorflow_loader",
@@ -36,10 +35,15 @@ _FOLDERS = {
                 "sampling"),
 }
 
-#: ``jax_data.<old>`` -> ``jax_data.<folder>.<old>``.
+#: ``jax_data.<old>`` -> ``jax_data.<folder>.<old>``, and the old modules
+#: whose classes joined another's (the prefetch thread the store's module,
+#: the rendezvous the host's).
 MOVED: Dict[str, str] = {
-    f"jax_data.{name}": f"jax_data.{folder}.{name}"
-    for folder, names in _FOLDERS.items() for name in names}
+    **{f"jax_data.{name}": f"jax_data.{folder}.{name}"
+       for folder, names in _FOLDERS.items() for name in names},
+    "jax_data.prefetch": "jax_data.serving.chunk_store",
+    "jax_data.rendezvous": "jax_data.serving.host",
+}
 
 
 class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):

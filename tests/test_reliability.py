@@ -10,6 +10,7 @@ import weakref
 import jax
 import numpy as np
 import psutil
+import pytest
 from jax import lax
 
 import jax_data
@@ -100,6 +101,41 @@ def test_pipelines_dropped_without_release_free_their_host_and_thread():
     time.sleep(0.02)
   assert [h() for h in hosts] == [None] * len(hosts)
   assert _prefetch_threads() == baseline
+
+
+def test_pipelines_start_their_threads_on_first_use_and_release_unused():
+  # A constructor starts nothing: the host makes its chains at the first
+  # init_fn and its store, with the prefetch thread, at the first request.
+  baseline = _prefetch_threads()
+  loader = NumpyDataLoader(x=np.arange(300.0, dtype=np.float32))
+  built = ([jax_data.random_reference_data(loader, 3, 7) for _ in range(10)]
+           + [jax_data.full_reference_data(loader, 3, 7) for _ in range(10)])
+  assert _prefetch_threads() == baseline
+  assert all(p.host.wait_idle(0.0) for p in built)
+  for pipeline in built[1:]:
+    pipeline.release_fn()  # released unused: nothing to stop, nothing lost
+    with pytest.raises(jax_data.PipelineReleasedError):
+      pipeline.init_fn()
+  init_fn, batch_fn, release_fn = built[0]
+  state = init_fn(seed=0)
+  assert _prefetch_threads() == baseline  # a chain, no request yet
+  state, batch = batch_fn(state)
+  assert float(batch["x"].sum()) >= 0
+  assert built[0].host.wait_idle()
+  assert _prefetch_threads() == baseline + 1
+  # Prefetching stopped before a store is made (the exit hook): the store
+  # made later serves without a thread.
+  late = jax_data.random_reference_data(loader, 3, 7)
+  assert late.host.stop_prefetching() is None
+  late_state, late_batch = late.batch_fn(late.init_fn(seed=0))
+  np.testing.assert_array_equal(late_batch["x"], batch["x"])
+  assert _prefetch_threads() == baseline + 1
+  for pipeline in (built[0], late):
+    pipeline.release_fn()
+  ref = weakref.ref(loader)
+  del loader, built, init_fn, batch_fn, release_fn, late, state, late_state
+  gc.collect()
+  assert ref() is None
 
 
 def test_million_steps_keep_host_memory_flat():

@@ -19,17 +19,28 @@ with bounded memory:
 
 :class:`ChainStore` is the one owner of serving: it answers "chunk k of
 chain c" and schedules the chunks that come after through the
-:class:`Scheduler` it is given (the host's prefetch thread).
+:class:`Scheduler` it is given: the host's :class:`Prefetcher`, one
+background thread that produces each chain's next chunk while the device
+works through the current one. Its jobs run one at a time, in the order
+they came; a request that finds its chunk still queued takes the job
+(:meth:`Prefetcher.take`) and runs it itself rather than wait behind other
+chains. :meth:`Prefetcher.close` ends the thread: jobs not started yet are
+cancelled with an error, so that no request waits on a chunk that will
+never be produced; the running job finishes on its own.
 
 Only NumPy runs here; nothing calls JAX.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import dataclasses
 import functools
 import threading
 from typing import Callable
+from typing import Deque
+from typing import FrozenSet
 from typing import Hashable
 from typing import Iterable
 from typing import List
@@ -51,8 +62,7 @@ Deferred = List[Tuple[ChainRecord, int]]
 
 
 class Scheduler(Protocol):
-  """Where the store runs work in the background
-  (:class:`~jax_data.serving.prefetch.Prefetcher`)."""
+  """Where the store runs work in the background (:class:`Prefetcher`)."""
 
   def submit(self, keys: Iterable[Hashable], run: Callable[[], None],
              cancel: Callable[[BaseException], None]) -> bool:
@@ -66,6 +76,110 @@ class Scheduler(Protocol):
 
   def close(self, error: BaseException) -> None:
     """Cancels the jobs not started with ``error``."""
+
+  def join(self, timeout: float) -> None:
+    """Waits up to ``timeout`` seconds for the running job (after
+    :meth:`close`)."""
+
+
+@dataclasses.dataclass
+class _Job:
+  keys: FrozenSet[Hashable]
+  run: Callable[[], None]
+  cancel: Callable[[BaseException], None]
+
+
+class Prefetcher:
+  """One background thread that runs production jobs in order.
+
+  Args:
+    name: The thread's name.
+  """
+
+  def __init__(self, name: str = "jax_data-prefetch"):
+    self._name = name
+    self._jobs: Deque[_Job] = collections.deque()
+    self._changed = threading.Condition()
+    self._thread: Optional[threading.Thread] = None
+    self._closed = False
+    self._running = False
+
+  def submit(self, keys: Iterable[Hashable], run: Callable[[], None],
+             cancel: Callable[[BaseException], None]) -> bool:
+    """Queues ``run()`` under ``keys`` (what it produces: the chunks of
+    several chains, produced together); if the prefetcher closes before it
+    starts, ``cancel(error)`` is called instead.
+
+    Returns:
+      False, and nothing is queued, if the prefetcher is closed.
+    """
+    with self._changed:
+      if self._closed:
+        return False
+      self._jobs.append(_Job(frozenset(keys), run, cancel))
+      if self._thread is None:
+        # A daemon: the interpreter's exit does not wait for it.
+        self._thread = threading.Thread(target=self._work, name=self._name,
+                                        daemon=True)
+        self._thread.start()
+      self._changed.notify_all()  # the thread, and wait_idle's waiters
+    return True
+
+  def take(self, key: Hashable) -> Optional[Callable[[], None]]:
+    """Removes the queued job with ``key`` among its keys and returns its
+    ``run``, for the caller to run now; None if it is not queued (running
+    or done)."""
+    with self._changed:
+      for job in self._jobs:
+        if key in job.keys:
+          self._jobs.remove(job)
+          self._changed.notify_all()  # for wait_idle
+          return job.run
+    return None
+
+  def _work(self) -> None:
+    while True:
+      with self._changed:
+        while not self._jobs and not self._closed:
+          self._changed.wait()
+        if not self._jobs:
+          return
+        job = self._jobs.popleft()
+        self._running = True
+      try:
+        job.run()
+      finally:
+        # Not kept while waiting for the next: a finished job's closure
+        # holds its host, which must be collectable once its pipeline is
+        # dropped.
+        del job
+        with self._changed:
+          self._running = False
+          self._changed.notify_all()
+
+  def wait_idle(self, timeout: float) -> bool:
+    """Waits up to ``timeout`` seconds until no job is queued or running
+    (for tests and diagnostics); whether that happened."""
+    with self._changed:
+      return self._changed.wait_for(
+          lambda: self._closed or not (self._jobs or self._running), timeout)
+
+  def join(self, timeout: float) -> None:
+    """Waits up to ``timeout`` seconds for the thread to end (after
+    :meth:`close`)."""
+    thread = self._thread
+    if thread is not None and thread is not threading.current_thread():
+      thread.join(timeout)
+
+  def close(self, error: BaseException) -> None:
+    """Cancels the jobs not started with ``error``; the thread ends after
+    the running one. Idempotent; does not wait."""
+    with self._changed:
+      self._closed = True
+      jobs, self._jobs = list(self._jobs), collections.deque()
+      self._changed.notify_all()
+    for job in jobs:
+      job.cancel(error)
 
 
 def _cancel(futures: Sequence[concurrent.futures.Future],
@@ -295,12 +409,13 @@ class ChainStore:
 
   # -- release ------------------------------------------------------------
 
-  def stop_prefetching(self, error: BaseException) -> None:
-    """Closes the scheduler (jobs not started get ``error``); chunks are
-    then produced when asked for."""
+  def stop_prefetching(self, error: BaseException) -> Optional[Scheduler]:
+    """Closes the scheduler (jobs not started get ``error``) and returns
+    it, to join; chunks are then produced when asked for."""
     scheduler, self._scheduler = self._scheduler, None
     if scheduler is not None:
       scheduler.close(error)
+    return scheduler
 
   def release(self, error: BaseException) -> None:
     """Drops the loader and every chain: requests still waiting for a chunk

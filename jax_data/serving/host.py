@@ -1,18 +1,21 @@
 """The host side of a pipeline: what compiled code's requests reach.
 
-A :class:`Host` owns a pipeline's chains (:class:`~jax_data.serving.chunk_store.
-ChainStore`), produces each chain's next chunk ahead of time
-(:class:`~jax_data.serving.prefetch.Prefetcher`), and lets the devices of one
-refresh meet (:class:`~jax_data.serving.rendezvous.Rendezvous`). The bridge's
-callback calls :meth:`Host.serve` or :meth:`Host.serve_into` with a request
-for several *lanes* (a chain and a chunk index each); checkpoints go
-through :meth:`Host.save_chain` and :meth:`Host.restore_chain`.
+A :class:`Host` owns a pipeline's chains and the store that serves their
+chunks and produces the next ones ahead, both made on first use
+(:class:`_Parts`). The bridge's callback calls :meth:`Host.serve` or :meth:`Host.serve_into`
+with a request for several *lanes* (a chain and a chunk index each); the
+requests that several devices make for one refresh meet in a
+:class:`Rendezvous`; checkpoints go through :meth:`Host.save_chain` and
+:meth:`Host.restore_chain`.
 
 Only NumPy runs here; nothing calls JAX.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import warnings
 import weakref
 from typing import Any
 from typing import Callable
@@ -26,6 +29,7 @@ import numpy as np
 
 from jax_data.errors import PipelineReleasedError
 from jax_data.lifetime import LIVE_HOSTS
+from jax_data.lifetime import Thread
 from jax_data.loaders.chains import ChainSpec
 from jax_data.loaders.chains import Chunk
 from jax_data.loaders.chains import ChunkLayout
@@ -35,8 +39,7 @@ from jax_data.serving.chain_records import ChainRecord
 from jax_data.serving.chain_records import ChainTable
 from jax_data.serving.chunk_store import ChainStore
 from jax_data.serving.chunk_store import Deferred
-from jax_data.serving.prefetch import Prefetcher
-from jax_data.serving.rendezvous import Rendezvous
+from jax_data.serving.chunk_store import Prefetcher
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
@@ -76,15 +79,8 @@ class Host:
     self.id = pipeline_id
     self.layout = layout
     self._progress = progress
-    prefetcher = Prefetcher() if prefetch else None
-    if prefetcher is not None:
-      LIVE_HOSTS.track(prefetcher)
-      # Dropped without release_fn: the thread ends with the host.
-      weakref.finalize(self, prefetcher.close, PipelineReleasedError(
-          f"the pipeline over {self.name} was garbage-collected"))
-    self._chains = ChainTable(loader, layout, self.name)
-    self._store = ChainStore(self._chains, cycle, verify_calls,
-                             scheduler=prefetcher)
+    self._parts = _Parts(loader, layout, self.name, cycle, verify_calls,
+                         prefetch)
     self.rendezvous = Rendezvous(self.name)
     self._zeros: Optional[Chunk] = None
     # Copies chunks into compiled code's buffers, large ones (the chunks of
@@ -98,41 +94,41 @@ class Host:
   @property
   def loader(self) -> HostDataLoader:
     """The loader; :class:`PipelineReleasedError` once released."""
-    return self._chains.loader
+    return self._parts.loader
 
   def check_open(self) -> None:
     """Raises :class:`PipelineReleasedError` if the pipeline was released."""
-    _ = self._chains.loader
+    _ = self.loader
 
   def chains(self) -> List[int]:
     """The numbers of this pipeline's chains (for tests and diagnostics)."""
-    return self._chains.numbers()
+    return self._parts.chains().numbers()
 
   def chain(self, number: int) -> ChainRecord:
     """The bookkeeping of chain ``number`` (for tests and diagnostics)."""
-    return self._chains.record(number)
+    return self._parts.chains().record(number)
 
   def register(self, spec: ChainSpec) -> int:
     """Adds a chain and returns its number (``CacheState.chain``)."""
-    return self._chains.add(spec).number
+    return self._parts.chains().add(spec).number
 
   def save_chain(self, chain: int, chunk: int) -> Dict[str, Any]:
     """See :meth:`ChainTable.save`."""
-    return self._chains.save(chain, chunk)
+    return self._parts.chains().save(chain, chunk)
 
   def restore_chain(self, saved: Dict[str, Any], chunk: int) -> int:
     """See :meth:`ChainTable.restore`; returns the chain's number."""
-    return self._chains.restore(saved, chunk).number
+    return self._parts.chains().restore(saved, chunk).number
 
   def remove_chain(self, chain: int) -> None:
     """Takes a chain out of this pipeline (a restore that failed later)."""
-    self._store.remove(chain)
+    self._parts.store().remove(chain)
 
   # -- serving ------------------------------------------------------------
 
   def chunk(self, chain: int, index: int, device_count: int = 1) -> Chunk:
     """Chunk ``index`` of a chain (see :meth:`ChainStore.chunks`)."""
-    return self._store.chunks([(chain, index)], device_count)[0]
+    return self._parts.store().chunks([(chain, index)], device_count)[0]
 
   def lanes(self, pipelines: np.ndarray, chains: np.ndarray,
             chunks: np.ndarray, need: np.ndarray, device_count: int = 1,
@@ -151,21 +147,22 @@ class Host:
     Raises:
       ValueError: a lane's state belongs to another pipeline.
     """
+    store = self._parts.store()
     try:
-      return self._lanes(pipelines, chains, chunks, need, device_count,
-                         participants, defer, into)
+      return self._lanes(store, pipelines, chains, chunks, need,
+                         device_count, participants, defer, into)
     finally:
       if defer is None:  # else the caller trims after its copy
-        self._store.trim_later()
+        store.trim_later()
 
-  def _lanes(self, pipelines, chains, chunks, need, device_count,
+  def _lanes(self, store, pipelines, chains, chunks, need, device_count,
              participants, defer, into) -> List[Chunk]:
     # Python ints: this runs on every refresh, and NumPy scalars are slow.
     pipelines, chains, chunks, need = (
         np.asarray(a).reshape(-1).tolist()
         for a in (pipelines, chains, chunks, need))
     self.requests += 1
-    self._store.note_lanes(sum(need))
+    store.note_lanes(sum(need))
     lanes, error = [], None
     try:
       for pipeline, wanted in zip(pipelines, need):
@@ -175,14 +172,14 @@ class Host:
               f"to a pipeline over {self.name} (id {self.id}); use the "
               "states of this pipeline's init_fn")
       targets = None  # only where chunks can be read in place
-      if into is not None and self._store.reads_in_place(sum(need)):
+      if into is not None and store.reads_in_place(sum(need)):
         targets = [Chunk([out[lane] for out in into[:-1]], into[-1][lane])
                    for lane, wanted in enumerate(need) if wanted]
       if self._progress is not None:
         for index, wanted in zip(chunks, need):
           if wanted:
             self._progress(index)
-      served = iter(self._store.chunks(
+      served = iter(store.chunks(
           [(chain, index) for chain, index, wanted in zip(chains, chunks,
                                                           need) if wanted],
           device_count, defer, targets))
@@ -234,12 +231,13 @@ class Host:
     as they are (``outs`` are the caches themselves).
     """
     deferred: Deferred = []
+    store = self._parts.store()
     try:
       lanes = self.lanes(pipelines, chains, chunks, need, device_count,
                          participants, deferred, outs)
       # Chunks read in place are views of outs already (see chunks); none
       # are where even all lanes would not be read in place.
-      read_in_place = self._store.reads_in_place(len(lanes))
+      read_in_place = store.reads_in_place(len(lanes))
       for lane, chunk in enumerate(lanes):
         if keep_others and not need.reshape(-1)[lane]:
           continue
@@ -247,14 +245,15 @@ class Host:
           if not (read_in_place and _same_memory(out[lane], leaf)):
             self._copier.copy(out[lane], leaf)
     finally:
-      self._store.schedule_next(deferred)
-      self._store.trim_later()
+      store.schedule_next(deferred)
+      store.trim_later()
 
   def wait_idle(self, timeout: float = 60.0) -> bool:
     """Waits until the prefetch thread has run the jobs queued, the
     housekeeping of :meth:`trim_later` among them (for tests and
     diagnostics); whether it did within ``timeout`` seconds."""
-    return self._store.wait_idle(timeout)
+    store = self._parts.made_store
+    return store is None or store.wait_idle(timeout)
 
   def _zero_chunk(self) -> Chunk:
     if self._zeros is None:
@@ -263,20 +262,189 @@ class Host:
 
   # -- release ------------------------------------------------------------
 
-  def stop_prefetching(self) -> None:
-    """Ends the prefetch thread after its running job; chunks are then
-    produced when asked for."""
-    self._store.stop_prefetching(PipelineReleasedError(
-        f"the prefetch thread of the pipeline over {self.name} stopped"))
+  def stop_prefetching(self) -> Optional[Thread]:
+    """Ends the prefetch thread after its running job, and returns it to
+    join (None if it never started); chunks are then produced when asked
+    for."""
     self._copier.close()
+    return self._parts.stop_prefetching(PipelineReleasedError(
+        f"the prefetch thread of the pipeline over {self.name} stopped"))
 
   def release(self) -> None:
     """Drops the loader, every chain and stored chunk, and ends the
     prefetch thread; idempotent, and it does not wait for a chunk being
     produced. Requests still waiting for a chunk get
     :class:`PipelineReleasedError` at once."""
-    self._store.release(PipelineReleasedError(
+    self._parts.release(PipelineReleasedError(
         f"this pipeline over {self.name} was released by its release_fn "
         "while compiled code waited for a chunk"))
     self._copier.close()
     self._zeros = None
+
+
+class _Parts:
+  """A host's chains and store, made on first use: the chains
+  (:class:`ChainTable`) at the first :meth:`chains`, a chain's registration
+  or restore; the store (:class:`ChainStore`) at the first :meth:`store`,
+  a request, with the prefetch thread it schedules on (which starts at its
+  first job). So building a pipeline starts nothing. Thread-safe."""
+
+  def __init__(self, loader: HostDataLoader, layout: ChunkLayout, name: str,
+               cycle: Optional[int], verify_calls: bool, prefetch: bool):
+    self._loader: Optional[HostDataLoader] = loader  # None once released
+    self._layout = layout
+    self._name = name
+    self._store_options = (cycle, verify_calls)
+    self._prefetch = prefetch
+    self._table: Optional[ChainTable] = None
+    self.made_store: Optional[ChainStore] = None
+    self._lock = threading.Lock()
+
+  @property
+  def loader(self) -> HostDataLoader:
+    """The loader; :class:`PipelineReleasedError` once released."""
+    loader = self._loader
+    return self.chains().loader if loader is None else loader
+
+  def chains(self) -> ChainTable:
+    table = self._table
+    if table is None:
+      with self._lock:
+        if self._table is None:
+          self._table = ChainTable(self._loader, self._layout, self._name)
+        table = self._table
+    return table
+
+  def store(self) -> ChainStore:
+    store = self.made_store
+    if store is None:
+      table = self.chains()
+      with self._lock:
+        if self.made_store is None:
+          prefetcher = Prefetcher() if self._prefetch else None
+          if prefetcher is not None:
+            # Dropped without release_fn: the thread ends with the host,
+            # and the exit hook waits for its running job.
+            weakref.finalize(self, LIVE_HOSTS.orphan, prefetcher,
+                             PipelineReleasedError(
+                                 f"the pipeline over {self._name} was "
+                                 "garbage-collected"))
+          self.made_store = ChainStore(table, *self._store_options,
+                                       scheduler=prefetcher)
+        store = self.made_store
+    return store
+
+  def stop_prefetching(self, error: BaseException) -> Optional[Thread]:
+    """See :meth:`ChainStore.stop_prefetching`; a store made later
+    prefetches nothing."""
+    with self._lock:
+      self._prefetch = False
+      store = self.made_store
+    return None if store is None else store.stop_prefetching(error)
+
+  def release(self, error: BaseException) -> None:
+    """See :meth:`ChainStore.release` (the store is made if it was not:
+    it closes the chains' cursors)."""
+    self.store().release(error)
+    self._loader = None
+
+
+# Seconds the devices of one refresh wait for each other.
+ROUND_TIMEOUT = 10.0
+
+
+@dataclasses.dataclass
+class _Round:
+  """The requests of one refresh made by several devices."""
+  expected: int
+  arrived: int = 0
+  error: Optional[BaseException] = None
+  done: bool = False
+
+
+class Rendezvous:
+  """Where the requests of one refresh meet.
+
+  The devices of one ``pmap`` or ``shard_map`` run the same steps, each
+  making one request at a time, so with states at the same chunk and
+  position they ask for the same chunk together. Two requests waiting here
+  for different chunks mean their states are at different positions (they
+  refresh at different steps and can never meet): the rendezvous then stops
+  at once, serves every device its own chunk, and warns naming the chunks.
+  If the devices do not all come within ``timeout`` seconds, while no other
+  chunk is asked for (the others refresh at other steps, past a collective
+  that waits for this one), it stops the same way. Stopped, it lets every
+  request through without waiting, for good.
+
+  Args:
+    name: Named in the warning (the loader's repr).
+    timeout: Seconds to wait for the other devices.
+  """
+
+  def __init__(self, name: str, timeout: float = ROUND_TIMEOUT):
+    self._name = name
+    self._timeout = timeout
+    self._rounds: Dict[Tuple[int, int], _Round] = {}
+    self._changed = threading.Condition()
+    self._enabled = True
+
+  def meet(self, index: int, participants: int,
+           error: Optional[BaseException]) -> Optional[BaseException]:
+    """Waits for the other ``participants - 1`` requests for chunk
+    ``index``; returns the failure of any of them (or ``error``)."""
+    with self._changed:
+      if not self._enabled:
+        return error
+      key = (index, participants)
+      current = self._rounds.setdefault(key, _Round(participants))
+      current.arrived += 1
+      current.error = current.error or error
+      if current.arrived >= current.expected:
+        current.done = True
+        del self._rounds[key]
+        self._changed.notify_all()
+        return current.error
+      apart = sorted((i, r.arrived) for (i, p), r in self._rounds.items()
+                     if p == participants)
+      if len(apart) > 1:
+        self._stop(
+            f"the {participants} devices of one pmap/shard_map asked for "
+            "different chunks at once: "
+            + ", ".join(f"chunk {i} by {n} device{'s' * (n > 1)}"
+                        for i, n in apart)
+            + ". Their states are at different positions (stacked from "
+            "chains that took different numbers of steps, or one device's "
+            "state advanced alone), so they refresh apart and cannot wait "
+            "for each other.")
+        return current.error
+      try:
+        met = self._changed.wait_for(lambda: current.done, self._timeout)
+      except BaseException:
+        current.arrived -= 1  # interrupted: it no longer waits
+        if not current.arrived and self._rounds.get(key) is current:
+          del self._rounds[key]
+        raise
+      if not met:
+        self._stop(
+            f"{current.arrived} of the {participants} devices of one "
+            f"pmap/shard_map asked for chunk {index} within "
+            f"{self._timeout:g} s, and the others for no chunk: their "
+            "states are at other positions (they refresh their caches at "
+            "other steps, and may wait in a collective for this one), or "
+            "they are held up elsewhere.")
+      return current.error
+
+  def _stop(self, what: str) -> None:
+    """Stops waiting for good: releases every waiting request and warns
+    once (called holding the lock)."""
+    self._enabled = False
+    for waiting in self._rounds.values():
+      waiting.done = True
+    self._rounds.clear()
+    self._changed.notify_all()
+    warnings.warn(
+        f"{self._name}: {what} Each device gets its own chunk, but devices "
+        "no longer wait for each other, so a loader failure on one device "
+        "may leave the others waiting in a collective. To keep that "
+        "protection, give every device a state at the same chunk and "
+        "position (init_fn's states, stepped together).", stacklevel=4)
