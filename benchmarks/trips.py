@@ -1,7 +1,7 @@
 """Follows four requests through jax_data call by call (architecture check).
 
 For each trip (serving a chunk, registering a chain, restoring a chain,
-building a pipeline) it records, in the calling thread, every call from
+building a pipeline, and a new pipeline's first chain and first chunk) it records, in the calling thread, every call from
 one jax_data module into another and prints:
 
 * stops: the jax_data modules the trip enters, in order of first entry
@@ -22,9 +22,9 @@ import ast
 import pathlib
 import sys
 
+import jax
 import numpy as np
 
-import jax
 import jax_data
 
 HELPERS = {"jax_data.validation", "jax_data.errors", "jax_data.types",
@@ -133,6 +133,17 @@ def main():
   saved = host.save_chain(chain, 9)
   follow("restoring a chain (Host.restore_chain)",
          lambda: host.restore_chain(saved, 9))
+  # A new pipeline makes its chains at its first init_fn and its store at
+  # its first request (its constructor makes neither).
+  fresh = jax_data.random_reference_data(loader, 4, 8)
+  made = []
+  follow("registering the first chain of a new pipeline",
+         lambda: made.append(fresh.init_fn(seed=1)))
+  follow("serving the first chunk of a new pipeline",
+         lambda: fresh.host.serve_into(
+             outs, np.array([fresh.host.id]), np.array([made[0].chain]),
+             np.array([0]), np.array([True])))
+  fresh.release_fn()
   follow("a constructor (full_reference_data)",
          lambda: jax_data.full_reference_data(loader, 4, 8))
   follow("a constructor (random_reference_data)",

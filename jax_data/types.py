@@ -4,16 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 from typing import Callable
+from typing import Literal
 from typing import NamedTuple
 from typing import Optional
 from typing import Protocol
 from typing import Tuple
 from typing import Union
+from typing import get_args
 from typing import runtime_checkable
 
 import jax
+import jax.numpy as jnp
 
 PyTree = Any
+
+
+#: The ways compiled code can receive chunks (a constructor's ``callback``):
+#: ``"auto"`` (in place through ``buffer_callback`` on CPU where JAX offers
+#: it, ``pure_callback`` elsewhere) and ``"pure"`` (``pure_callback`` on
+#: every platform).
+Callback = Literal["auto", "pure"]
+CALLBACKS: Tuple[Callback, ...] = get_args(Callback)
 
 
 @runtime_checkable
@@ -77,6 +88,31 @@ class CacheState(NamedTuple):
   batches: PyTree
   mask: jax.Array
   key: jax.Array
+
+  @classmethod
+  def start(cls, pipeline: int, chain: int, mb_size: int,
+            cache_size: int = 0, batch_format: Optional[PyTree] = None,
+            key: Optional[jax.Array] = None) -> "CacheState":
+    """A state positioned before a chain's first batch.
+
+    Args:
+      pipeline: The pipeline's identity.
+      chain: The chain's number; negative for device-resident pipelines.
+      mb_size: Observations per batch.
+      cache_size: Batches in the device cache; 0 for pipelines that keep
+        no cache in the state (full-data passes, device-resident loaders).
+      batch_format: The cache's format (leading axes ``(cache_size,
+        mb_size)``); None when ``cache_size`` is 0.
+      key: The PRNG key of a device-resident random chain; zeros
+        otherwise.
+    """
+    batches = {} if batch_format is None else jax.tree_util.tree_map(
+        lambda s: jnp.zeros(s.shape, s.dtype), batch_format)
+    return cls(pipeline=jnp.int32(pipeline), chain=jnp.int32(chain),
+               chunk=jnp.int32(0), position=jnp.int32(0),
+               cached_chunk=jnp.int32(-1), batches=batches,
+               mask=jnp.zeros((cache_size, mb_size), jnp.bool_),
+               key=jnp.zeros((2,), jnp.uint32) if key is None else key)
 
 
 Batch = PyTree

@@ -36,6 +36,15 @@ def _range_message(name, value, minimum, maximum, what):
   return f"{name} must be between {minimum} and {bound}, got {name}={value}"
 
 
+def check_choice(name: str, value: Any, choices: Tuple[Any, ...]) -> Any:
+  """Returns ``value`` if it is one of ``choices`` (a ``Literal`` option's
+  values), or raises naming ``name`` and ``value``."""
+  if not isinstance(value, str) or value not in choices:
+    raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}"
+                     f", got {name}={value!r}")
+  return value
+
+
 def check_bool(name: str, value: Any) -> bool:
   if not isinstance(value, (bool,)) and not (
       hasattr(value, "dtype") and getattr(value, "shape", None) == ()

@@ -37,10 +37,8 @@ from typing import Any
 from typing import Callable
 from typing import Dict
 from typing import List
-from typing import Literal
 from typing import Sequence
 from typing import Tuple
-from typing import get_args
 
 import jax
 import jax.numpy as jnp
@@ -50,28 +48,15 @@ from jax.custom_batching import custom_vmap
 
 from jax_data.lifetime import BRIDGES
 from jax_data.lifetime import LIVE_HOSTS
+from jax_data.types import CALLBACKS
+from jax_data.types import Callback
 from jax_data.types import PyTree
+from jax_data.validation import check_choice
 
 try:  # experimental in JAX; absent or moved, pure_callback serves all
   from jax.experimental.buffer_callback import buffer_callback
 except ImportError:  # pragma: no cover
   buffer_callback = None
-
-#: The ways compiled code can receive chunks: ``"auto"`` (in place through
-#: ``buffer_callback`` on CPU where JAX offers it, ``pure_callback``
-#: elsewhere) and ``"pure"`` (``pure_callback`` on every platform).
-Callback = Literal["auto", "pure"]
-CALLBACKS: Tuple[Callback, ...] = get_args(Callback)
-
-
-def check_callback(callback: Any) -> Callback:
-  """Checks the ``callback`` argument of the pipeline constructors."""
-  if callback not in CALLBACKS:
-    raise ValueError(
-        f"callback must be one of {', '.join(map(repr, CALLBACKS))}, got "
-        f"callback={callback!r}")
-  return callback
-
 
 def _varying(x) -> frozenset:
   """The mesh axes (of an enclosing ``shard_map``) that ``x`` varies over."""
@@ -115,11 +100,11 @@ class Bridge:
   Args:
     batch_format: Pytree of ``jax.ShapeDtypeStruct`` of one chunk, with
       leading axes ``(cache_size, mb_size)``.
-    callback: ``"auto"`` or ``"pure"`` (see :data:`CALLBACKS`).
+    callback: ``"auto"`` or ``"pure"`` (see ``jax_data.types.CALLBACKS``).
   """
 
   def __init__(self, batch_format: PyTree, callback: Callback = "auto"):
-    self.callback = check_callback(callback)
+    self.callback = check_choice("callback", callback, CALLBACKS)
     leaves, self.treedef = jax.tree_util.tree_flatten(batch_format)
     self.leaf_formats = [jax.ShapeDtypeStruct(s.shape, s.dtype)
                          for s in leaves]
@@ -163,7 +148,7 @@ def shared(batch_format: PyTree, callback: Callback = "auto") -> Bridge:
   way, one per process: pipelines of the same formats, cache and batch
   sizes trace, and so compile, the same code. A bridge holds only formats
   and the wrappers built on them."""
-  callback = check_callback(callback)
+  callback = check_choice("callback", callback, CALLBACKS)
   leaves, treedef = jax.tree_util.tree_flatten(batch_format)
   # The dtype itself, not its ``.str``: ml_dtypes' types of one size share
   # one (bfloat16 is "<V2"; int4 and float8_e4m3fn are both "<V1").

@@ -167,7 +167,7 @@ class RandomPipeline(pl.RandomPipeline):
     self._ref = LoaderRef(loader)
     self._mb_size = mb_size
     count = loader.observation_count
-    super().__init__(None, states.new_state(pl.new_id(), -1, mb_size),
+    super().__init__(None, CacheState.start(pl.new_id(), -1, mb_size),
                      loader, 0, mb_size, count)
     self.functions = (self.init_fn, self.batch_fn, self.release_fn)
 
@@ -179,9 +179,9 @@ class RandomPipeline(pl.RandomPipeline):
       counter = loader.counter_chain(kwargs)
       if counter is not None:
         mode, seed = counter
-        return states.new_state(self.id, -2 - mode, self._mb_size, key=seed)
+        return CacheState.start(self.id, -2 - mode, self._mb_size, key=seed)
     key = loader.init_random_data(**kwargs)
-    return states.new_state(self.id, -1, self._mb_size, key=key)
+    return CacheState.start(self.id, -1, self._mb_size, key=key)
 
   def batch_fn(self, state: CacheState, information: bool = False,
                device_count: int = 1):
@@ -234,7 +234,7 @@ class FullChunks:
   def init(self, **kwargs: Any) -> CacheState:
     check_keywords("init_fn of a full-data pipeline", kwargs, ())
     self._ref.check_open()
-    return states.new_state(self.id, -1, self._mb_size)
+    return CacheState.start(self.id, -1, self._mb_size)
 
   def fetch_fn(self, owner: Any, state: CacheState, chunk: jax.Array,
                device_count: int) -> Tuple[PyTree, jax.Array]:

@@ -21,9 +21,8 @@ from jax_data.compiled import device_loader
 from jax_data.compiled import global_passes
 from jax_data.compiled import pipeline as pl
 from jax_data.compiled import states
-from jax_data.compiled.bridge import Callback
+from jax_data.compiled.bridge import Bridge
 from jax_data.compiled.pass_keys import MAX_COMPILED
-from jax_data.compiled.pass_keys import Recent
 from jax_data.compiled.pass_keys import Traced
 from jax_data.compiled.pass_loop import PassPlan
 from jax_data.compiled.pass_loop import Progress
@@ -34,11 +33,13 @@ from jax_data.compiled.pass_loop import progress_reporter
 from jax_data.compiled.pass_loop import varying_axes
 from jax_data.compiled.pass_loop import vectorised
 from jax_data.lifetime import PASSES
+from jax_data.lifetime import Shared
 from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.loader import DataLoader
 from jax_data.loaders.loader import DeviceDataLoader
 from jax_data.serving.host import Host
 from jax_data.types import CacheState
+from jax_data.types import Callback
 from jax_data.types import PyTree
 from jax_data.validation import check_bool
 from jax_data.validation import check_keywords
@@ -160,24 +161,39 @@ class HostChunks:
   def __init__(self, loader: HostDataLoader, plan: PassPlan,
                shard: Dict[str, Any],
                progress: Optional[Callable[[int], None]], callback: Callback):
-    self.host, self._bridge = pl.assemble(
-        loader, plan.cache_size, plan.mb_size, callback=callback,
-        cycle=plan.chunks, progress=progress)
+    self.host = pl.assemble(loader, plan.cache_size, plan.mb_size,
+                            cycle=plan.chunks, progress=progress)
     self.id = self.host.id
     self.owner = np.int32(self.id)
     self._shard = shard
-    self._mb_size = plan.mb_size
-    # The passes of pipelines with the same bridge and plan are the same
-    # code: the pipeline that asks is the ``owner`` operand.
-    self.fetch_fn = functools.partial(_bridge_fetch, self._bridge)
-    self.share_key = (self._bridge, plan.count, plan.cache_size,
-                      plan.mb_size)
+    self._plan = plan
+    self._batch_format, _ = loader.batch_format(plan.cache_size,
+                                                plan.mb_size)
+    self._callback = callback
+
+  @functools.cached_property
+  def _bridge(self) -> Bridge:
+    """The bridge to the host, found when first traced."""
+    return pl.bridge(self._batch_format, self._callback)
+
+  @property
+  def share_key(self) -> Hashable:
+    """The passes of pipelines with the same bridge and plan are the same
+    code: the pipeline that asks is the ``owner`` operand."""
+    plan = self._plan
+    return (self._bridge, plan.count, plan.cache_size, plan.mb_size)
+
+  @functools.cached_property
+  def fetch_fn(self) -> Callable[..., Tuple[PyTree, jax.Array]]:
+    """See :class:`ChunkSource`: a function of the bridge alone, as the
+    compiled passes that other pipelines share must hold no host."""
+    return functools.partial(_bridge_fetch, self._bridge)
 
   def init(self, **kwargs: Any) -> CacheState:
     check_keywords("init_fn of a full-data pipeline", kwargs, ())
     spec = self.host.loader.chain_spec(True, **self._shard)
     chain = self.host.register(spec)
-    return states.new_state(self.id, chain, self._mb_size)
+    return CacheState.start(self.id, chain, self._plan.mb_size)
 
   def check_open(self) -> None:
     self.host.check_open()
@@ -186,7 +202,7 @@ class HostChunks:
     self.host.release()
 
 
-def _bridge_fetch(bridge: Any, owner: jax.Array, state: CacheState,
+def _bridge_fetch(bridge: Bridge, owner: jax.Array, state: CacheState,
                   chunk: jax.Array, device_count: int
                   ) -> Tuple[PyTree, jax.Array]:
   return bridge.fetch(owner, state.pipeline, state.chain, chunk,
@@ -243,11 +259,11 @@ class FullPipeline(pl.Pipeline):
                loader: DataLoader):
     self._chunks = chunks
     self._plan = plan
-    super().__init__(chunks.host, states.new_state(chunks.id, 0,
+    super().__init__(chunks.host, CacheState.start(chunks.id, 0,
                                                    plan.mb_size),
                      loader, plan.cache_size, plan.mb_size, plan.count)
     self.sizes = (plan.cache_size, plan.mb_size, plan.count)
-    self._compiled = Recent(self.max_compiled)
+    self._compiled = Shared(self.max_compiled)
     # One batch and its mask as fetched, by device_count and state shapes.
     self._batch_shapes: Dict[Any, Tuple[PyTree, jax.ShapeDtypeStruct]] = {}
     self.functions = (self.init_fn, self.map_fn, self.release_fn)
@@ -390,7 +406,7 @@ class MapperPipeline(pl.Pipeline):
   def __init__(self, full: FullPipeline, loader: DataLoader):
     self._full = full
     self._state = full.init_fn()
-    self._batched = Recent(full.max_compiled)
+    self._batched = Shared(full.max_compiled)
     super().__init__(full.host, full.template, loader, *full.sizes)
     self.functions = (self.mapper_fn, self.release_fn)
 

@@ -28,8 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 from jax_data.compiled import pipeline as pl
 from jax_data.compiled.global_batches import MeshAxes
-from jax_data.compiled.pass_keys import Recent
 from jax_data.compiled.pass_loop import vectorised
+from jax_data.lifetime import Shared
 from jax_data.loaders.chains import OrderedChain
 from jax_data.loaders.loader import DataLoader
 from jax_data.streams.sampling import ObservationRange
@@ -111,7 +111,7 @@ class GlobalMapperPipeline(pl.Pipeline):
          if device.process_index == here else -1
          for d, device in enumerate(axes.mesh.devices.reshape(-1))],
         np.int32)
-    self._passes = Recent(full.max_compiled)
+    self._passes = Shared(full.max_compiled)
     self.functions = (self.mapper_fn, self.release_fn)
 
   def mapper_fn(self, fun: Callable, carry: Any, masking: bool = False,

@@ -10,10 +10,8 @@ keeps the most recently used passes.
 
 from __future__ import annotations
 
-import collections
 import functools
 import re
-import threading
 import types
 from typing import Any
 from typing import Callable
@@ -26,34 +24,6 @@ from jax_data.types import PyTree
 
 # Compiled passes a full-data pipeline keeps, one per function mapped.
 MAX_COMPILED = 16
-
-
-class Recent:
-  """The values of the ``size`` most recently used keys; an older one is
-  dropped, and with it whatever only it references (a compiled pass and
-  its executable)."""
-
-  def __init__(self, size: int):
-    self._size = size
-    self._values: "collections.OrderedDict[Any, Any]" = (
-        collections.OrderedDict())
-    self._lock = threading.Lock()
-
-  def get(self, key: Any, make: Callable[[], Any]) -> Any:
-    """The value of ``key``, made by ``make()`` if it is not kept."""
-    with self._lock:
-      if key in self._values:
-        self._values.move_to_end(key)
-        return self._values[key]
-    value = make()
-    with self._lock:
-      self._values[key] = value
-      while len(self._values) > self._size:
-        self._values.popitem(last=False)
-    return value
-
-  def __len__(self) -> int:
-    return len(self._values)
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")

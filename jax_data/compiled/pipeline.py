@@ -1,5 +1,5 @@
-"""Pipeline assembly: one call builds a pipeline's host side and bridge,
-and what every pipeline shares.
+"""Pipeline assembly: one call builds a pipeline's host side, another
+finds its bridge, and what every pipeline shares.
 
 The in-jit access modules (``random_access``, ``full_access``) check their
 arguments, call :func:`assemble` for a host loader, and return a
@@ -32,15 +32,18 @@ from jax import lax
 from jax_data.compiled import bridge as bridge_lib
 from jax_data.compiled import states
 from jax_data.compiled.bridge import Bridge
-from jax_data.compiled.bridge import Callback
 from jax_data.lifetime import LIVE_HOSTS
 from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.loader import DataLoader
 from jax_data.loaders.loader import DeviceDataLoader
 from jax_data.serving.host import Host
 from jax_data.streams.sampling import ObservationRange
+from jax_data.types import CALLBACKS
 from jax_data.types import CacheState
+from jax_data.types import Callback
+from jax_data.types import PyTree
 from jax_data.validation import check_bool
+from jax_data.validation import check_choice
 from jax_data.validation import check_int
 from jax_data.validation import check_sizes as _check_sizes
 
@@ -220,27 +223,30 @@ def new_id() -> int:
 
 
 def assemble(loader: HostDataLoader, cache_size: int, mb_size: int, *,
-             callback: Callback = "auto", cycle: Optional[int] = None,
+             cycle: Optional[int] = None,
              progress: Optional[Callable[[int], None]] = None,
-             verify_calls: bool = False) -> Tuple[Host, Bridge]:
-  """Builds the host side of a pipeline over ``loader`` and finds the
-  bridge to it, which pipelines of the same formats share
-  (``bridge.shared``).
+             verify_calls: bool = False) -> Host:
+  """Builds the host side of a pipeline over ``loader`` (its chains and
+  store are made on first use); compiled code reaches it through the
+  bridge of its formats, found at the first trace (:func:`bridge`).
 
   Args:
     loader: The host loader.
     cache_size: Batches per chunk.
     mb_size: Observations per batch.
-    callback: How compiled code receives chunks (``bridge.CALLBACKS``).
     cycle: Chunks per pass of a full-data pipeline's ordered chains.
     progress: Told each chunk index compiled code asks for.
     verify_calls: Warn when a chunk is produced again (see ``Host``).
   """
-  layout = loader.chunk_layout(cache_size, mb_size)
-  host = Host(loader, layout, new_id(), cycle=cycle, progress=progress,
-              verify_calls=verify_calls)
-  batch_format, _ = loader.batch_format(cache_size, mb_size)
-  return host, bridge_lib.shared(batch_format, callback)
+  return Host(loader, loader.chunk_layout(cache_size, mb_size), new_id(),
+              cycle=cycle, progress=progress, verify_calls=verify_calls)
+
+
+def bridge(batch_format: PyTree, callback: Callback) -> Bridge:
+  """The bridge that brings chunks of ``batch_format`` (leading axes
+  ``(cache_size, mb_size)``) to compiled code the ``callback`` way, which
+  pipelines of the same formats share (``bridge.shared``)."""
+  return bridge_lib.shared(batch_format, callback)
 
 
 def fingerprint(kind: str, loader: str, cache_size: int, mb_size: int,
@@ -297,7 +303,7 @@ class Config:
         unknown length.
     """
     loader = check_loader(data_loader)
-    callback = bridge_lib.check_callback(callback)
+    callback = check_choice("callback", callback, CALLBACKS)
     count, observations = loader.observation_count, None
     if full:
       if count is None:

@@ -17,11 +17,11 @@ from jax_data.compiled import pipeline as pl
 from jax_data.compiled import scan as scan_lib
 from jax_data.compiled import states
 from jax_data.compiled.bridge import Bridge
-from jax_data.compiled.bridge import Callback
 from jax_data.lifetime import STEPS
 from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.loader import DataLoader
 from jax_data.types import CacheState
+from jax_data.types import Callback
 from jax_data.types import MiniBatchInformation
 from jax_data.validation import check_bool
 
@@ -106,28 +106,36 @@ class RandomPipeline(pl.RandomPipeline):
 
   def __init__(self, loader: HostDataLoader, cache_size: int, mb_size: int,
                verify_calls: bool, callback: Callback):
-    host, self._bridge = pl.assemble(loader, cache_size, mb_size,
-                                     callback=callback,
-                                     verify_calls=verify_calls)
+    host = pl.assemble(loader, cache_size, mb_size,
+                       verify_calls=verify_calls)
     self._count = loader.observation_count
     self._cache_size, self._mb_size = cache_size, mb_size
     self._batch_format, _ = loader.batch_format(cache_size, mb_size)
-    template = states.new_state(host.id, 0, mb_size, cache_size,
+    self._callback = callback
+    template = CacheState.start(host.id, 0, mb_size, cache_size,
                                 self._batch_format)
     super().__init__(host, template, loader, cache_size, mb_size,
                      self._count)
-    # Shared by the pipelines of the same formats and sizes: a new
-    # pipeline compiles nothing its like compiled before.
-    self._step = _shared_step(self._bridge, cache_size)
     self._owner = np.int32(self.id)
     self.functions = (self.init_fn, self.batch_fn, self.release_fn)
+
+  @functools.cached_property
+  def _bridge(self) -> Bridge:
+    """The bridge to the host, found when first traced."""
+    return pl.bridge(self._batch_format, self._callback)
+
+  @functools.cached_property
+  def _step(self) -> Callable[..., Any]:
+    """The jitted step, shared by the pipelines of the same formats and
+    sizes: a new pipeline compiles nothing its like compiled before."""
+    return _shared_step(self._bridge, self._cache_size)
 
   def init_fn(self, **kwargs: Any) -> CacheState:
     """Registers a random chain; keywords go to the loader (``seed``,
     ``shuffle``, ``in_epochs``, ``shard_index``, ``shard_count``)."""
     spec = self.host.loader.chain_spec(False, **kwargs)
     chain = self.host.register(spec)
-    return states.new_state(self.id, chain, self._mb_size, self._cache_size,
+    return CacheState.start(self.id, chain, self._mb_size, self._cache_size,
                             self._batch_format)
 
   def batch_fn(self, state: CacheState, information: bool = False,

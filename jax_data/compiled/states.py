@@ -4,7 +4,6 @@ batch out of their cache inside compiled code."""
 from __future__ import annotations
 
 from typing import Any
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -12,35 +11,6 @@ import numpy as np
 
 from jax_data.types import CacheState
 from jax_data.types import PyTree
-
-
-def new_state(pipeline: int, chain: int, mb_size: int, cache_size: int = 0,
-              batch_format: Optional[PyTree] = None,
-              key: Optional[jax.Array] = None) -> CacheState:
-  """A state positioned before a chain's first batch.
-
-  Args:
-    pipeline: The pipeline's identity.
-    chain: The chain's number; -1 for device-resident pipelines.
-    mb_size: Observations per batch.
-    cache_size: Batches in the device cache; 0 for pipelines that keep no
-      cache in the state (full-data passes, device-resident loaders).
-    batch_format: The cache's format (leading axes ``(cache_size,
-      mb_size)``); None when ``cache_size`` is 0.
-    key: The PRNG key of a device-resident random chain; zeros otherwise.
-  """
-  if batch_format is None:
-    batches = {}
-  else:
-    batches = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                     batch_format)
-  if key is None:
-    key = jnp.zeros((2,), jnp.uint32)
-  return CacheState(pipeline=jnp.int32(pipeline), chain=jnp.int32(chain),
-                    chunk=jnp.int32(0), position=jnp.int32(0),
-                    cached_chunk=jnp.int32(-1), batches=batches,
-                    mask=jnp.zeros((cache_size, mb_size), jnp.bool_),
-                    key=key)
 
 
 def check_state(state: Any, expected: CacheState, where: str) -> CacheState:
