@@ -2,11 +2,11 @@
 
 A :class:`Host` owns a pipeline's chains and the store that serves their
 chunks and produces the next ones ahead, both made on first use
-(:class:`_Parts`). The bridge's callback calls :meth:`Host.serve` or :meth:`Host.serve_into`
-with a request for several *lanes* (a chain and a chunk index each); the
-requests that several devices make for one refresh meet in a
-:class:`Rendezvous`; checkpoints go through :meth:`Host.save_chain` and
-:meth:`Host.restore_chain`.
+(:class:`_Parts`). The bridge's callback calls :meth:`Host.serve` or
+:meth:`Host.serve_into` with a request for several *lanes* (a chain and a
+chunk index each); the requests that several devices make for one refresh
+meet in a :class:`Rendezvous`; checkpoints go through
+:meth:`Host.save_chain` and :meth:`Host.restore_chain`.
 
 Only NumPy runs here; nothing calls JAX.
 """
