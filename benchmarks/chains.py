@@ -12,7 +12,13 @@ call a ``lax.scan`` of ``steps`` steps:
   reads together;
 * gather floor: NumPy gathering the rows of one refresh (C x cache x mb
   rows of x and y) into reused buffers, split over the usable cores, per
-  step (a refresh serves ``cache`` steps).
+  step (a refresh serves ``cache`` steps);
+* Datarax ``MemorySource`` (when installed, see ``datarax_peer.py``): each
+  chain's shuffled epoch in Datarax's scan mode. Under ``vmap`` its
+  permutation of N is computed at every step, for every chain, so a call
+  is the first steps of an epoch, as many as take about a second in a
+  pilot call, and it runs only where C x N is at most
+  ``Config.datarax_work`` (one step then takes seconds).
 
 Each row runs in a fresh child process; the contenders of a row are timed
 round-robin. Peak RSS is measured in another child for jax_data alone: the
@@ -44,6 +50,7 @@ DEVICE = "device-resident"
 JAX_DATA = "jax_data"
 COUNTER = "jax_data counter"
 FLOOR = "gather floor"
+DATARAX = "Datarax MemorySource"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +61,7 @@ class Config:
   mb: int = 64
   cache: int = 100
   steps: int = 2_000
+  datarax_work: int = 1_600_000
 
 
 FULL = Config(rows=tuple((n, c) for n in (100_000, 1_000_000)
@@ -95,6 +103,10 @@ def _section(config: Config, results: list) -> Section:
     best = min(_ratio(timing, JAX_DATA, COMPUTE),
                _ratio(timing, COUNTER, COMPUTE))
     fastest = min(timing[JAX_DATA]["median"], timing[COUNTER]["median"])
+    datarax = (format_timing(Timing(tuple(timing[DATARAX]["samples"]), 1),
+                             "us") if DATARAX in timing else "not run")
+    datarax_ratio = (format_ratio(timing[DATARAX]["median"] / fastest)
+                     if DATARAX in timing else "")
     to_device = min(_ratio(timing, JAX_DATA, DEVICE),
                     _ratio(timing, COUNTER, DEVICE))
     rows.append([
@@ -104,7 +116,8 @@ def _section(config: Config, results: list) -> Section:
         format_ratio(_ratio(timing, JAX_DATA, COMPUTE)),
         format_ratio(_ratio(timing, COUNTER, COMPUTE)),
         format_ratio(to_device), format_ratio(fastest / floor),
-        format_bytes(memory["peak"]), format_bytes(memory["caches"])])
+        format_bytes(memory["peak"]), format_bytes(memory["caches"]),
+        datarax, datarax_ratio])
     bests.append(f"{chains}: {format_ratio(best)}")
     device_ok.append(to_device <= 0.8)
     limit = 2.0 if chains <= 16 else 4.0
@@ -127,11 +140,16 @@ def _section(config: Config, results: list) -> Section:
           "reused buffers over the usable cores, per step. Peak RSS: "
           "jax_data with counter streams in a fresh process, VmHWM above "
           "the resident set before the chains were made; caches: the "
-          "device caches' bytes (C x cache x mb observations and masks)."),
+          "device caches' bytes (C x cache x mb observations and masks). "
+          f"{DATARAX}: Datarax 0.1.4, each chain's shuffled epoch in its "
+          "scan mode, under vmap a permutation of N per chain and step; a "
+          "call is as many steps as take about a second; not run where "
+          f"C x N is over {config.datarax_work:,}; its ratio is to the "
+          "faster jax_data column."),
       headers=["N", "C", COMPUTE, DEVICE, JAX_DATA, COUNTER, FLOOR,
                "jax_data / compute", "counter / compute",
                "best / device", "best / (compute + floor)", "peak RSS",
-               "device caches"],
+               "device caches", DATARAX, "Datarax / best jax_data"],
       rows=rows,
       targets=[
           Target("(g) jax_data / device-resident, every C", "<= 0.8x",
@@ -228,6 +246,42 @@ def _jax_data(request, data, theta, keys, step_size, stream):
   return jax.jit(jax.vmap(one)), (theta, states, keys), release_fn
 
 
+def _datarax_runs(request) -> bool:
+  import datarax_peer
+  return (datarax_peer.available()
+          and request["chains"] * request["n"] <= request["datarax_work"])
+
+
+def _datarax(request, data, theta, keys, step_size):
+  """Datarax's MemorySource chains, vmapped: ``((run, carry), steps)``,
+  a call one epoch."""
+  import functools
+  import time
+
+  import datarax_peer
+  import jax
+  from models import sgld_update
+
+  n, mb = request["n"], request["mb"]
+  update = functools.partial(sgld_update, observation_count=n,
+                             step_size=step_size)
+  batch_at, source_state = datarax_peer.memory_batches(data, mb)
+  data_keys = jax.random.split(jax.random.key(2), request["chains"])
+  carry = (theta, source_state, data_keys, keys)
+
+  def vmapped(steps):
+    return jax.jit(jax.vmap(datarax_peer.memory_sampler(
+        batch_at, n, mb, 1, update, steps), in_axes=(0, None, 0, 0)))
+
+  pilot = vmapped(1)
+  jax.block_until_ready(pilot(*carry))  # compile
+  start = time.perf_counter()
+  jax.block_until_ready(pilot(*carry))
+  per_step = time.perf_counter() - start
+  steps = int(min(n // mb, max(1, round(1.0 / per_step))))
+  return (vmapped(steps), carry), steps
+
+
 def _floor(request, data):
   """Seconds per step of gathering a refresh's rows into reused buffers."""
   import time
@@ -285,11 +339,16 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
   import time
 
   contenders, theta, keys, step_size = _samplers(request, data)
+  steps = dict.fromkeys(contenders, request["steps"])
+  if _datarax_runs(request):
+    contenders[DATARAX], steps[DATARAX] = _datarax(request, data, theta,
+                                                   keys, step_size)
   releases = []
   for name, stream in ((JAX_DATA, "auto"), (COUNTER, "counter")):
     run_fn, carry, release_fn = _jax_data(request, data, theta, keys,
                                           step_size, stream)
     contenders[name] = (run_fn, carry)
+    steps[name] = request["steps"]
     releases.append(release_fn)
   carries = {}
   for name, (run_fn, carry) in contenders.items():
@@ -300,7 +359,7 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
       settle()
       start = time.perf_counter()
       carries[name] = jax.block_until_ready(run_fn(*carries[name]))
-      samples[name].append((time.perf_counter() - start) / request["steps"])
+      samples[name].append((time.perf_counter() - start) / steps[name])
   floor = _floor(request, data)
   samples[FLOOR] = [floor] * request["repeats"]
   for release_fn in releases:

@@ -14,6 +14,9 @@ jitted ``lax.scan``, with mini-batches from every source we compare.
 * jax-sgmc 0.1.5: the predecessor's data module in the same scan;
 * cyreal 0.2.1: ``ArraySource`` (arrays on the device) and ``DiskSource``
   (a host callback per sample), loaders whose state goes through ``jit``;
+* Datarax 0.1.4 (when installed, see ``datarax_peer.py``): a shuffled
+  ``MemorySource`` (data on the device) and a ``StreamingDiskSource`` (one
+  ``io_callback`` per batch), read with ``get_batch_at`` inside the scan;
 * Grain: a ``MapDataset`` pipeline's iterator feeding a jitted step from
   Python (the data-loading tutorial's pattern);
 * Python loop: indices drawn with NumPy on the host and one jitted SGLD
@@ -27,6 +30,7 @@ import functools
 import statistics
 from collections.abc import Callable
 
+import datarax_peer
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,6 +198,38 @@ def _cyreal(data: dict[str, np.ndarray], theta, key, config: Config,
   return contenders
 
 
+def _datarax(data: dict[str, np.ndarray], theta, key, config: Config,
+             step_size: float, max_steps: int
+             ) -> tuple[list[Contender], Callable]:
+  """Datarax's MemorySource (whole epochs, see ``datarax_peer``) and
+  StreamingDiskSource feeding the same sampler; the second value removes
+  the disk source's file."""
+  if not datarax_peer.available():
+    return [], lambda: None
+  n = len(data["y"])
+  update = functools.partial(sgld_update, observation_count=n,
+                             step_size=step_size)
+  batch_at, source_state = datarax_peer.memory_batches(data, config.mb)
+  per_epoch = n // config.mb
+  pilot = jax.jit(datarax_peer.memory_sampler(batch_at, n, config.mb, 1,
+                                              update))
+  carry = (theta, source_state, jax.random.PRNGKey(2), key)
+  carry = jax.block_until_ready(pilot(*carry))  # compile
+  per_step = timed(lambda: jax.block_until_ready(pilot(*carry))) / per_epoch
+  epochs = calibrate(per_step * per_epoch, config.min_seconds, 1,
+                     max(1, max_steps // per_epoch))
+  memory = scan_contender(datarax_peer.MEMORY, jax.jit(
+      datarax_peer.memory_sampler(batch_at, n, config.mb, epochs, update)),
+      carry, epochs * per_epoch)
+  directory = datarax_peer.temporary_directory()
+  read_at = datarax_peer.disk_batches(data, config.mb, directory.name)
+  disk = _calibrated_scan(
+      datarax_peer.DISK, lambda steps: datarax_peer.disk_sampler(
+          read_at, config.mb, steps, update), (theta, jnp.int32(0), key),
+      config, max_steps)
+  return [memory, disk], directory.cleanup
+
+
 def _grain(data: dict[str, np.ndarray], theta, key, config: Config,
            step_size: float, max_steps: int) -> list[Contender]:
   """Grain's iterator over a shuffled, batched MapDataset feeding one
@@ -272,6 +308,8 @@ def _contenders(n: int, config: Config) -> tuple[list[Contender], Callable]:
   batch_fn_run = sgld_sampler(batch_fn, n, steps, step_size)
   data_only_run = data_only_scan_sampler(batch_fn, steps)
   sgmc, sgmc_release = _jax_sgmc(data, theta, key, config, step_size, steps)
+  datarax, datarax_cleanup = _datarax(data, theta, key, config, step_size,
+                                      steps)
   contenders = [
       scan_contender(COMPUTE, compute_run, (theta, jnp.int32(0), key), steps),
       scan_contender(DEVICE, device_run, device_carry, steps),
@@ -285,6 +323,7 @@ def _contenders(n: int, config: Config) -> tuple[list[Contender], Callable]:
                      (theta, init_fn(seed=3, stream="counter"), key), steps),
       sgmc,
       *_cyreal(data, theta, key, config, step_size, steps),
+      *datarax,
       *_grain(data, theta, key, config, step_size, steps),
       _python_loop(data, theta, key, config, step_size, steps),
   ]
@@ -292,6 +331,7 @@ def _contenders(n: int, config: Config) -> tuple[list[Contender], Callable]:
   def release():
     release_fn()
     sgmc_release()
+    datarax_cleanup()
 
   return contenders, release
 
@@ -368,12 +408,14 @@ def run(config: Config, repeats: int) -> Section:
           "limit), device-resident and jax_data run the same sampler code "
           "for the same number of steps, as many as take device-resident "
           f"about {config.min_seconds} s (at least {config.min_steps:,}); "
-          "jax-sgmc, cyreal, Grain and the Python loop run as many as take "
-          "them about as "
-          "long (at most as many). Pilot runs decide the counts, listed "
-          "below the table; the time per step is compared. The contenders "
-          "of all N are timed round-robin together; ratios are medians of "
-          "per-repeat ratios."),
+          "jax-sgmc, cyreal, Datarax, Grain and the Python loop run as many "
+          "as take them about as long (at most as many; Datarax's "
+          "MemorySource whole shuffled epochs in its scan mode, its "
+          "StreamingDiskSource reads consecutive windows, unshuffled in "
+          "0.1.4). Pilot runs decide the "
+          "counts, listed below the table; the time per step is compared. "
+          "The contenders of all N are timed round-robin together; ratios "
+          "are medians of per-repeat ratios."),
       headers=["N"] + names + [
           f"{a} / {'device' if b == DEVICE else b}" for a, b in ratios]
       + ["refresh bytes/s"],

@@ -1,8 +1,9 @@
 """Follows four requests through jax_data call by call (architecture check).
 
 For each trip (serving a chunk, registering a chain, restoring a chain,
-building a pipeline, and a new pipeline's first chain and first chunk) it records, in the calling thread, every call from
-one jax_data module into another and prints:
+building a pipeline, and a new pipeline's first chain and first chunk) it
+records, in the calling thread, every call from one jax_data module into
+another and prints:
 
 * stops: the jax_data modules the trip enters, in order of first entry
   (the entry module first); the loader seam and the loaders behind it
