@@ -79,7 +79,8 @@ def run(config: Config, repeats: int) -> Section:
     timing = _child_run({**request, "what": "time"})
     memory = _child_run({**request, "what": "memory"})
     print(f"  N={format_count(n)}, {chains} chains: " + ", ".join(
-        f"{k} {v['median'] * 1e6:.1f} us" for k, v in timing.items())
+        f"{k} {v['median'] * 1e6:.1f} us" if "median" in v else
+        f"{k} failed: {v['failed']}" for k, v in timing.items())
           + f"; peak RSS +{format_bytes(memory['peak'])}", flush=True)
     results.append((n, chains, timing, memory))
   return _section(config, results)
@@ -98,15 +99,18 @@ def _ratio(timing: dict[str, Any], a: str, b: str) -> float:
 def _section(config: Config, results: list) -> Section:
   rows, device_ok, compute_ok, memory_ok, bests = [], [], [], [], []
   for n, chains, timing, memory in results:
-    timings = {k: Timing(tuple(v["samples"]), 1) for k, v in timing.items()}
+    timings = {k: Timing(tuple(v["samples"]), 1) for k, v in timing.items()
+               if "samples" in v}
     floor = timing[COMPUTE]["median"] + timing[FLOOR]["median"]
     best = min(_ratio(timing, JAX_DATA, COMPUTE),
                _ratio(timing, COUNTER, COMPUTE))
     fastest = min(timing[JAX_DATA]["median"], timing[COUNTER]["median"])
-    datarax = (format_timing(Timing(tuple(timing[DATARAX]["samples"]), 1),
-                             "us") if DATARAX in timing else "not run")
-    datarax_ratio = (format_ratio(timing[DATARAX]["median"] / fastest)
-                     if DATARAX in timing else "")
+    datarax, datarax_ratio = timing.get(DATARAX, {}).get("failed",
+                                                         "not run"), ""
+    if "samples" in timing.get(DATARAX, {}):
+      datarax = format_timing(Timing(tuple(timing[DATARAX]["samples"]), 1),
+                              "us")
+      datarax_ratio = format_ratio(timing[DATARAX]["median"] / fastest)
     to_device = min(_ratio(timing, JAX_DATA, DEVICE),
                     _ratio(timing, COUNTER, DEVICE))
     rows.append([
@@ -340,9 +344,16 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
 
   contenders, theta, keys, step_size = _samplers(request, data)
   steps = dict.fromkeys(contenders, request["steps"])
+  failed = {}
   if _datarax_runs(request):
-    contenders[DATARAX], steps[DATARAX] = _datarax(request, data, theta,
-                                                   keys, step_size)
+    try:
+      contenders[DATARAX], steps[DATARAX] = _datarax(request, data, theta,
+                                                     keys, step_size)
+      jax.block_until_ready(contenders[DATARAX][0](
+          *contenders[DATARAX][1]))  # compile, and see that it runs
+    except jax.errors.JaxRuntimeError as e:  # XLA's out of memory
+      contenders.pop(DATARAX, None)
+      failed[DATARAX] = str(e).splitlines()[0][:120]
   releases = []
   for name, stream in ((JAX_DATA, "auto"), (COUNTER, "counter")):
     run_fn, carry, release_fn = _jax_data(request, data, theta, keys,
@@ -364,8 +375,9 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
   samples[FLOOR] = [floor] * request["repeats"]
   for release_fn in releases:
     release_fn()
-  return {name: {"samples": s, "median": float(np.median(s))}
-          for name, s in samples.items()}
+  return {**{name: {"samples": s, "median": float(np.median(s))}
+             for name, s in samples.items()},
+          **{name: {"failed": why} for name, why in failed.items()}}
 
 
 if __name__ == "__main__":
