@@ -106,11 +106,16 @@ def test_pipelines_dropped_without_release_free_their_host_and_thread():
 def test_pipelines_start_their_threads_on_first_use_and_release_unused():
   # A constructor starts nothing: the host makes its chains at the first
   # init_fn and its store, with the prefetch thread, at the first request.
-  baseline = _prefetch_threads()
+  before = set(threading.enumerate())
+
+  def started() -> int:  # prefetch threads this test started, alive
+    return sum(t.name == "jax_data-prefetch" and t.is_alive()
+               for t in set(threading.enumerate()) - before)
+
   loader = NumpyDataLoader(x=np.arange(300.0, dtype=np.float32))
   built = ([jax_data.random_reference_data(loader, 3, 7) for _ in range(10)]
            + [jax_data.full_reference_data(loader, 3, 7) for _ in range(10)])
-  assert _prefetch_threads() == baseline
+  assert started() == 0
   assert all(p.host.wait_idle(0.0) for p in built)
   for pipeline in built[1:]:
     pipeline.release_fn()  # released unused: nothing to stop, nothing lost
@@ -118,18 +123,18 @@ def test_pipelines_start_their_threads_on_first_use_and_release_unused():
       pipeline.init_fn()
   init_fn, batch_fn, release_fn = built[0]
   state = init_fn(seed=0)
-  assert _prefetch_threads() == baseline  # a chain, no request yet
+  assert started() == 0  # a chain, no request yet
   state, batch = batch_fn(state)
   assert float(batch["x"].sum()) >= 0
   assert built[0].host.wait_idle()
-  assert _prefetch_threads() == baseline + 1
+  assert started() == 1
   # Prefetching stopped before a store is made (the exit hook): the store
   # made later serves without a thread.
   late = jax_data.random_reference_data(loader, 3, 7)
   assert late.host.stop_prefetching() is None
   late_state, late_batch = late.batch_fn(late.init_fn(seed=0))
   np.testing.assert_array_equal(late_batch["x"], batch["x"])
-  assert _prefetch_threads() == baseline + 1
+  assert started() == 1
   for pipeline in (built[0], late):
     pipeline.release_fn()
   ref = weakref.ref(loader)
