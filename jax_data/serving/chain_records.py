@@ -86,6 +86,8 @@ class ChainRecord:
     chunks: Stored chunks by index, oldest first.
     produce_lock: Held while the cursor works.
     devices: The largest ``device_count`` a request for the chain named.
+    requested: The chunk of the chain's latest request (None before one):
+      chunks are produced ahead only after it.
     keep: Served chunks kept besides those produced ahead; 0 for a chain
       whose cursor reaches any chunk at once (:attr:`regenerates`).
   """
@@ -100,6 +102,7 @@ class ChainRecord:
       default_factory=threading.Lock)
   pruned_size: int = 0
   devices: int = 1
+  requested: Optional[int] = None
   closed: bool = False
   keep: int = 2
 
@@ -196,6 +199,7 @@ class Shelf:
     """The future of chunk ``index`` for a request, and whether the caller
     must produce it (it was not stored)."""
     record.devices = max(record.devices, device_count)
+    record.requested = index
     entry = record.chunks.get(index)
     if entry is not None:
       entry.pending = (device_count if entry.pending is None

@@ -22,11 +22,13 @@ chain c" and schedules the chunks that come after through the
 :class:`Scheduler` it is given: the host's :class:`Prefetcher`, one
 background thread that produces each chain's next chunk while the device
 works through the current one. Its jobs run one at a time, in the order
-they came; a request that finds its chunk still queued takes the job
-(:meth:`Prefetcher.take`) and runs it itself rather than wait behind other
-chains. :meth:`Prefetcher.close` ends the thread: jobs not started yet are
-cancelled with an error, so that no request waits on a chunk that will
-never be produced; the running job finishes on its own.
+they came, and claim the chunks they produce when they start: a request
+finds its chunk either stored (done, or being produced: it waits for that
+one production) or not, and then produces it itself rather than wait
+behind other chains. :meth:`Prefetcher.close` ends the thread: jobs not
+started yet are cancelled, and since none has claimed a chunk, no request
+waits on one that will never be produced; the running job finishes on its
+own.
 
 Only NumPy runs here; nothing calls JAX.
 """
@@ -40,9 +42,6 @@ import functools
 import threading
 from typing import Callable
 from typing import Deque
-from typing import FrozenSet
-from typing import Hashable
-from typing import Iterable
 from typing import List
 from typing import Optional
 from typing import Protocol
@@ -64,12 +63,9 @@ Deferred = List[Tuple[ChainRecord, int]]
 class Scheduler(Protocol):
   """Where the store runs work in the background (:class:`Prefetcher`)."""
 
-  def submit(self, keys: Iterable[Hashable], run: Callable[[], None],
+  def submit(self, run: Callable[[], None],
              cancel: Callable[[BaseException], None]) -> bool:
     """Queues ``run``; False if closed."""
-
-  def take(self, key: Hashable) -> Optional[Callable[[], None]]:
-    """The queued job under ``key``, removed, to run now; None if none."""
 
   def wait_idle(self, timeout: float) -> bool:
     """Whether the queue emptied within ``timeout`` seconds."""
@@ -84,7 +80,6 @@ class Scheduler(Protocol):
 
 @dataclasses.dataclass
 class _Job:
-  keys: FrozenSet[Hashable]
   run: Callable[[], None]
   cancel: Callable[[BaseException], None]
 
@@ -104,11 +99,10 @@ class Prefetcher:
     self._closed = False
     self._running = False
 
-  def submit(self, keys: Iterable[Hashable], run: Callable[[], None],
+  def submit(self, run: Callable[[], None],
              cancel: Callable[[BaseException], None]) -> bool:
-    """Queues ``run()`` under ``keys`` (what it produces: the chunks of
-    several chains, produced together); if the prefetcher closes before it
-    starts, ``cancel(error)`` is called instead.
+    """Queues ``run()``; if the prefetcher closes before it starts,
+    ``cancel(error)`` is called instead.
 
     Returns:
       False, and nothing is queued, if the prefetcher is closed.
@@ -116,7 +110,7 @@ class Prefetcher:
     with self._changed:
       if self._closed:
         return False
-      self._jobs.append(_Job(frozenset(keys), run, cancel))
+      self._jobs.append(_Job(run, cancel))
       if self._thread is None:
         # A daemon: the interpreter's exit does not wait for it.
         self._thread = threading.Thread(target=self._work, name=self._name,
@@ -124,18 +118,6 @@ class Prefetcher:
         self._thread.start()
       self._changed.notify_all()  # the thread, and wait_idle's waiters
     return True
-
-  def take(self, key: Hashable) -> Optional[Callable[[], None]]:
-    """Removes the queued job with ``key`` among its keys and returns its
-    ``run``, for the caller to run now; None if it is not queued (running
-    or done)."""
-    with self._changed:
-      for job in self._jobs:
-        if key in job.keys:
-          self._jobs.remove(job)
-          self._changed.notify_all()  # for wait_idle
-          return job.run
-    return None
 
   def _work(self) -> None:
     while True:
@@ -180,12 +162,6 @@ class Prefetcher:
       self._changed.notify_all()
     for job in jobs:
       job.cancel(error)
-
-
-def _cancel(futures: Sequence[concurrent.futures.Future],
-            error: BaseException) -> None:
-  for future in futures:
-    settle(future, error=error)
 
 
 def _skip(error: BaseException) -> None:
@@ -252,8 +228,8 @@ class ChainStore:
 
     The chunks not stored yet are produced now, those of chains whose
     cursors produce together in one call (vmapped counter-based chains:
-    one draw of all their indices, one read of all their rows). A chunk
-    still queued behind other productions is produced here.
+    one draw of all their indices, one read of all their rows), even where
+    a job queued behind other productions would produce them later.
 
     ``into``: for each ``(chain, index)``, compiled code's buffers that
     will receive it. A request too large to keep chunks ahead for
@@ -307,13 +283,6 @@ class ChainStore:
       claims.append((record, index, job[2], False, False))
     if mine:
       self._producer.produce_many(mine, targets)
-    scheduler = self._scheduler
-    for record, index, future, _, _ in claims:
-      # Still queued behind other chains' chunks: produce it here.
-      run = (None if future.done() or scheduler is None
-             else scheduler.take((record.number, index)))
-      if run is not None:
-        run()
     failure = None
     for record, index, future, _, stored in claims:
       if future.exception() is not None:
@@ -334,6 +303,31 @@ class ChainStore:
       raise failure
     return [future.result() for _, _, future, _, _ in claims]
 
+  def ready(self, wanted: Sequence[Tuple[int, int]], defer: Deferred
+            ) -> Optional[List[Chunk]]:
+    """Chunk ``index`` of chain ``chain`` for each ``(chain, index)`` of a
+    one-device request whose chunks were all produced before it came: the
+    common refresh, served with the least bookkeeping. The chains and
+    indices are appended to ``defer``, for :meth:`schedule_next` after the
+    caller's copy. None, and nothing claimed, if a chunk is not stored, not
+    done or failed: then :meth:`chunks` serves the request."""
+    records = [(self._chains.get(chain), index) for chain, index in wanted]
+    with self._lock:
+      futures = []
+      for record, index in records:
+        entry = None if record is None else record.chunks.get(index)
+        if entry is None or not entry.future.done():
+          return None
+        futures.append(entry.future)
+      try:
+        chunks = [future.result() for future in futures]
+      except Exception:  # pylint: disable=broad-except
+        return None  # chunks() raises it, and tries again later
+      for record, index in records:
+        self._shelf.claim(record, index, 1)
+    defer.extend(records)
+    return chunks
+
   def note_lanes(self, lanes: int) -> None:
     """A request asked for ``lanes`` chunks at once: the store keeps room
     for ``keep + ahead`` chunks per lane of the largest such request (the
@@ -345,29 +339,48 @@ class ChainStore:
     following = index + 1
     return following if self.cycle is None else following % self.cycle
 
-  def schedule_next(self, served: Sequence[Tuple[ChainRecord, int]]
-                    ) -> None:
+  def schedule_next(self, served: Sequence[Tuple[ChainRecord, int]],
+                    trim: bool = False) -> None:
     """Starts producing the :meth:`Shelf.ahead` chunks after each served
-    ``(chain, index)`` in the background (those not stored yet): one job
-    per step ahead, which produces that chunk of every chain together."""
+    ``(chain, index)`` in the background (those not stored yet), in one
+    job that claims them when it starts; with ``trim``, the job then does
+    the housekeeping of :meth:`trim_later`."""
     scheduler = self._scheduler
     if scheduler is None or not served:
+      if trim:
+        self.trim_later()
       return
-    following = list(served)
-    for _ in range(self._shelf.ahead()):
-      following = [(record, self._following(index))
-                   for record, index in following]
-      with self._lock:
-        jobs = self._shelf.claim_ahead(following)
-      if not jobs:
-        continue
-      futures = [future for _, _, future in jobs]
-      if not scheduler.submit(
-          [(record.number, index) for record, index, _ in jobs],
-          functools.partial(self._producer.produce_many, jobs),
-          functools.partial(_cancel, futures)):
-        _cancel(futures, self._chains.closing_error())
-        return
+    trims = trim and not self._trim_queued.is_set()
+    if trims:
+      self._trim_queued.set()
+    served = list(served)
+    if not scheduler.submit(functools.partial(self._produce_ahead, served,
+                                              trims),
+                            functools.partial(self._not_ahead, trims)):
+      self._trim_queued.clear()
+
+  def _produce_ahead(self, served: Sequence[Tuple[ChainRecord, int]],
+                     trim: bool) -> None:
+    try:
+      # A chain asked for another chunk since (the job ran late): that
+      # request's own job produces what follows it.
+      following = [(record, index) for record, index in served
+                   if record.requested == index]
+      for _ in range(self._shelf.ahead()):
+        following = [(record, self._following(index))
+                     for record, index in following]
+        with self._lock:
+          jobs = self._shelf.claim_ahead(following)
+        if jobs:
+          self._producer.produce_many(jobs)
+    finally:
+      if trim:
+        self._trim_queued_job()
+
+  def _not_ahead(self, trim: bool, error: BaseException) -> None:
+    del error
+    if trim:
+      self._trim_queued.clear()
 
   # -- housekeeping -------------------------------------------------------
 
@@ -385,7 +398,7 @@ class ChainStore:
     if self._trim_queued.is_set():
       return
     self._trim_queued.set()
-    if not scheduler.submit(("trim",), self._trim_queued_job, _skip):
+    if not scheduler.submit(self._trim_queued_job, _skip):
       self._trim_queued.clear()
 
   def _trim_queued_job(self) -> None:
