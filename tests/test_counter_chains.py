@@ -11,6 +11,7 @@ import pytest
 
 import jax_data
 from jax_data import counter_streams as cs
+from jax_data.counter_chains import CounterStream
 from jax_data.counter_chains import chain_batches
 from jax_data.counter_chains import uniform_runs
 from jax_data.host_loader import StoreLimits
@@ -282,3 +283,38 @@ def test_release_while_a_group_is_read():
   thread.join(30)
   assert not thread.is_alive()
   assert errors and "released" in str(errors[0])
+
+
+@pytest.mark.parametrize("shuffle,in_epochs", MODES)
+@pytest.mark.parametrize("n", [3, 1000, 10**8])
+def test_a_stream_drawn_ahead_gives_each_draw_its_own_batches(
+    n, shuffle, in_epochs):
+  """A chain draws several chunks' indices at once and serves the next
+  draws from them: every draw still equals the stream at its position,
+  through forward draws, seeks back and ahead, a restored state of another
+  seed, trimming and draws of a part's columns."""
+  observations = jax_data.sampling.ObservationRange(2, n)
+  stream = CounterStream(observations, 5, 11, shuffle, in_epochs)
+  rng = np.random.default_rng(0)
+  for step in range(60):
+    action = rng.integers(6)
+    if action == 0:
+      stream.seek_batch(int(rng.integers(0, 10**6)))
+    elif action == 1:
+      stream.set_state({"stream": "counter", "mode": stream.mode,
+                        "seed": int(rng.integers(0, 2**63)),
+                        "batch": int(rng.integers(0, 100))})
+    elif action == 2:
+      stream.trim()
+    seed, first = stream.seed, stream.get_state()["batch"]
+    count = int(rng.integers(1, 40))
+    columns = slice(1, 4) if action == 3 else None
+    got, mask = stream.draw(count, columns)
+    expected, expected_mask = cs.stream_batches(
+        seed, first, count, 5, n, shuffle, in_epochs, 2, columns=columns)
+    np.testing.assert_array_equal(got, expected, err_msg=str(step))
+    if expected_mask is None:
+      assert mask is None
+    else:
+      np.testing.assert_array_equal(mask, expected_mask)
+    assert stream.get_state()["batch"] == first + count

@@ -143,7 +143,13 @@ def test_a_chunk_costs_no_replay():
   np.testing.assert_array_equal(indices, again)
   np.testing.assert_array_equal(mask, again_mask)
   assert stream.get_state()["batch"] == 10**9 + 10
+  # What it keeps is the batches drawn ahead: a few chunks' indices and
+  # masks, whatever the number of records.
+  assert 0 < stream.held_bytes() <= (16_384 + 64 * 10) * 9
+  stream.trim()
   assert stream.held_bytes() == 0
+  np.testing.assert_array_equal(stream.draw(10)[0], cs.stream_batches(
+      4, 10**9 + 10, 10, 64, 10**8, True, True)[0])
 
 
 class _Virtual:
