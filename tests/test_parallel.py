@@ -24,6 +24,12 @@ CHAINS = [dict(seed=0), dict(seed=1, shuffle=True),
           dict(seed=2, shuffle=True, in_epochs=True), dict(seed=3)]
 N, CACHE, MB, STEPS = 11, 3, 4, 10
 
+# pmap over the 4 devices conftest.py forces on CPU; a GPU machine's default
+# devices are its GPUs, here one.
+NEEDS_FOUR = pytest.mark.skipif(
+    jax.device_count() < 4,
+    reason="needs 4 devices (conftest.py forces 4 CPU devices)")
+
 
 def _stack(states):
   return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *states)
@@ -136,6 +142,7 @@ def test_map_fn_under_vmap_over_states(pipelines):
   assert values.tolist() == [list(range(7))] * 2
 
 
+@NEEDS_FOUR
 def test_pmap_over_stacked_states_equals_solo(solo, pipelines):
   init_fn, batch_fn, _ = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(N)), CACHE, MB)
@@ -147,6 +154,7 @@ def test_pmap_over_stacked_states_equals_solo(solo, pipelines):
     assert x[lane].tolist() == sx and mask[lane].tolist() == smask
 
 
+@NEEDS_FOUR
 def test_replicated_state_gives_every_device_the_same_batches_once(pipelines):
   loader, produced = _counting_loader()
   init_fn, batch_fn, _ = pipelines.random_reference_data(loader, CACHE, MB)
@@ -235,6 +243,7 @@ def test_jax_data_scan_under_shard_map_equals_lax_scan(pipelines):
   np.testing.assert_array_equal(got[0][0], expected[0][0])
 
 
+@NEEDS_FOUR
 def test_full_data_mapper_with_a_pmapped_function_inside_jit(pipelines):
   n = 22
   x = np.arange(n, dtype=np.float32)
@@ -308,6 +317,7 @@ def _rendezvous_warnings(caught):
   return [str(w.message) for w in caught if "devices" in str(w.message)]
 
 
+@NEEDS_FOUR
 @pytest.mark.parametrize("steps_taken", [[0, CACHE, 2 * CACHE, 3 * CACHE],
                                          [0, 0, CACHE, 0]],
                          ids=["stacked_apart", "one_advanced"])
@@ -382,6 +392,7 @@ def test_requests_for_different_chunks_stop_the_rendezvous_at_once(
         np.asarray(host.chunk(chains[device], device).leaves[0]))
 
 
+@NEEDS_FOUR
 def test_aligned_devices_with_several_states_meet_without_warning(
     pipelines):
   """Several states of one pipeline per device, each at its own chunk,
