@@ -35,14 +35,13 @@ _FOLDERS = {
                 "sampling"),
 }
 
-#: ``jax_data.<old>`` -> ``jax_data.<folder>.<old>``, and the old modules
-#: whose classes joined another's (the prefetch thread the store's module,
-#: the rendezvous the host's).
+#: ``jax_data.<old>`` -> ``jax_data.<folder>.<old>``, and the old module
+#: whose class joined another's (the prefetch thread the store's module).
 MOVED: Dict[str, str] = {
     **{f"jax_data.{name}": f"jax_data.{folder}.{name}"
        for folder, names in _FOLDERS.items() for name in names},
     "jax_data.prefetch": "jax_data.serving.chunk_store",
-    "jax_data.rendezvous": "jax_data.serving.host",
+    "jax_data.rendezvous": "jax_data.serving.rendezvous",
 }
 
 

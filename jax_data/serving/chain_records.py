@@ -218,6 +218,25 @@ class Shelf:
     self._evict(record)
     self._evict_across_chains()
 
+  def claim_done(self, wanted: Sequence[Tuple[Optional[ChainRecord], int]]
+                 ) -> Optional[List[Any]]:
+    """Claims chunk ``index`` of each ``(chain, index)`` for a one-device
+    request and returns them if all were produced; None, and nothing
+    claimed, if one was not or failed."""
+    futures = []
+    for record, index in wanted:
+      entry = None if record is None else record.chunks.get(index)
+      if entry is None or not entry.future.done():
+        return None
+      futures.append(entry.future)
+    try:
+      chunks = [future.result() for future in futures]
+    except Exception:  # pylint: disable=broad-except
+      return None
+    for record, index in wanted:
+      self.claim(record, index, 1)
+    return chunks
+
   def claim_ahead(self, wanted: Sequence[Tuple[ChainRecord, int]]
                   ) -> List[Job]:
     """Stores a future for each ``(chain, index)`` not stored yet, to be

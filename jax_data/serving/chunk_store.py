@@ -12,6 +12,12 @@ with bounded memory:
   the chunks of all chains together stay within a byte budget, least
   recently used first out, so memory does not grow with the number of
   chains created (:class:`~jax_data.serving.chain_records.Shelf`);
+  a chain keeps ``keep`` served chunks besides the ``ahead`` produced
+  ahead (none for chains whose cursors reach any chunk directly,
+  counter-based streams: a chunk asked for again is produced again, as
+  cheaply), and chunks still awaited by some of ``device_count`` devices,
+  up to ``keep + ahead + 2 * device_count`` (at most ``max_stored``: the
+  loader's :class:`~jax_data.loaders.host_loader.StoreLimits`);
 * the loader cursor's position is saved before each chunk, and the
   snapshots thin out logarithmically with age; a chunk no longer kept is
   produced again from the nearest earlier snapshot
@@ -168,6 +174,11 @@ def _skip(error: BaseException) -> None:
   del error  # a housekeeping job cancelled: nothing waits for it
 
 
+def _untrimmed(queued: threading.Event, error: BaseException) -> None:
+  del error  # a job that was to trim cancelled: the next one may
+  queued.clear()
+
+
 class ChainStore:
   """Serves the chunks of one pipeline's chains.
 
@@ -179,14 +190,6 @@ class ChainStore:
       came for one no longer stored (a state used twice).
     scheduler: Runs the productions ahead and the housekeeping in the
       background; None: chunks are produced when asked for.
-
-  A chain keeps ``chains.keep`` served chunks besides the ``ahead``
-  produced ahead (none for chains whose cursors reach any chunk directly,
-  counter-based streams: a chunk asked for again is produced again, as
-  cheaply). Chunks still awaited by some of ``device_count`` devices are
-  kept too, up to ``keep + ahead + 2 * device_count`` (at most
-  ``max_stored``; the limits are the loader's
-  :class:`~jax_data.loaders.host_loader.StoreLimits`).
   """
 
   def __init__(self, chains: ChainTable, cycle: Optional[int] = None,
@@ -215,8 +218,7 @@ class ChainStore:
     record.close(blocking=True)
     self._held.forget(record.number)
 
-  def reads_in_place(self, lanes: int) -> bool:
-    """See :meth:`Shelf.reads_in_place`."""
+  def reads_in_place(self, lanes: int) -> bool:  # see Shelf's
     return self._shelf.reads_in_place(lanes)
 
   # -- serving ------------------------------------------------------------
@@ -231,22 +233,17 @@ class ChainStore:
     one draw of all their indices, one read of all their rows), even where
     a job queued behind other productions would produce them later.
 
-    ``into``: for each ``(chain, index)``, compiled code's buffers that
-    will receive it. A request too large to keep chunks ahead for
-    (:meth:`reads_in_place`) has the chunks of chains that regenerate any
-    chunk (counter-based streams) read straight into them, neither stored
-    nor produced ahead; the chunks returned are then views of those
-    buffers.
-
+    ``into``: compiled code's buffers for each ``(chain, index)``. In a
+    request too large to keep chunks ahead for (:meth:`reads_in_place`),
+    the chunks of counter-based chains are read straight into them, neither
+    stored nor produced ahead, and returned as views of them.
     ``device_count`` requests are expected for each chunk (one per device
     of a replicated state); it is kept until they all came, within a cap.
 
-    The production of the next chunks of every chain (:meth:`Shelf.ahead`)
-    starts now, together, or, if ``defer`` is a list and the chunks were
-    ready when asked for (the device, not the host, sets the pace) or are
-    several, is appended to ``defer`` for the caller to pass to
-    :meth:`schedule_next` once it has copied the chunks, so that the copy
-    does not compete with it.
+    The next chunks of every chain (:meth:`Shelf.ahead`) are scheduled now,
+    or, if ``defer`` is a list and the chunks were ready when asked for or
+    are several, appended to it for :meth:`schedule_next` after the
+    caller's copy, which they would compete with.
 
     Raises:
       HostLoaderError: the loader failed (the first failure in lane
@@ -305,27 +302,15 @@ class ChainStore:
 
   def ready(self, wanted: Sequence[Tuple[int, int]], defer: Deferred
             ) -> Optional[List[Chunk]]:
-    """Chunk ``index`` of chain ``chain`` for each ``(chain, index)`` of a
-    one-device request whose chunks were all produced before it came: the
-    common refresh, served with the least bookkeeping. The chains and
-    indices are appended to ``defer``, for :meth:`schedule_next` after the
-    caller's copy. None, and nothing claimed, if a chunk is not stored, not
-    done or failed: then :meth:`chunks` serves the request."""
+    """:meth:`chunks` for a one-device request whose chunks were all
+    produced before it came (the common refresh), with the least
+    bookkeeping: the chains and indices go to ``defer`` (see
+    :meth:`chunks`). None, and nothing claimed, if one is not ready."""
     records = [(self._chains.get(chain), index) for chain, index in wanted]
     with self._lock:
-      futures = []
-      for record, index in records:
-        entry = None if record is None else record.chunks.get(index)
-        if entry is None or not entry.future.done():
-          return None
-        futures.append(entry.future)
-      try:
-        chunks = [future.result() for future in futures]
-      except Exception:  # pylint: disable=broad-except
-        return None  # chunks() raises it, and tries again later
-      for record, index in records:
-        self._shelf.claim(record, index, 1)
-    defer.extend(records)
+      chunks = self._shelf.claim_done(records)
+    if chunks is not None:
+      defer.extend(records)
     return chunks
 
   def note_lanes(self, lanes: int) -> None:
@@ -341,10 +326,9 @@ class ChainStore:
 
   def schedule_next(self, served: Sequence[Tuple[ChainRecord, int]],
                     trim: bool = False) -> None:
-    """Starts producing the :meth:`Shelf.ahead` chunks after each served
-    ``(chain, index)`` in the background (those not stored yet), in one
-    job that claims them when it starts; with ``trim``, the job then does
-    the housekeeping of :meth:`trim_later`."""
+    """Queues one job that claims and produces the :meth:`Shelf.ahead`
+    chunks after each served ``(chain, index)`` not stored yet, then, with
+    ``trim``, does the housekeeping of :meth:`trim_later`."""
     scheduler = self._scheduler
     if scheduler is None or not served:
       if trim:
@@ -354,9 +338,9 @@ class ChainStore:
     if trims:
       self._trim_queued.set()
     served = list(served)
-    if not scheduler.submit(functools.partial(self._produce_ahead, served,
-                                              trims),
-                            functools.partial(self._not_ahead, trims)):
+    if not scheduler.submit(
+        functools.partial(self._produce_ahead, served, trims),
+        functools.partial(_untrimmed, self._trim_queued) if trims else _skip):
       self._trim_queued.clear()
 
   def _produce_ahead(self, served: Sequence[Tuple[ChainRecord, int]],
@@ -377,29 +361,20 @@ class ChainStore:
       if trim:
         self._trim_queued_job()
 
-  def _not_ahead(self, trim: bool, error: BaseException) -> None:
-    del error
-    if trim:
-      self._trim_queued.clear()
-
   # -- housekeeping -------------------------------------------------------
 
   def trim_later(self) -> None:
-    """Has the scheduler trim the cursors of idle chains and of those
-    beyond the budget (:meth:`trim_idle`) once it has started the
-    productions queued now. That housekeeping may drop a ``tf.data``
-    iterator of another chain, which can take seconds: a request never
-    waits for it. Without a scheduler it runs here, after the request's
-    chunks were produced."""
+    """Has the scheduler run :meth:`trim_idle` after the productions
+    queued now: it may drop a ``tf.data`` iterator of another chain, which
+    can take seconds, and a request never waits for it. Without a
+    scheduler it runs here, after the request's chunks were produced."""
     scheduler = self._scheduler
     if scheduler is None:
       self.trim_idle()
-      return
-    if self._trim_queued.is_set():
-      return
-    self._trim_queued.set()
-    if not scheduler.submit(self._trim_queued_job, _skip):
-      self._trim_queued.clear()
+    elif not self._trim_queued.is_set():
+      self._trim_queued.set()
+      if not scheduler.submit(self._trim_queued_job, _skip):
+        self._trim_queued.clear()
 
   def _trim_queued_job(self) -> None:
     self._trim_queued.clear()
@@ -415,8 +390,7 @@ class ChainStore:
     self._held.trim(idle, self._chains.get, self._limits, lanes)
 
   def wait_idle(self, timeout: float) -> bool:
-    """Whether the scheduler ran the jobs queued within ``timeout``
-    seconds."""
+    """Whether the scheduler ran the jobs queued within ``timeout`` s."""
     scheduler = self._scheduler
     return scheduler is None or scheduler.wait_idle(timeout)
 

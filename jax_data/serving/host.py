@@ -13,9 +13,7 @@ Only NumPy runs here; nothing calls JAX.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-import warnings
 import weakref
 from typing import Any
 from typing import Callable
@@ -40,6 +38,7 @@ from jax_data.serving.chain_records import ChainTable
 from jax_data.serving.chunk_store import ChainStore
 from jax_data.serving.chunk_store import Deferred
 from jax_data.serving.chunk_store import Prefetcher
+from jax_data.serving.rendezvous import Rendezvous
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
@@ -81,13 +80,21 @@ class Host:
     self._progress = progress
     self._parts = _Parts(loader, layout, self.name, cycle, verify_calls,
                          prefetch)
-    self.rendezvous = Rendezvous(self.name)
     self._zeros: Optional[Chunk] = None
     # Copies chunks into compiled code's buffers, large ones (the chunks of
     # full-data passes, not a random chain's few batches) split over the cores.
     self._copier = Gatherer()
     self.requests = 0
     LIVE_HOSTS.add(self)
+
+  @property
+  def rendezvous(self) -> Rendezvous:
+    """Where devices' requests for one refresh meet (made at the first)."""
+    return self._parts.rendezvous()
+
+  @rendezvous.setter
+  def rendezvous(self, rendezvous: Rendezvous) -> None:
+    self._parts.made_rendezvous = rendezvous
 
   # -- chains -------------------------------------------------------------
 
@@ -136,32 +143,20 @@ class Host:
             into: Optional[Sequence[np.ndarray]] = None) -> List[Chunk]:
     """The chunk of each of ``L`` lanes (``defer`` and ``into``: see
     :meth:`ChainStore.chunks`; ``into`` holds each leaf's and the mask's
-    buffer with a leading lane axis).
-
-    Lanes whose ``need`` is False get zeros; compiled code keeps their cache.
-
-    With ``participants > 1`` the request is one of several that devices
-    make for the same refresh: they meet in :attr:`rendezvous`, and if one
-    failed, all raise the failure.
+    buffer with a leading lane axis). Lanes whose ``need`` is False get
+    zeros; compiled code keeps their cache. With ``participants > 1`` the
+    request is one of several that devices make for the same refresh: they
+    meet in :attr:`rendezvous`, and if one failed, all raise the failure.
 
     Raises:
       ValueError: a lane's state belongs to another pipeline.
     """
-    store = self._parts.store()
-    try:
-      return self._lanes(store, pipelines, chains, chunks, need,
-                         device_count, participants, defer, into)
-    finally:
-      if defer is None:  # else the caller trims after its copy
-        store.trim_later()
-
-  def _lanes(self, store, pipelines, chains, chunks, need, device_count,
-             participants, defer, into) -> List[Chunk]:
     # Python ints: this runs on every refresh, and NumPy scalars are slow.
     pipelines, chains, chunks, need = (
         np.asarray(a).reshape(-1).tolist()
         for a in (pipelines, chains, chunks, need))
     self.requests += 1
+    store = self._parts.store()
     store.note_lanes(sum(need))
     lanes, error = [], None
     try:
@@ -191,6 +186,8 @@ class Host:
         check()
     except Exception as e:  # pylint: disable=broad-except
       error = e
+    if defer is None:  # else the caller trims after its copy
+      store.trim_later()
     if participants > 1 and any(need):
       error = self.rendezvous.meet(
           min(c for c, wanted in zip(chunks, need) if wanted), participants,
@@ -221,15 +218,11 @@ class Host:
                  device_count: int = 1, participants: int = 1,
                  keep_others: bool = False) -> None:
     """Like :meth:`serve`, but copies the lanes into ``outs`` (compiled
-    code's own output buffers, a leading lane axis each): one copy per lane,
-    made by NumPy without holding the GIL, so the prefetch thread runs
-    meanwhile. When the chunks were ready before they were asked for, the
-    next ones are produced after the copy, not during it (see
-    :meth:`ChainStore.chunks`): the copy holds up the device, the
-    production does not.
+    code's own output buffers, a leading lane axis each) with NumPy, which
+    releases the GIL; the next chunks are produced after the copy, which
+    holds up the device, not during it (see :meth:`ChainStore.chunks`).
     Lanes that ``need`` nothing get zeros, or with ``keep_others`` are left
-    as they are (``outs`` are the caches themselves).
-    """
+    as they are (``outs`` are the caches themselves)."""
     deferred: Deferred = []
     store = self._parts.store()
     try:
@@ -254,28 +247,22 @@ class Host:
              chains: np.ndarray, chunks: np.ndarray, need: np.ndarray,
              device_count: int, participants: int, defer: Deferred
              ) -> Optional[List[Chunk]]:
-    """The lanes' chunks if the request is the common refresh (one device,
-    every lane a chunk of this pipeline produced ahead:
-    :meth:`ChainStore.ready`); else None, for :meth:`lanes` to serve.
-    Python lists, not NumPy calls: this runs on every refresh, while the
-    device waits, and NumPy's calls on a few numbers cost microseconds
-    each."""
-    if participants != 1 or device_count != 1 or self._progress is not None:
-      return None
+    """:meth:`lanes` for the common refresh (one device, every lane a chunk
+    of this pipeline produced ahead: :meth:`ChainStore.ready`), on lists:
+    NumPy's calls on a few numbers cost microseconds each. None for other
+    requests."""
     need = need.reshape(-1).tolist()
-    if not all(need) or any(pipeline != self.id for pipeline in
-                            pipelines.reshape(-1).tolist()):
+    if (participants != 1 or device_count != 1 or self._progress is not None
+        or not all(need) or set(pipelines.reshape(-1).tolist()) != {self.id}):
       return None
     store.note_lanes(len(need))
-    if store.reads_in_place(len(need)):
-      return None
-    served = store.ready(list(zip(chains.reshape(-1).tolist(),
-                                  chunks.reshape(-1).tolist())), defer)
-    if served is None:
-      return None
-    self.requests += 1
-    for check in dict.fromkeys(chunk.check for chunk in served):
-      check()
+    served = None if store.reads_in_place(len(need)) else store.ready(
+        list(zip(chains.reshape(-1).tolist(), chunks.reshape(-1).tolist())),
+        defer)
+    if served is not None:
+      self.requests += 1
+      for check in dict.fromkeys(chunk.check for chunk in served):
+        check()
     return served
 
   def wait_idle(self, timeout: float = 60.0) -> bool:
@@ -317,7 +304,8 @@ class _Parts:
   (:class:`ChainTable`) at the first :meth:`chains`, a chain's registration
   or restore; the store (:class:`ChainStore`) at the first :meth:`store`,
   a request, with the prefetch thread it schedules on (which starts at its
-  first job). So building a pipeline starts nothing. Thread-safe."""
+  first job); the :class:`Rendezvous` at the first request of several
+  devices together. So building a pipeline starts nothing. Thread-safe."""
 
   def __init__(self, loader: HostDataLoader, layout: ChunkLayout, name: str,
                cycle: Optional[int], verify_calls: bool, prefetch: bool):
@@ -328,6 +316,7 @@ class _Parts:
     self._prefetch = prefetch
     self._table: Optional[ChainTable] = None
     self.made_store: Optional[ChainStore] = None
+    self.made_rendezvous: Optional[Rendezvous] = None
     self._lock = threading.Lock()
 
   @property
@@ -364,6 +353,12 @@ class _Parts:
         store = self.made_store
     return store
 
+  def rendezvous(self) -> Rendezvous:
+    with self._lock:
+      if self.made_rendezvous is None:
+        self.made_rendezvous = Rendezvous(self._name)
+      return self.made_rendezvous
+
   def stop_prefetching(self, error: BaseException) -> Optional[Thread]:
     """See :meth:`ChainStore.stop_prefetching`; a store made later
     prefetches nothing."""
@@ -377,104 +372,3 @@ class _Parts:
     it closes the chains' cursors)."""
     self.store().release(error)
     self._loader = None
-
-
-# Seconds the devices of one refresh wait for each other.
-ROUND_TIMEOUT = 10.0
-
-
-@dataclasses.dataclass
-class _Round:
-  """The requests of one refresh made by several devices."""
-  expected: int
-  arrived: int = 0
-  error: Optional[BaseException] = None
-  done: bool = False
-
-
-class Rendezvous:
-  """Where the requests of one refresh meet.
-
-  The devices of one ``pmap`` or ``shard_map`` run the same steps, each
-  making one request at a time, so with states at the same chunk and
-  position they ask for the same chunk together. Two requests waiting here
-  for different chunks mean their states are at different positions (they
-  refresh at different steps and can never meet): the rendezvous then stops
-  at once, serves every device its own chunk, and warns naming the chunks.
-  If the devices do not all come within ``timeout`` seconds, while no other
-  chunk is asked for (the others refresh at other steps, past a collective
-  that waits for this one), it stops the same way. Stopped, it lets every
-  request through without waiting, for good.
-
-  Args:
-    name: Named in the warning (the loader's repr).
-    timeout: Seconds to wait for the other devices.
-  """
-
-  def __init__(self, name: str, timeout: float = ROUND_TIMEOUT):
-    self._name = name
-    self._timeout = timeout
-    self._rounds: Dict[Tuple[int, int], _Round] = {}
-    self._changed = threading.Condition()
-    self._enabled = True
-
-  def meet(self, index: int, participants: int,
-           error: Optional[BaseException]) -> Optional[BaseException]:
-    """Waits for the other ``participants - 1`` requests for chunk
-    ``index``; returns the failure of any of them (or ``error``)."""
-    with self._changed:
-      if not self._enabled:
-        return error
-      key = (index, participants)
-      current = self._rounds.setdefault(key, _Round(participants))
-      current.arrived += 1
-      current.error = current.error or error
-      if current.arrived >= current.expected:
-        current.done = True
-        del self._rounds[key]
-        self._changed.notify_all()
-        return current.error
-      apart = sorted((i, r.arrived) for (i, p), r in self._rounds.items()
-                     if p == participants)
-      if len(apart) > 1:
-        self._stop(
-            f"the {participants} devices of one pmap/shard_map asked for "
-            "different chunks at once: "
-            + ", ".join(f"chunk {i} by {n} device{'s' * (n > 1)}"
-                        for i, n in apart)
-            + ". Their states are at different positions (stacked from "
-            "chains that took different numbers of steps, or one device's "
-            "state advanced alone), so they refresh apart and cannot wait "
-            "for each other.")
-        return current.error
-      try:
-        met = self._changed.wait_for(lambda: current.done, self._timeout)
-      except BaseException:
-        current.arrived -= 1  # interrupted: it no longer waits
-        if not current.arrived and self._rounds.get(key) is current:
-          del self._rounds[key]
-        raise
-      if not met:
-        self._stop(
-            f"{current.arrived} of the {participants} devices of one "
-            f"pmap/shard_map asked for chunk {index} within "
-            f"{self._timeout:g} s, and the others for no chunk: their "
-            "states are at other positions (they refresh their caches at "
-            "other steps, and may wait in a collective for this one), or "
-            "they are held up elsewhere.")
-      return current.error
-
-  def _stop(self, what: str) -> None:
-    """Stops waiting for good: releases every waiting request and warns
-    once (called holding the lock)."""
-    self._enabled = False
-    for waiting in self._rounds.values():
-      waiting.done = True
-    self._rounds.clear()
-    self._changed.notify_all()
-    warnings.warn(
-        f"{self._name}: {what} Each device gets its own chunk, but devices "
-        "no longer wait for each other, so a loader failure on one device "
-        "may leave the others waiting in a collective. To keep that "
-        "protection, give every device a state at the same chunk and "
-        "position (init_fn's states, stepped together).", stacklevel=4)
