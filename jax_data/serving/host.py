@@ -354,10 +354,13 @@ class _Parts:
     return store
 
   def rendezvous(self) -> Rendezvous:
-    with self._lock:
-      if self.made_rendezvous is None:
-        self.made_rendezvous = Rendezvous(self._name)
-      return self.made_rendezvous
+    rendezvous = self.made_rendezvous
+    if rendezvous is None:
+      with self._lock:
+        if self.made_rendezvous is None:
+          self.made_rendezvous = Rendezvous(self._name)
+        rendezvous = self.made_rendezvous
+    return rendezvous
 
   def stop_prefetching(self, error: BaseException) -> Optional[Thread]:
     """See :meth:`ChainStore.stop_prefetching`; a store made later

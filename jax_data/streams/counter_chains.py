@@ -258,9 +258,9 @@ class CounterStream:
     self.shuffle = shuffle
     self.in_epochs = in_epochs
     self._batch = 0
-    # Batches drawn ahead: (first batch, indices, mask or None).
-    self._drawn: Optional[Tuple[int, np.ndarray, Optional[np.ndarray]]] = (
-        None)
+    # Batches drawn ahead: (first batch, columns, indices, mask or None).
+    self._drawn: Optional[Tuple[int, Optional[slice], np.ndarray,
+                                Optional[np.ndarray]]] = None
 
   @property
   def mode(self) -> str:
@@ -294,7 +294,7 @@ class CounterStream:
   def held_bytes(self) -> int:
     drawn = self._drawn
     return 0 if drawn is None else sum(
-        a.nbytes for a in drawn[1:] if a is not None)
+        a.nbytes for a in drawn[2:] if a is not None)
 
   def advance(self, count: int) -> int:
     """Moves past the next ``count`` batches; returns the first of them
@@ -307,23 +307,18 @@ class CounterStream:
     """Indices of the next ``count`` batches (only ``columns`` of each, if
     given), and their mask (None when every position is valid)."""
     first = self.advance(count)
-    if columns is not None:
-      indices, mask = chain_batches(
-          [self.seed], [first], count, self.mb_size,
-          self.observations.count, self.shuffle, self.in_epochs,
-          self.observations.start, columns)
-      return indices[0], None if mask is None else mask[0]
     drawn = self._drawn
-    if drawn is None or not (
-        drawn[0] <= first and first + count <= drawn[0] + len(drawn[1])):
+    if drawn is None or drawn[1] != columns or not (
+        drawn[0] <= first and first + count <= drawn[0] + len(drawn[2])):
       # The same values as drawn one call at a time: batch j's indices are
       # a function of (seed, j) alone.
-      ahead = max(1, _DRAW_WORDS // max(1, count * self.mb_size)) * count
+      width = len(range(self.mb_size)[columns or slice(None)])
+      ahead = max(1, _DRAW_WORDS // max(1, count * width)) * count
       indices, mask = chain_batches(
           [self.seed], [first], ahead, self.mb_size,
           self.observations.count, self.shuffle, self.in_epochs,
-          self.observations.start)
-      drawn = self._drawn = (first, indices[0],
+          self.observations.start, columns)
+      drawn = self._drawn = (first, columns, indices[0],
                              None if mask is None else mask[0])
     at = slice(first - drawn[0], first - drawn[0] + count)
-    return drawn[1][at], None if drawn[2] is None else drawn[2][at]
+    return drawn[2][at], None if drawn[3] is None else drawn[3][at]
