@@ -89,6 +89,47 @@ def _remainder(x: np.ndarray, n: Any, out: np.ndarray) -> np.ndarray:
   return np.subtract(x, out, out=out)
 
 
+# Rejected hashes drawn again one by one with Python ints up to this many
+# (a few per draw of 16,384 at n = 1e6): NumPy's calls on a few values cost
+# more than the arithmetic, about 50 us for the hash's 70 calls.
+_FEW_REJECTED = 64
+
+
+def _redrawn(seeds: Sequence[int], starts: Sequence[int], chain: np.ndarray,
+             column: np.ndarray, n: int) -> np.ndarray:
+  """``uniform(seeds[c], starts[c] + k, n)`` at the rejected ``(c, k)``:
+  the first later attempt whose hash is below the limit, reduced."""
+  if chain.size > _FEW_REJECTED:
+    return cs.uniform(_words(np.asarray(seeds, np.uint64)[chain]),
+                      np.asarray(starts, np.int64)[chain] + column, n)
+  wide = n > 2**32
+  span = 2**64 if wide else 2**32
+  limit = span - span % n
+  values = []
+  for c, k in zip(chain.tolist(), column.tolist()):
+    position = starts[c] + k
+    tail = (position & _U32, position >> 32)
+    prefixes = [_prefix(cs.TAG_UNIFORM_LO, seeds[c])]
+    if wide:
+      prefixes.append(_prefix(cs.TAG_UNIFORM_HI, seeds[c]))
+    attempt, h = 0, limit
+    while h >= limit:
+      attempt += 1
+      words = [_absorbed_int(p, tail + (attempt,)) for p in prefixes]
+      h = words[0] | (words[1] << 32 if wide else 0)
+    values.append(h % n)
+  # As uniform's astype: n above 2**63 is beyond int64 (and any index).
+  return np.asarray(values, np.uint64).astype(np.int64)
+
+
+def _absorbed_int(h: int, words: Sequence[int]) -> int:
+  """The hash state ``h`` after absorbing ``words`` (``_absorb``'s steps,
+  on Python ints)."""
+  for word in words:
+    h = cs.mix_int(((h ^ word) * cs.GOLDEN) & _U32)
+  return h
+
+
 def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
                  n: int) -> np.ndarray:
   """``uniform(seeds[c], starts[c] + arange(length), n)`` for every ``c``
@@ -119,7 +160,7 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
   x = np.empty((rows, cols), np.uint32)
   tmp = np.empty_like(x)
   count = np.arange(length, dtype=np.uint32)
-  redraw = False
+  rejected = []  # (chains, columns) of hashes at or above limit
   with np.errstate(over="ignore"):
     for c0 in range(0, chains, rows):
       c1 = min(chains, c0 + rows)
@@ -146,20 +187,15 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
           h, dtype = hashes[0], np.uint32
           reduced = h if n == span else _remainder(
               h, np.uint32(n), tmp[:c1 - c0, :k1 - k0])
-        block = out[c0:c1, k0:k1]
-        block[...] = reduced
+        out[c0:c1, k0:k1] = reduced
         if limit < span:
-          # Marked, then drawn again below: rare (below n / 2**32 of them).
-          rejected = h >= dtype(limit)
-          if rejected.any():
-            block[rejected] = -1
-            redraw = True
-  if redraw:
-    chain, column = np.nonzero(out < 0)
-    if chain.size:
-      out[chain, column] = cs.uniform(
-          _words(np.asarray(seeds, np.uint64)[chain]),
-          np.asarray(starts, np.int64)[chain] + column, n)
+          # Drawn again below: rare (below n / 2**32 of them).
+          at_rows, at_cols = np.nonzero(h >= dtype(limit))
+          if at_rows.size:
+            rejected.append((at_rows + c0, at_cols + k0))
+  if rejected:
+    chain, column = (np.concatenate(parts) for parts in zip(*rejected))
+    out[chain, column] = _redrawn(seeds, starts, chain, column, n)
   for c in crossing:
     out[c] = cs.uniform(seeds[c], starts[c] + np.arange(length), n)
   return out
