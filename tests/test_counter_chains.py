@@ -176,6 +176,54 @@ def test_vmapped_chains_draw_each_chains_stream(mode, limits, pipelines):
     release_fn()
 
 
+@pytest.mark.parametrize("limits", [StoreLimits(), IN_PLACE],
+                         ids=["ahead", "read_in_place"])
+def test_vmapped_scans_get_each_chains_stream(limits, pipelines,
+                                              monkeypatch):
+  """``jax_data.scan`` over vmapped chains, whose whole chunks the host
+  writes with the lane axis second (on CPU, in place), gives each chain
+  exactly its own stream, on every loader; read in place, the rows of all
+  chains land in compiled code's buffer batch by batch, with no copy."""
+  from jax_data.serving import production
+
+  regions = []
+  made = production._Regions  # pylint: disable=protected-access
+
+  def spied(*args):
+    regions.append(made(*args))
+    return regions[-1]
+
+  monkeypatch.setattr(production, "_Regions", spied)
+  n, cache, mb, chains, length = 103, 3, 8, 5, 11
+  for loader in _loaders(n):
+    loader.store_limits = limits
+    pipeline = pipelines.random_reference_data(loader, cache, mb)
+    init_fn, batch_fn, release_fn = pipeline
+    states = [init_fn(seed=30 + c, shuffle=True, stream="counter")
+              for c in range(chains)]
+    stacked = jax.tree_util.tree_map(lambda *s: jnp.stack(s), *states)
+
+    def run(state, batch_fn=batch_fn):
+      (_, state), xs = jax_data.scan(lambda carry, b: (carry, b["x"]), 0,
+                                     state, batch_fn=batch_fn, length=length)
+      return state, xs
+
+    stacked, got = jax.jit(jax.vmap(run))(stacked)
+    _, more = jax.jit(jax.vmap(run))(stacked)
+    got = np.concatenate([np.asarray(got), np.asarray(more)], axis=1)
+    for c in range(chains):
+      expected, _ = cs.stream_batches(30 + c, 0, 2 * length, mb, n, True,
+                                      False)
+      np.testing.assert_array_equal(got[c], expected, err_msg=repr(loader))
+    release_fn()
+  if limits is IN_PLACE and pipelines.callback == "auto":
+    # Whole chunks interleaved; the refreshes of the first and last steps
+    # (batch_fn's path) chain after chain; none elsewhere.
+    spans = [r._spans for r in regions]  # pylint: disable=protected-access
+    assert any(r.interleaved for r in regions)
+    assert all(s is not None for leaves in spans for s in leaves)
+
+
 def test_a_refresh_of_many_chains_reads_once():
   """The chunks of 16 vmapped chains come from one batched read of the
   source, and their next chunks from one more per step ahead."""

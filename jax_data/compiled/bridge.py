@@ -193,11 +193,20 @@ class _Ops:
     self.fetch = self._make_fetch()
     self.refresh = self._make_refresh()
 
-  def _fetch_lanes(self, owners, pipelines, chains, chunks, need
-                   ) -> List[jax.Array]:
+  def _fetch_lanes(self, owners, pipelines, chains, chunks, need,
+                   lanes_second: bool = False) -> List[jax.Array]:
+    """Each leaf's and the mask's chunks for ``L`` lanes, lane axis first.
+
+    With ``lanes_second`` and several lanes, on CPU the host writes them
+    with the lane axis second, ``(cache_size, L, ...)``, and they are
+    presented moved to the front: a ``lax.scan`` over vmapped chunks moves
+    the lane axis second again to scan over the first, so XLA then reads
+    the callback's buffer as it is, where it would otherwise copy every
+    chunk of every lane into that order at each refresh."""
     lanes = chains.shape[0]
+    formats = self._leaf_formats + [self._mask_format]
     outs = [jax.ShapeDtypeStruct((lanes,) + s.shape, s.dtype)
-            for s in self._leaf_formats + [self._mask_format]]
+            for s in formats]
     callback = _Callback(self._device_count, self._participants)
     args = (owners, pipelines, chains, chunks, need)
 
@@ -207,12 +216,23 @@ class _Ops:
 
     if not self._in_place:
       return copied(*args)
-    in_place = buffer_callback(callback.into, outs, vmap_method="sequential")
+    if lanes_second and lanes > 1:
+      second = [jax.ShapeDtypeStruct(s.shape[:1] + (lanes,) + s.shape[1:],
+                                     s.dtype) for s in formats]
+      written = buffer_callback(callback.into_lanes_second, second,
+                                vmap_method="sequential")
+
+      def in_place(*args):
+        return [jnp.moveaxis(o, 1, 0) for o in written(*args)]
+    else:
+      in_place = buffer_callback(callback.into, outs,
+                                 vmap_method="sequential")
     return lax.platform_dependent(*args, cpu=in_place, default=copied)
 
   def _fetch_lanes_flat(self, owners, pipelines, chains, chunks):
     need = jnp.ones(chains.shape, jnp.bool_)
-    outs = self._fetch_lanes(owners, pipelines, chains, chunks, need)
+    outs = self._fetch_lanes(owners, pipelines, chains, chunks, need,
+                             lanes_second=True)
     return _varying_like(outs, chains == chains, _varying(pipelines)
                          | _varying(chains) | _varying(chunks))
 
@@ -364,6 +384,13 @@ class _Callback:
     """``buffer_callback``: writes the lanes into XLA's buffers ``outs``
     (the lanes that ``need`` nothing get zeros)."""
     del context, kept
+    self._serve_into(outs, owners, pipelines, chains, chunks, need, False)
+
+  def into_lanes_second(self, context, outs, owners, pipelines, chains,
+                        chunks, need) -> None:
+    """:meth:`into` for buffers whose lane axis is second."""
+    del context
+    outs = [np.moveaxis(np.asarray(o), 1, 0) for o in outs]
     self._serve_into(outs, owners, pipelines, chains, chunks, need, False)
 
   def into_kept(self, context, outs, owners, pipelines, chains, chunks, need,

@@ -344,7 +344,11 @@ class ChainCursor(abc.ABC):
     call per leaf, in leaf order, that asks for every cursor's rows of that
     leaf one after another (shape ``(len(cursors) * cache_size * mb_size,)
     + leaf shape``) with compiled code's own buffer: rows written there need
-    no copy. A cursor keeps no reference to a buffer once it returns.
+    no copy. When ``allocate.interleaved`` is true (a vmapped
+    ``jax_data.scan``, whose buffers have the lane axis second), that
+    buffer takes the rows batch by batch: every cursor's batch ``j``, in
+    cursor order, before any batch ``j + 1``. A cursor keeps no reference
+    to a buffer once it returns.
 
     The default produces them one by one.
     """

@@ -130,13 +130,22 @@ class IndexedCursor(ChainCursor):
         first.mb_size, first.observations.count, first.shuffle,
         first.in_epochs, first.observations.start, columns)
     rows = count * layout.mb_size
+    # Compiled code's buffers with the lane axis second take the rows
+    # batch by batch, every cursor's batch j before any batch j + 1.
+    interleaved = getattr(allocate, "interleaved", False)
+    flat = (indices.transpose(1, 0, 2) if interleaved else indices).reshape(
+        -1)
     flat_out = [allocate((indices.size,) + leaf.shape, leaf.dtype)
                 for leaf in layout.leaves]
-    leaves = cursors[0]._read(indices.reshape(-1), flat_out)  # pylint: disable=protected-access
+    leaves = cursors[0]._read(flat, flat_out)  # pylint: disable=protected-access
     chunks = []
     for g, cursor in enumerate(cursors):
-      part = [leaf[g * rows:(g + 1) * rows].reshape(shape)
-              for leaf, shape in zip(leaves, layout.leaf_shapes())]
+      if interleaved:
+        part = [leaf.reshape(shape[:1] + (len(cursors),) + shape[1:])[:, g]
+                for leaf, shape in zip(leaves, layout.leaf_shapes())]
+      else:
+        part = [leaf[g * rows:(g + 1) * rows].reshape(shape)
+                for leaf, shape in zip(leaves, layout.leaf_shapes())]
       valid = cursor._all_valid if mask is None else mask[g]  # pylint: disable=protected-access
       chunks.append(Chunk(part, valid, cursor._check))  # pylint: disable=protected-access
     return chunks

@@ -308,13 +308,22 @@ class _Regions:
   :meth:`Producer.produce_many`): a group's cursors ask for one buffer
   per leaf for all their rows, in leaf order; where the given chunks'
   leaves follow each other in memory, in the group's order, that buffer is
-  the span of them, so the rows land in place. Other requests get
-  ``fallback``'s buffers."""
+  the span of them, so the rows land in place. Where they are interleaved
+  batch by batch instead (compiled code's buffers with the lane axis
+  second, see ``Bridge``), ``interleaved`` is True and the buffer is the
+  span of them in that order. Other requests get ``fallback``'s
+  buffers."""
 
   def __init__(self, chunks: Sequence[Chunk],
                fallback: Callable[..., np.ndarray]):
-    self._spans = [_span([chunk.leaves[k] for chunk in chunks])
-                   for k in range(len(chunks[0].leaves))]
+    leaves = [[chunk.leaves[k] for chunk in chunks]
+              for k in range(len(chunks[0].leaves))]
+    self._spans = [_span(arrays) for arrays in leaves]
+    self.interleaved = False
+    if len(chunks) > 1 and any(span is None for span in self._spans):
+      spans = [_interleaved_span(arrays) for arrays in leaves]
+      if all(span is not None for span in spans):
+        self._spans, self.interleaved = spans, True
     self._next = 0
     self._fallback = fallback
 
@@ -325,6 +334,29 @@ class _Regions:
         span.dtype == np.dtype(dtype)):
       return span.reshape(shape)  # a view: the span is contiguous
     return self._fallback(shape, dtype)
+
+
+def _interleaved_span(arrays: Sequence[np.ndarray]
+                      ) -> Optional[np.ndarray]:
+  """One writable C-contiguous array of shape ``(batches, len(arrays),
+  ...)`` whose ``[:, g]`` is ``arrays[g]`` (alike, each a leading axis of
+  batches over contiguous batches, interleaved in memory batch by batch);
+  None if they are not laid out so."""
+  first, lanes = arrays[0], len(arrays)
+  if first.ndim < 2 or first.shape[0] == 0:
+    return None
+  batch = first[0].nbytes
+  if not all(a.shape == first.shape and a.dtype == first.dtype
+             and a.flags.writeable and a[0].flags.c_contiguous
+             and a.strides[0] == lanes * batch for a in arrays):
+    return None
+  start = first.__array_interface__["data"][0]
+  if any(a.__array_interface__["data"][0] != start + g * batch
+         for g, a in enumerate(arrays)):
+    return None
+  return np.lib.stride_tricks.as_strided(
+      first, (first.shape[0], lanes) + first.shape[1:],
+      (lanes * batch, batch) + first.strides[1:], writeable=True)
 
 
 def _span(arrays: Sequence[np.ndarray]) -> Optional[np.ndarray]:
