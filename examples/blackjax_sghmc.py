@@ -230,8 +230,9 @@ def main() -> None:
   # all chains together, while the compiled loop runs.
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(
       train, cached_batches_count=10, mb_size=args.batch_size)
-  data_states = jax.tree.map(lambda *s: jnp.stack(s), *[
-      init_fn(seed=args.seed + c, shuffle=True) for c in range(args.chains)])
+  # One data state per chain, each with its own seed, stacked for vmap.
+  data_states = init_fn(
+      seed=range(args.seed, args.seed + args.chains), shuffle=True)
   keys = jax.random.split(jax.random.key(args.seed), args.chains)
   params = {"w": jnp.zeros((args.chains, features)),
             "b": jnp.zeros(args.chains)}

@@ -277,13 +277,13 @@ def sample_chains(model: Model, train_loader, test_loader, args, features: int,
       train_loader, cached_batches_count=16, mb_size=args.batch_size)
 
   # One data state per chain, each with its own seed, stacked for vmap.
-  data_states = [init_fn(seed=args.seed + c, **chain_options)
-                 for c in range(args.chains)]
+  data_states = init_fn(seed=range(args.seed, args.seed + args.chains),
+                        **chain_options)
   keys = jax.random.split(jax.random.key(args.seed), 2 * args.chains)
   chains = Chain(
       params=jax.vmap(initial_params, (0, None, None))(
           keys[:args.chains], features, classes),
-      data=jax.tree.map(lambda *leaves: jnp.stack(leaves), *data_states),
+      data=data_states,
       key=keys[args.chains:])
 
   # Compile ahead of time, so that the timing below is of sampling alone.

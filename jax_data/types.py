@@ -8,6 +8,7 @@ from typing import Literal
 from typing import NamedTuple
 from typing import Optional
 from typing import Protocol
+from typing import Sequence
 from typing import Tuple
 from typing import Union
 from typing import get_args
@@ -113,6 +114,25 @@ class CacheState(NamedTuple):
                cached_chunk=jnp.int32(-1), batches=batches,
                mask=jnp.zeros((cache_size, mb_size), jnp.bool_),
                key=jnp.zeros((2,), jnp.uint32) if key is None else key)
+
+  @classmethod
+  def start_chains(cls, pipeline: int, chains: Sequence[int], mb_size: int,
+                   cache_size: int, batch_format: PyTree) -> "CacheState":
+    """The states of ``chains`` before their first batches, stacked for
+    ``jax.vmap`` (a leading axis of ``len(chains)``): what stacking their
+    :meth:`start` states gives, with one cache buffer for all of them
+    rather than one per chain and then their stack."""
+    lanes = len(chains)
+    batches = jax.tree_util.tree_map(
+        lambda s: jnp.zeros((lanes,) + s.shape, s.dtype), batch_format)
+    return cls(pipeline=jnp.full((lanes,), pipeline, jnp.int32),
+               chain=jnp.asarray(chains, jnp.int32),
+               chunk=jnp.zeros((lanes,), jnp.int32),
+               position=jnp.zeros((lanes,), jnp.int32),
+               cached_chunk=jnp.full((lanes,), -1, jnp.int32),
+               batches=batches,
+               mask=jnp.zeros((lanes, cache_size, mb_size), jnp.bool_),
+               key=jnp.zeros((lanes, 2), jnp.uint32))
 
 
 Batch = PyTree

@@ -9,11 +9,13 @@ from __future__ import annotations
 import numbers
 from typing import Any
 from typing import Iterable
+from typing import List
 from typing import Mapping
 from typing import Optional
 from typing import Tuple
 
 import jax
+import numpy as np
 
 
 def check_int(name: str, value: Any, minimum: Optional[int] = None,
@@ -105,3 +107,25 @@ def check_saved_state(data: Any, expected: Mapping[str, Any],
         f"state does not fit {where}: " + ", ".join(
             f"{k} is {got!r} in the state but {want!r} here"
             for k, (got, want) in differ.items()))
+
+
+def seed_list(seed: Any) -> Optional[List[Any]]:
+  """The seeds of a sequence ``seed`` (a list, tuple, range or 1-D array),
+  or None for one seed.
+
+  Raises:
+    ValueError: an empty sequence, or an array of more than one axis.
+  """
+  if isinstance(seed, (np.ndarray, jax.Array)):
+    if np.ndim(seed) == 0:
+      return None
+    if np.ndim(seed) != 1:
+      raise ValueError(
+          f"seed must be one seed or a sequence of them, got an array of "
+          f"shape {np.shape(seed)}")
+    seed = np.asarray(seed).tolist()
+  if not isinstance(seed, (list, tuple, range)):
+    return None
+  if len(seed) == 0:
+    raise ValueError(f"seed must name at least one chain, got seed={seed!r}")
+  return list(seed)

@@ -335,3 +335,52 @@ def test_a_released_pipelines_loader_is_freed_without_a_collection(pipelines):
     assert ref() is None, gc.get_referrers(ref())
   finally:
     gc.enable()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sequence_of_seeds_gives_the_stacked_chains(mode, pipelines):
+  """``init_fn(seed=[...])`` is the stack of each seed's state: the same
+  tree, and under vmap each lane gets its own seed's stream, on host
+  loaders (exact and counter streams) and device-resident ones."""
+  n, cache, mb, steps = 53, 3, 4, 8
+  seeds = [4, 0, 9]
+  loaders = [(NumpyDataLoader(x=np.arange(n)), {}),
+             (NumpyDataLoader(x=np.arange(n)), {"stream": "counter"}),
+             (jax_data.DeviceNumpyDataLoader(x=np.arange(n)),
+              {"stream": "counter"})]
+  for loader, stream in loaders:
+    init_fn, batch_fn, release_fn = pipelines.random_reference_data(
+        loader, cache, mb)
+    apart = [init_fn(seed=s, **mode, **stream) for s in seeds]
+    stacked = jax.tree_util.tree_map(lambda *s: jnp.stack(s), *apart)
+    for given in (seeds, tuple(seeds), np.asarray(seeds)):
+      together = init_fn(seed=given, **mode, **stream)
+      assert (jax.tree_util.tree_structure(together)
+              == jax.tree_util.tree_structure(stacked))
+      for a, b in zip(jax.tree_util.tree_leaves(together),
+                      jax.tree_util.tree_leaves(stacked)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+
+    def run(state, batch_fn=batch_fn):
+      return lax.scan(lambda st, _: batch_fn(st), state, None, length=steps)
+
+    run = jax.jit(jax.vmap(run))
+    _, got = run(together)
+    _, want = run(stacked)
+    np.testing.assert_array_equal(got["x"], want["x"])
+    assert len({tuple(np.asarray(x).ravel()) for x in got["x"]}) == 3
+    release_fn()
+
+
+def test_a_bad_sequence_of_seeds_is_refused_before_any_chain(pipelines):
+  loader = NumpyDataLoader(x=np.arange(20))
+  pipeline = pipelines.random_reference_data(loader, 2, 3)
+  init_fn, _, release_fn = pipeline
+  for bad, error, words in (([], ValueError, "seed=[]"),
+                            (np.zeros((2, 2), int), ValueError, "(2, 2)"),
+                            ([1, -1], ValueError, "seed=-1"),
+                            ([1, "a"], TypeError, "seed='a'")):
+    with pytest.raises(error, match=re.escape(words)):
+      init_fn(seed=bad)
+  assert pipeline.host.chains() == []
+  release_fn()

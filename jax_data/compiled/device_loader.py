@@ -34,6 +34,7 @@ from jax_data.types import PyTree
 from jax_data.validation import check_bool
 from jax_data.validation import check_int
 from jax_data.validation import check_keywords
+from jax_data.validation import seed_list
 
 
 class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
@@ -173,7 +174,13 @@ class RandomPipeline(pl.RandomPipeline):
 
   def init_fn(self, **kwargs: Any) -> CacheState:
     """A chain's state; keywords go to ``init_random_data`` (``key``), or
-    make a counter-based chain of a ``DeviceNumpyDataLoader``."""
+    make a counter-based chain of a ``DeviceNumpyDataLoader``. A sequence
+    of seeds gives the chains' states stacked for ``jax.vmap``, as for
+    host loaders."""
+    seeds = seed_list(kwargs.get("seed"))
+    if seeds is not None:
+      made = [self.init_fn(**{**kwargs, "seed": seed}) for seed in seeds]
+      return jax.tree_util.tree_map(lambda *s: jnp.stack(s), *made)
     loader = self._ref.loader
     if isinstance(loader, DeviceNumpyDataLoader):
       counter = loader.counter_chain(kwargs)

@@ -24,6 +24,7 @@ from jax_data.types import CacheState
 from jax_data.types import Callback
 from jax_data.types import MiniBatchInformation
 from jax_data.validation import check_bool
+from jax_data.validation import seed_list
 
 
 def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
@@ -132,11 +133,24 @@ class RandomPipeline(pl.RandomPipeline):
 
   def init_fn(self, **kwargs: Any) -> CacheState:
     """Registers a random chain; keywords go to the loader (``seed``,
-    ``shuffle``, ``in_epochs``, ``shard_index``, ``shard_count``)."""
-    spec = self.host.loader.chain_spec(False, **kwargs)
-    chain = self.host.register(spec)
-    return CacheState.start(self.id, chain, self._mb_size, self._cache_size,
-                            self._batch_format)
+    ``shuffle``, ``in_epochs``, ``shard_index``, ``shard_count``).
+
+    A sequence of seeds (``seed=range(C)``) registers a chain per seed and
+    returns their states stacked for ``jax.vmap``, the same as stacking
+    ``init_fn(seed=s)`` of each, made with one cache buffer for all chains
+    (stacking C states holds C caches and then their stack)."""
+    seeds = seed_list(kwargs.get("seed"))
+    if seeds is None:
+      spec = self.host.loader.chain_spec(False, **kwargs)
+      chain = self.host.register(spec)
+      return CacheState.start(self.id, chain, self._mb_size,
+                              self._cache_size, self._batch_format)
+    # Every seed checked before any chain is registered.
+    specs = [self.host.loader.chain_spec(False, **{**kwargs, "seed": seed})
+             for seed in seeds]
+    chains = [self.host.register(spec) for spec in specs]
+    return CacheState.start_chains(self.id, chains, self._mb_size,
+                                   self._cache_size, self._batch_format)
 
   def batch_fn(self, state: CacheState, information: bool = False,
                device_count: int = 1):
