@@ -184,6 +184,7 @@ def test_vmapped_scans_get_each_chains_stream(limits, pipelines,
   writes with the lane axis second (on CPU, in place), gives each chain
   exactly its own stream, on every loader; read in place, the rows of all
   chains land in compiled code's buffer batch by batch, with no copy."""
+  from jax_data.loaders import indexed
   from jax_data.serving import production
 
   regions = []
@@ -194,6 +195,8 @@ def test_vmapped_scans_get_each_chains_stream(limits, pipelines,
     return regions[-1]
 
   monkeypatch.setattr(production, "_Regions", spied)
+  # Interleaved reads of one step's rows at a time, as with many chains.
+  monkeypatch.setattr(indexed, "_INTERLEAVED_ROWS", 1)
   n, cache, mb, chains, length = 103, 3, 8, 5, 11
   for loader in _loaders(n):
     loader.store_limits = limits

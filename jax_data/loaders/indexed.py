@@ -130,14 +130,15 @@ class IndexedCursor(ChainCursor):
         first.mb_size, first.observations.count, first.shuffle,
         first.in_epochs, first.observations.start, columns)
     rows = count * layout.mb_size
+    flat_out = [allocate((indices.size,) + leaf.shape, leaf.dtype)
+                for leaf in layout.leaves]
     # Compiled code's buffers with the lane axis second take the rows
     # batch by batch, every cursor's batch j before any batch j + 1.
     interleaved = getattr(allocate, "interleaved", False)
-    flat = (indices.transpose(1, 0, 2) if interleaved else indices).reshape(
-        -1)
-    flat_out = [allocate((indices.size,) + leaf.shape, leaf.dtype)
-                for leaf in layout.leaves]
-    leaves = cursors[0]._read(flat, flat_out)  # pylint: disable=protected-access
+    if interleaved:
+      leaves = _read_interleaved(cursors[0]._read, indices, flat_out)  # pylint: disable=protected-access
+    else:
+      leaves = cursors[0]._read(indices.reshape(-1), flat_out)  # pylint: disable=protected-access
     chunks = []
     for g, cursor in enumerate(cursors):
       if interleaved:
@@ -173,3 +174,26 @@ class IndexedCursor(ChainCursor):
           f"position {position!r} is not one of an indexed chain (version "
           f"{_POSITION_VERSION})")
     self._stream.set_state(copy.deepcopy(position["stream"]))
+
+
+# Rows a read of an interleaved group takes at most (a few steps' rows of
+# every chain): its indices are put in that order a read at a time, not
+# all at once (52 MB more at 1,024 chains of 6,400 rows); 2 MB of them.
+_INTERLEAVED_ROWS = 262_144
+
+
+def _read_interleaved(read: ReadRows, indices: np.ndarray,
+                      out: List[np.ndarray]) -> List[np.ndarray]:
+  """``read`` of the rows ``indices`` (``(C, steps, width)``) into ``out``
+  in step-major order: step ``j`` of every chain before step ``j + 1``."""
+  chains, steps, width = indices.shape
+  per_step = chains * width
+  group = max(1, _INTERLEAVED_ROWS // max(1, per_step))
+  for first in range(0, steps, group):
+    block = slice(first * per_step, min(steps, first + group) * per_step)
+    parts = [o[block] for o in out]
+    flat = indices[:, first:first + group].transpose(1, 0, 2).reshape(-1)
+    for part, leaf in zip(parts, read(flat, parts)):
+      if leaf is not part:  # a view of the data (a run of rows)
+        part[...] = leaf
+  return out
