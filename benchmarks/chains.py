@@ -137,7 +137,8 @@ def _section(config: Config, results: list) -> Section:
           "'gather floor' is NumPy gathering one refresh's rows into "
           "reused buffers over the usable cores, per step. Peak RSS: "
           "jax_data with counter streams in a fresh process, VmHWM above "
-          "the resident set before the chains were made; caches: the "
+          "the resident set before the chains were made (the loader, with "
+          "its copy of the data, made before); caches: the "
           "device caches' bytes (C x cache x mb observations and masks). "
           f"{DATARAX}: Datarax 0.1.4, each chain's shuffled epochs in its "
           "scan mode, a call one epoch of N // mb steps (a permutation of N "
@@ -216,14 +217,15 @@ def _samplers(request: dict[str, Any], data: dict[str, np.ndarray]):
   }, theta, keys, step_size
 
 
-def _jax_data(request, data, theta, keys, step_size, stream):
+def _jax_data(request, data, theta, keys, step_size, stream, loader=None):
   import jax
   from models import sgld_update
 
   import jax_data
 
   n = request["n"]
-  loader = jax_data.NumpyDataLoader(**data)
+  if loader is None:
+    loader = jax_data.NumpyDataLoader(**data)
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(
       loader, request["cache"], request["mb"])
 
@@ -309,14 +311,20 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
   data = logistic_data(request["n"], request["features"])
   if request["what"] == "memory":
     import jax.numpy as jnp
+
+    import jax_data
+
     theta = jnp.zeros((request["chains"], request["features"]))
     keys = jax.random.split(jax.random.key(0), request["chains"])
     jax.block_until_ready(theta)
+    # The loader's copy of the data (NumpyDataLoader's default copy=True)
+    # is in the baseline: it does not grow with the chains.
+    loader = jax_data.NumpyDataLoader(**data)
     before = _rss()
     with open("/proc/self/clear_refs", "w") as f:
       f.write("5")  # resets VmHWM to the current resident set
     run_fn, carry, release_fn = _jax_data(request, data, theta, keys, 1e-5,
-                                          "counter")
+                                          "counter", loader)
     for _ in range(3):
       carry = jax.block_until_ready(run_fn(*carry))
     peak = _rss("VmHWM") - before
