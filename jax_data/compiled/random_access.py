@@ -73,7 +73,9 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
   Returns:
     ``(init_fn, batch_fn, release_fn)``. ``init_fn(**kwargs)`` registers a
     chain (keywords go to the loader, e.g. ``seed``, ``shuffle``,
-    ``in_epochs``) and returns its :class:`CacheState`;
+    ``in_epochs``) and returns its :class:`CacheState`; with a sequence of
+    seeds (``seed=range(C)``), a chain per seed, their states stacked for
+    ``jax.vmap``;
     ``batch_fn(state, information=False, device_count=1)`` returns
     ``(state, batch)`` or ``(state, (batch, MiniBatchInformation))``;
     ``release_fn()`` drops the pipeline's references to the loader.
