@@ -420,3 +420,37 @@ def test_aligned_devices_with_several_states_meet_without_warning(
     jax.block_until_ready(x)
   assert _rendezvous_warnings(caught) == []
   assert x.shape == (4, STEPS, 3, MB)
+
+
+@NEEDS_FOUR
+@pytest.mark.parametrize("limits", [None, 1], ids=["ahead", "read_in_place"])
+def test_nested_and_pmapped_vmaps_of_scan_equal_solo_chains(limits,
+                                                             pipelines):
+  """``jax_data.scan`` under two vmaps, and under pmap of vmap, whose
+  whole chunks come with the lane axis second: each chain gets its own
+  stream, stored ahead or read in place."""
+  from jax_data.host_loader import StoreLimits
+
+  loader = jax_data.NumpyDataLoader(x=np.arange(500.0 * 2).reshape(500, 2))
+  if limits:
+    loader.store_limits = StoreLimits(store_bytes=limits)
+  init_fn, batch_fn, release_fn = pipelines.random_reference_data(loader, 4,
+                                                                  5)
+
+  def one(state):
+    (_, state), xs = jax_data.scan(lambda c, b: (c, b["x"]), 0, state,
+                                   batch_fn=batch_fn, length=13)
+    return xs
+
+  grid = jax.tree_util.tree_map(
+      lambda a: a.reshape((2, 3) + a.shape[1:]),
+      init_fn(seed=range(6), stream="counter", shuffle=True))
+  nested = jax.jit(jax.vmap(jax.vmap(one)))(grid)
+  mapped = jax.pmap(jax.vmap(one))(grid)
+  solo = jax.jit(one)
+  expected = np.stack([
+      solo(init_fn(seed=s, stream="counter", shuffle=True))
+      for s in range(6)]).reshape(2, 3, 13, 5, 2)
+  np.testing.assert_array_equal(nested, expected)
+  np.testing.assert_array_equal(mapped, expected)
+  release_fn()
