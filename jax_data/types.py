@@ -122,17 +122,10 @@ class CacheState(NamedTuple):
     ``jax.vmap`` (a leading axis of ``len(chains)``): what stacking their
     :meth:`start` states gives, with one cache buffer for all of them
     rather than one per chain and then their stack."""
-    lanes = len(chains)
-    batches = jax.tree_util.tree_map(
-        lambda s: jnp.zeros((lanes,) + s.shape, s.dtype), batch_format)
-    return cls(pipeline=jnp.full((lanes,), pipeline, jnp.int32),
-               chain=jnp.asarray(chains, jnp.int32),
-               chunk=jnp.zeros((lanes,), jnp.int32),
-               position=jnp.zeros((lanes,), jnp.int32),
-               cached_chunk=jnp.full((lanes,), -1, jnp.int32),
-               batches=batches,
-               mask=jnp.zeros((lanes, cache_size, mb_size), jnp.bool_),
-               key=jnp.zeros((lanes, 2), jnp.uint32))
+    one = cls.start(pipeline, 0, mb_size, cache_size, batch_format)
+    stacked = jax.tree_util.tree_map(
+        lambda a: jnp.broadcast_to(a, (len(chains),) + jnp.shape(a)), one)
+    return stacked._replace(chain=jnp.asarray(chains, jnp.int32))
 
 
 Batch = PyTree
