@@ -211,8 +211,9 @@ def test_vmapped_scans_get_each_chains_stream(limits, pipelines,
                                      state, batch_fn=batch_fn, length=length)
       return state, xs
 
-    stacked, got = jax.jit(jax.vmap(run))(stacked)
-    _, more = jax.jit(jax.vmap(run))(stacked)
+    vmapped = jax.jit(jax.vmap(run))
+    stacked, got = vmapped(stacked)
+    _, more = vmapped(stacked)
     got = np.concatenate([np.asarray(got), np.asarray(more)], axis=1)
     for c in range(chains):
       expected, _ = cs.stream_batches(30 + c, 0, 2 * length, mb, n, True,
