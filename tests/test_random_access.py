@@ -185,6 +185,38 @@ def test_cpu_chunks_are_written_in_place(pipelines):
   assert (x.tolist(), mask.tolist()) == _expected_stream(13, 3, 4, 20, seed=1)
 
 
+def _span(array):
+  start = array.__array_interface__["data"][0]
+  return start, start + array.nbytes
+
+
+def test_answers_of_many_lanes_reuse_memory_only_once_dropped():
+  """pure_callback's answers of many lanes (hundreds of MB per refresh of
+  hundreds of chains) are arrays over reused blocks: a block is handed out
+  again only when every array over it, and every view of one, is dropped
+  (the runtime has copied them), never while one is alive."""
+  from jax_data.serving.result_buffers import ResultBuffers
+  buffers = ResultBuffers()
+  formats = [((3, 5), np.dtype(np.float32)), ((3, 2, 7), np.dtype(np.int64)),
+             ((3, 4), np.dtype(bool)), ((3, 0), np.dtype(np.int8))]
+  first = buffers.arrays(formats)
+  assert [(a.shape, a.dtype) for a in first] == formats
+  assert all(a.flags.writeable and a.flags.c_contiguous for a in first)
+  spans = sorted(_span(a) for a in first if a.size)
+  assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+  block = _span(first[0])[0]
+  view = first[1][1:].reshape(-1)  # a view keeps the block in use
+  del first
+  second = buffers.arrays(formats)
+  assert _span(second[0])[0] != block
+  del view
+  assert _span(buffers.arrays(formats)[0])[0] == block  # dropped at once
+  third = buffers.arrays(formats)
+  assert _span(third[0])[0] == block
+  assert _span(buffers.arrays(formats[:1])[0])[0] not in (
+      block, _span(second[0])[0])  # other formats: another block
+
+
 def test_host_answers_with_numpy_only(monkeypatch, pipelines):
   """What the callback runs on the host calls no function of JAX, and
   answers with NumPy arrays."""

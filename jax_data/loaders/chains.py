@@ -187,6 +187,13 @@ class ChunkLayout:
   def leaf_shapes(self) -> List[Tuple[int, ...]]:
     return [self.lead + leaf.shape for leaf in self.leaves]
 
+  def formats(self, lanes: int) -> List[Tuple[Tuple[int, ...], np.dtype]]:
+    """Each leaf's and then the mask's (shape, dtype) for ``lanes``
+    chunks stacked on a leading axis."""
+    return [((lanes,) + shape, dtype) for shape, dtype in zip(
+        self.leaf_shapes() + [self.lead], [leaf.dtype for leaf in
+                                           self.leaves] + [np.dtype(bool)])]
+
   @functools.cached_property
   def nbytes(self) -> int:
     """Bytes of one chunk, mask included (computed once: every request

@@ -39,6 +39,7 @@ from jax_data.serving.chunk_store import ChainStore
 from jax_data.serving.chunk_store import Deferred
 from jax_data.serving.chunk_store import Prefetcher
 from jax_data.serving.rendezvous import Rendezvous
+from jax_data.serving.result_buffers import ResultBuffers
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
@@ -200,15 +201,12 @@ class Host:
             chunks: np.ndarray, need: np.ndarray, device_count: int = 1,
             participants: int = 1) -> Tuple[np.ndarray, ...]:
     """The callback body of ``pure_callback``: the lanes' leaves and masks,
-    stacked on a leading lane axis."""
+    stacked on a leading lane axis (in reused :class:`ResultBuffers`)."""
     if np.size(need) == 1:
       chunk, = self.lanes(pipelines, chains, chunks, need, device_count,
                           participants)
       return tuple(leaf[None] for leaf in chunk.leaves) + (chunk.mask[None],)
-    lead = (np.size(need),)
-    outs = [np.empty(lead + shape, leaf.dtype) for shape, leaf in
-            zip(self.layout.leaf_shapes(), self.layout.leaves)]
-    outs.append(np.empty(lead + self.layout.lead, np.bool_))
+    outs = self._parts.results.arrays(self.layout.formats(np.size(need)))
     self.serve_into(outs, pipelines, chains, chunks, need, device_count,
                     participants)
     return tuple(outs)
@@ -317,6 +315,7 @@ class _Parts:
     self._table: Optional[ChainTable] = None
     self.made_store: Optional[ChainStore] = None
     self.made_rendezvous: Optional[Rendezvous] = None
+    self.results = ResultBuffers()  # for serve's arrays
     self._lock = threading.Lock()
 
   @property
@@ -374,4 +373,5 @@ class _Parts:
     """See :meth:`ChainStore.release` (the store is made if it was not:
     it closes the chains' cursors)."""
     self.store().release(error)
+    self.results.clear()
     self._loader = None
