@@ -188,11 +188,13 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
           reduced = h if n == span else _remainder(
               h, np.uint32(n), tmp[:c1 - c0, :k1 - k0])
         out[c0:c1, k0:k1] = reduced
-        if limit < span:
-          # Drawn again below: rare (below n / 2**32 of them).
-          at_rows, at_cols = np.nonzero(h >= dtype(limit))
-          if at_rows.size:
-            rejected.append((at_rows + c0, at_cols + k0))
+        # Drawn again below: rare (below n / 2**32 of them). The maximum
+        # first, and flat positions: of a block of 16,384, max took 2 us,
+        # flatnonzero 4 us and a two-dimensional nonzero 36 us.
+        if limit < span and h.max() >= dtype(limit):
+          at_rows, at_cols = np.divmod(np.flatnonzero(h >= dtype(limit)),
+                                       k1 - k0)
+          rejected.append((at_rows + c0, at_cols + k0))
   if rejected:
     chain, column = (np.concatenate(parts) for parts in zip(*rejected))
     out[chain, column] = _redrawn(seeds, starts, chain, column, n)
