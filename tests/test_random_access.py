@@ -15,6 +15,7 @@ from jax import lax
 import jax_data
 from jax_data import NumpyDataLoader
 from jax_data.host_loader import StoreLimits
+from jax_data.streams import counter_streams as cs
 from tests import calls
 
 # Tests that build pipelines with the `pipelines` fixture run with both ways
@@ -190,31 +191,39 @@ def _span(array):
   return start, start + array.nbytes
 
 
-def test_answers_of_many_lanes_reuse_memory_only_once_dropped():
+def test_answers_of_many_lanes_reuse_memory_only_once_dropped(pipelines):
   """pure_callback's answers of many lanes (hundreds of MB per refresh of
-  hundreds of chains) are arrays over reused blocks: a block is handed out
-  again only when every array over it, and every view of one, is dropped
-  (the runtime has copied them), never while one is alive."""
-  from jax_data.serving.result_buffers import ResultBuffers
-  buffers = ResultBuffers()
-  formats = [((3, 5), np.dtype(np.float32)), ((3, 2, 7), np.dtype(np.int64)),
-             ((3, 4), np.dtype(bool)), ((3, 0), np.dtype(np.int8))]
-  first = buffers.arrays(formats)
-  assert [(a.shape, a.dtype) for a in first] == formats
-  assert all(a.flags.writeable and a.flags.c_contiguous for a in first)
-  spans = sorted(_span(a) for a in first if a.size)
-  assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+  hundreds of chains) lie in buffers used again: a buffer is handed out
+  again only when every array over it, views included, is dropped (the
+  runtime has copied it), never while one is alive; the stream is the
+  chains' own across refreshes."""
+  init_fn, batch_fn, _ = pipeline = pipelines.random_reference_data(
+      NumpyDataLoader(x=np.arange(50, dtype=np.int32)), 2, 3)
+  host = pipeline.host
+  states = init_fn(seed=range(3), stream="counter")
+  request = lambda chunk: host.serve(  # chunk `chunk` of chains 0 .. 2
+      np.asarray(states.pipeline), np.asarray(states.chain),
+      np.full(3, chunk), np.ones(3, bool))
+  first = request(0)
+  assert [(a.shape, a.dtype) for a in first] == [
+      ((3, 2, 3), np.dtype(np.int32)), ((3, 2, 3), np.dtype(bool))]
   block = _span(first[0])[0]
-  view = first[1][1:].reshape(-1)  # a view keeps the block in use
+  view = first[0][1:].reshape(-1)  # a view keeps the buffer in use
   del first
-  second = buffers.arrays(formats)
+  second = request(1)
   assert _span(second[0])[0] != block
   del view
-  assert _span(buffers.arrays(formats)[0])[0] == block  # dropped at once
-  third = buffers.arrays(formats)
-  assert _span(third[0])[0] == block
-  assert _span(buffers.arrays(formats[:1])[0])[0] not in (
-      block, _span(second[0])[0])  # other formats: another block
+  assert _span(request(2)[0])[0] == block  # free again once dropped
+  third = request(3)
+  assert _span(third[0])[0] == block and _span(second[0])[0] != block
+  expected = np.stack([cs.stream_batches(seed, 0, 8, 3, 50, False, False)[0]
+                       for seed in range(3)]).reshape(3, 4, 2, 3)
+  np.testing.assert_array_equal(second[0], expected[:, 1])
+  np.testing.assert_array_equal(third[0], expected[:, 3])
+  _, xs = jax.jit(jax.vmap(lambda s: jax_data.scan(
+      lambda c, b: (c, b["x"]), 0, s, batch_fn=batch_fn, length=8)))(
+          init_fn(seed=range(3), stream="counter"))
+  np.testing.assert_array_equal(xs, expected.reshape(3, 8, 3))
 
 
 def test_host_answers_with_numpy_only(monkeypatch, pipelines):

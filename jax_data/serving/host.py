@@ -31,6 +31,7 @@ from jax_data.lifetime import Thread
 from jax_data.loaders.chains import ChainSpec
 from jax_data.loaders.chains import Chunk
 from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.gather import BufferPool
 from jax_data.loaders.gather import Gatherer
 from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.serving.chain_records import ChainRecord
@@ -39,7 +40,6 @@ from jax_data.serving.chunk_store import ChainStore
 from jax_data.serving.chunk_store import Deferred
 from jax_data.serving.chunk_store import Prefetcher
 from jax_data.serving.rendezvous import Rendezvous
-from jax_data.serving.result_buffers import ResultBuffers
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
@@ -201,12 +201,14 @@ class Host:
             chunks: np.ndarray, need: np.ndarray, device_count: int = 1,
             participants: int = 1) -> Tuple[np.ndarray, ...]:
     """The callback body of ``pure_callback``: the lanes' leaves and masks,
-    stacked on a leading lane axis (in reused :class:`ResultBuffers`)."""
+    stacked on a leading lane axis, in buffers used again once
+    ``pure_callback`` has copied and dropped them (:class:`BufferPool`)."""
     if np.size(need) == 1:
       chunk, = self.lanes(pipelines, chains, chunks, need, device_count,
                           participants)
       return tuple(leaf[None] for leaf in chunk.leaves) + (chunk.mask[None],)
-    outs = self._parts.results.arrays(self.layout.formats(np.size(need)))
+    outs = [self._parts.results.empty(shape, dtype)
+            for shape, dtype in self.layout.formats(np.size(need))]
     self.serve_into(outs, pipelines, chains, chunks, need, device_count,
                     participants)
     return tuple(outs)
@@ -315,7 +317,7 @@ class _Parts:
     self._table: Optional[ChainTable] = None
     self.made_store: Optional[ChainStore] = None
     self.made_rendezvous: Optional[Rendezvous] = None
-    self.results = ResultBuffers()  # for serve's arrays
+    self.results = BufferPool()  # for serve's arrays
     self._lock = threading.Lock()
 
   @property
@@ -373,5 +375,5 @@ class _Parts:
     """See :meth:`ChainStore.release` (the store is made if it was not:
     it closes the chains' cursors)."""
     self.store().release(error)
-    self.results.clear()
+    self.results = BufferPool()  # their memory goes now
     self._loader = None
