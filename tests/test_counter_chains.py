@@ -91,6 +91,39 @@ def test_chain_batches_of_one_chain_and_of_many_blocks():
         got[c], cs.stream_batches(c, 2, 40, 64, 10**6, True, False)[0])
 
 
+@pytest.mark.parametrize("mode", [dict(shuffle=False, in_epochs=False),
+                                  dict(shuffle=True, in_epochs=False),
+                                  dict(shuffle=True, in_epochs=True)],
+                         ids=["draws", "shuffled", "epochs"])
+def test_a_draw_split_over_threads_gives_the_streams(mode, monkeypatch):
+  """Many chains' indices drawn in parts by several threads at once (a
+  loader's gather threads) are each chain's own stream, whatever the parts
+  and blocks: rows of every part written once, rejected hashes drawn
+  again wherever they fall."""
+  from jax_data.loaders.gather import Gatherer
+  from jax_data.streams import counter_chains
+  gatherer = Gatherer(threads=4)
+  parts = []
+
+  def finest(work, size, least):  # parts of one block, ignoring `least`
+    parts.append(size)
+    gatherer.split(work, size, 1)
+
+  monkeypatch.setattr(counter_chains, "_HASH_BLOCK", 40)
+  monkeypatch.setattr(counter_chains, "_BLOCK", 40)
+  seeds, firsts, count, mb = [3, 1, 4, 1, 5, 9, 2], [0, 7, 2, 9, 0, 1, 30], 3, 8
+  for n in (50, 2**31 + 1):  # half the hashes of 2**31 + 1 are rejected
+    got, got_mask = chain_batches(seeds, firsts, count, mb, n,
+                                  split=finest, **mode)
+    for c, (seed, first) in enumerate(zip(seeds, firsts)):
+      want, want_mask = cs.stream_batches(seed, first, count, mb, n, **mode)
+      np.testing.assert_array_equal(got[c], want)
+      if want_mask is not None:
+        np.testing.assert_array_equal(got_mask[c], want_mask)
+  assert parts and all(size >= 2 for size in parts)
+  gatherer.close()
+
+
 class _Virtual:
   """``n`` records computed from the index, read in batches; counts the
   batched reads."""

@@ -87,6 +87,18 @@ class Gatherer:
       for other in others:
         other.result()
 
+  def split(self, work: Callable[[int, int], Any], size: int,
+            least: int) -> None:
+    """``work(low, high)`` on parts of ``0 .. size`` of at least ``least``
+    each, at most one per thread, in the caller's and the helper threads:
+    work of NumPy calls that release the GIL (the hash of many chains'
+    counter streams)."""
+    parts = min(self._threads, size // max(1, least))
+    if parts < 2:
+      work(0, size)
+      return
+    self._split(work, np.linspace(0, size, parts + 1).astype(int))
+
   def take(self, array: np.ndarray, flat: np.ndarray,
            out: np.ndarray) -> np.ndarray:
     """``np.take(array, flat, axis=0)`` written into ``out`` (returned).

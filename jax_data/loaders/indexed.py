@@ -27,6 +27,7 @@ from jax_data.loaders.chains import Position
 from jax_data.loaders.chains import batch_rows
 from jax_data.loaders.chains import readable
 from jax_data.streams.counter_chains import CounterStream
+from jax_data.streams.counter_chains import Split
 from jax_data.streams.counter_chains import chain_batches
 from jax_data.streams.sampling import OrderedStream
 from jax_data.streams.sampling import RandomStream
@@ -67,11 +68,15 @@ class IndexedCursor(ChainCursor):
       of chains over the same rows (and with the same ``check``) may read
       them through each other's ``read``. Default: ``read`` itself (a
       loader's bound method).
+    split: Draws a group's indices in parts, in several threads (a
+      loader's :meth:`~jax_data.loaders.gather.Gatherer.split`); default:
+      all at once.
   """
 
   def __init__(self, spec: ChainSpec, layout: ChunkLayout, read: ReadRows,
                check: Callable[[], None] = readable,
-               rows: Optional[Hashable] = None):
+               rows: Optional[Hashable] = None,
+               split: Optional[Split] = None):
     part = getattr(spec, "part", None)
     self._stream = stream_of(spec, batch_rows(spec, layout.mb_size))
     # A part of each batch: its columns of the whole batch's indices.
@@ -81,6 +86,7 @@ class IndexedCursor(ChainCursor):
     self._read = read
     self._check = check
     self._rows = read if rows is None else rows
+    self._split = split
     self._all_valid = np.ones(layout.lead, bool)
     self._all_valid.setflags(write=False)
 
@@ -128,7 +134,8 @@ class IndexedCursor(ChainCursor):
         [stream.seed for stream in streams],
         [stream.advance(count) for stream in streams], count,
         first.mb_size, first.observations.count, first.shuffle,
-        first.in_epochs, first.observations.start, columns)
+        first.in_epochs, first.observations.start, columns,
+        cursors[0]._split)  # pylint: disable=protected-access
     rows = count * layout.mb_size
     flat_out = [allocate((indices.size,) + leaf.shape, leaf.dtype)
                 for leaf in layout.leaves]

@@ -189,7 +189,8 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
 
   def open_chain(self, spec: ChainSpec, layout: ChunkLayout) -> ChainCursor:
     """A cursor over the chain's rows (``spec/SAMPLING.md``)."""
-    return IndexedCursor(spec, layout, self._read, self._check_files)
+    return IndexedCursor(spec, layout, self._read, self._check_files,
+                         split=self._gatherer.split)
 
   def content_digest(self) -> str:
     if self._digest is None:

@@ -405,7 +405,8 @@ class TensorflowDataLoader(HostDataLoader):
         rows = MemoryRows(self._arrays, ObservationRange(0, self._count),
                           self._gatherer)
         # Grouped by loader: every such chain reads the same rows.
-        return IndexedCursor(spec, layout, rows.gather, rows=self)
+        return IndexedCursor(spec, layout, rows.gather, rows=self,
+                             split=self._gatherer.split)
       source = MemoryRows(self._arrays, shard, self._gatherer)
       if isinstance(spec, OrderedChain):
         return OrderedMemoryCursor(source, spec, layout)

@@ -14,7 +14,10 @@ same values bit for bit, faster:
 * independent draws hash runs of consecutive positions: the words of the
   seed are hashed once per chain, the positions' words are made from the
   run's start without 64-bit arithmetic, and the hash is computed in place
-  on blocks that stay in the CPU's caches (:func:`uniform_runs`).
+  on blocks that stay in the CPU's caches (:func:`uniform_runs`);
+* with a ``split`` (:data:`Split`, a loader's gather threads), the blocks
+  of many chains are drawn in several threads: NumPy releases the GIL in
+  each call, and compiled code waits for the draw.
 
 :class:`CounterStream` is a chain's stream as a cursor holds it.
 
@@ -24,6 +27,7 @@ Pure NumPy, on the host.
 from __future__ import annotations
 
 from typing import Any
+from typing import Callable
 from typing import Optional
 from typing import Sequence
 from typing import Tuple
@@ -38,14 +42,29 @@ from jax_data.streams.sampling import random_mode
 # indices took 0.75x the time of one pass over all of them.
 _BLOCK = 65_536
 # Words hashed in place per block of uniform_runs (two uint32 buffers of
-# this many words stay in the L2 cache).
-_HASH_BLOCK = 16_384
+# this many words stay in the L2 cache). The draw of 256 chains of 6,400
+# took 12.7 ms in blocks of 16,384, 8.4-10.8 ms in blocks of 65,536 (and
+# 8.4 ms in two threads); blocks of about 100,000 were slower again.
+_HASH_BLOCK = 65_536
 # A chain's draws of fewer indices than this are made this many at a time
 # (several chunks' worth, kept for the chunks that follow): each of the
 # hash's few dozen NumPy calls then does more work per call. For chunks of
 # 6,400 indices, a draw of 16,384 took 0.65x the time per index.
 _DRAW_WORDS = 16_384
 _U32 = 0xFFFFFFFF
+
+#: ``split(work, size, least)`` calls ``work(low, high)`` on parts of
+#: ``0 .. size`` of at least ``least`` (all of it at once if smaller), maybe
+#: in several threads at once (:meth:`jax_data.loaders.gather.Gatherer.split`).
+Split = Callable[[Callable[[int, int], None], int, int], None]
+# The least hash blocks (of _HASH_BLOCK or _BLOCK indices) a thread draws.
+_BLOCKS_PER_PART = 2
+
+
+def _in_one_part(work: Callable[[int, int], None], size: int,
+                 least: int) -> None:
+  del least
+  work(0, size)
 
 
 def _words(values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -131,11 +150,12 @@ def _absorbed_int(h: int, words: Sequence[int]) -> int:
 
 
 def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
-                 n: int) -> np.ndarray:
+                 n: int, split: Optional[Split] = None) -> np.ndarray:
   """``uniform(seeds[c], starts[c] + arange(length), n)`` for every ``c``
   (:func:`jax_data.streams.counter_streams.uniform`, the same values): shape
-  ``(C, length)``, int64. ``starts[c] + length`` must stay below
-  ``2**63``."""
+  ``(C, length)``, int64, the chains' blocks drawn through ``split``
+  (default: all at once).
+  ``starts[c] + length`` must stay below ``2**63``."""
   seeds = [int(s) for s in seeds]
   starts = [int(s) for s in starts]
   chains = len(seeds)
@@ -157,44 +177,48 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
               if (s & _U32) + length > 2**32]
   rows = max(1, min(chains, _HASH_BLOCK // length))
   cols = min(length, _HASH_BLOCK)
-  x = np.empty((rows, cols), np.uint32)
-  tmp = np.empty_like(x)
   count = np.arange(length, dtype=np.uint32)
   rejected = []  # (chains, columns) of hashes at or above limit
-  with np.errstate(over="ignore"):
-    for c0 in range(0, chains, rows):
-      c1 = min(chains, c0 + rows)
-      for k0 in range(0, length, cols):
-        k1 = min(length, k0 + cols)
-        hashes = []
-        for prefix in prefixes:
-          h, t = x[:c1 - c0, :k1 - k0], tmp[:c1 - c0, :k1 - k0]
-          # The positions' low words, wrapping like uint32.
-          np.add(count[k0:k1], lows[c0:c1, None], out=h)
-          np.bitwise_xor(h, prefix[c0:c1, None], out=h)
-          # (prefix ^ low) then the mix: _absorb_into with the XOR done.
-          _absorb_into(h, 0, t)
-          high = highs[c0:c1, None]
-          _absorb_into(h, high if high.any() else 0, t)
-          _absorb_into(h, 0, t)  # attempt 0
-          hashes.append(h.copy() if wide else h)
-        if wide:
-          h = ((hashes[1].astype(np.uint64) << np.uint64(32))
-               | hashes[0].astype(np.uint64))
-          reduced, dtype = _remainder(h, np.uint64(n), np.empty_like(h)), (
-              np.uint64)
-        else:
-          h, dtype = hashes[0], np.uint32
-          reduced = h if n == span else _remainder(
-              h, np.uint32(n), tmp[:c1 - c0, :k1 - k0])
-        out[c0:c1, k0:k1] = reduced
-        # Drawn again below: rare (below n / 2**32 of them). The maximum
-        # first, and flat positions: of a block of 16,384, max took 2 us,
-        # flatnonzero 4 us and a two-dimensional nonzero 36 us.
-        if limit < span and h.max() >= dtype(limit):
-          at_rows, at_cols = np.divmod(np.flatnonzero(h >= dtype(limit)),
-                                       k1 - k0)
-          rejected.append((at_rows + c0, at_cols + k0))
+
+  def draw(first: int, last: int) -> None:  # chains first .. last - 1
+    x = np.empty((rows, cols), np.uint32)
+    tmp = np.empty_like(x)
+    with np.errstate(over="ignore"):
+      for c0 in range(first, last, rows):
+        c1 = min(last, c0 + rows)
+        for k0 in range(0, length, cols):
+          k1 = min(length, k0 + cols)
+          hashes = []
+          for prefix in prefixes:
+            h, t = x[:c1 - c0, :k1 - k0], tmp[:c1 - c0, :k1 - k0]
+            # The positions' low words, wrapping like uint32.
+            np.add(count[k0:k1], lows[c0:c1, None], out=h)
+            np.bitwise_xor(h, prefix[c0:c1, None], out=h)
+            # (prefix ^ low) then the mix: _absorb_into with the XOR done.
+            _absorb_into(h, 0, t)
+            high = highs[c0:c1, None]
+            _absorb_into(h, high if high.any() else 0, t)
+            _absorb_into(h, 0, t)  # attempt 0
+            hashes.append(h.copy() if wide else h)
+          if wide:
+            h = ((hashes[1].astype(np.uint64) << np.uint64(32))
+                 | hashes[0].astype(np.uint64))
+            reduced, dtype = _remainder(h, np.uint64(n), np.empty_like(h)), (
+                np.uint64)
+          else:
+            h, dtype = hashes[0], np.uint32
+            reduced = h if n == span else _remainder(
+                h, np.uint32(n), tmp[:c1 - c0, :k1 - k0])
+          out[c0:c1, k0:k1] = reduced
+          # Drawn again below: rare (below n / 2**32 of them). The maximum
+          # first, and flat positions: of a block of 16,384, max took 2 us,
+          # flatnonzero 4 us and a two-dimensional nonzero 36 us.
+          if limit < span and h.max() >= dtype(limit):
+            at_rows, at_cols = np.divmod(np.flatnonzero(h >= dtype(limit)),
+                                         k1 - k0)
+            rejected.append((at_rows + c0, at_cols + k0))
+
+  (split or _in_one_part)(draw, chains, rows * _BLOCKS_PER_PART)
   if rejected:
     chain, column = (np.concatenate(parts) for parts in zip(*rejected))
     out[chain, column] = _redrawn(seeds, starts, chain, column, n)
@@ -205,7 +229,8 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
 
 def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
                   mb_size: int, n: int, shuffle: bool, in_epochs: bool,
-                  start: int = 0, columns: Optional[slice] = None
+                  start: int = 0, columns: Optional[slice] = None,
+                  split: Optional[Split] = None
                   ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
   """Indices (``(C, count, mb_size)``, int64) and mask (the same shape, or
   None when every position is valid) of batches ``firsts[c] ..
@@ -214,7 +239,7 @@ def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
   ``stream_batches(seeds[c], firsts[c], count, mb_size, n, shuffle,
   in_epochs, start)``. With ``columns`` (a slice of ``0 .. mb_size``),
   only those columns of each batch, computed alone: what one device's part
-  of a batch needs.
+  of a batch needs. Many chains' indices are drawn through ``split``.
   """
   if shuffle and len(seeds) == 1:
     # One chain: epoch by epoch, tabulated.
@@ -233,16 +258,16 @@ def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
     if not in_epochs:
       if not shuffle and columns is None:  # a run per chain
         indices = uniform_runs(seeds.tolist(), (firsts * mb_size).tolist(),
-                               count * mb_size, n)
+                               count * mb_size, n, split)
       else:
         positions = (batches[:, :, None] * mb_size + cols).reshape(
             chains, -1)
         if shuffle:
-          indices = _permute(seeds, positions // n, positions % n, n)
+          indices = _permute(seeds, positions // n, positions % n, n, split)
         else:  # a run per batch
           indices = uniform_runs(
               np.repeat(seeds, count).tolist(),
-              positions[:, ::width].reshape(-1).tolist(), width, n)
+              positions[:, ::width].reshape(-1).tolist(), width, n, split)
       mask = None
     else:
       per_epoch = -(-n // mb_size)
@@ -250,7 +275,7 @@ def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
       offsets = ((batches % per_epoch)[:, :, None] * mb_size
                  + cols).reshape(chains, -1)
       mask = offsets < n
-      indices = _permute(seeds, epochs, np.where(mask, offsets, 0), n)
+      indices = _permute(seeds, epochs, np.where(mask, offsets, 0), n, split)
       indices = np.where(mask.reshape(-1), indices.reshape(-1), 0)
       mask = mask.reshape(chains, count, width)
   indices = indices.reshape(chains, count, width)
@@ -258,7 +283,7 @@ def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
 
 
 def _permute(seeds: np.ndarray, epochs: np.ndarray, offsets: np.ndarray,
-             n: int) -> np.ndarray:
+             n: int, split: Optional[Split] = None) -> np.ndarray:
   """``permute(seeds[c], epochs[c, i], offsets[c, i], n)`` for every ``c``
   and ``i``, flat. The round keys are hashed once per (chain, epoch) that
   occurs, a chain's epochs being consecutive: ``epochs[c]`` is
@@ -274,10 +299,17 @@ def _permute(seeds: np.ndarray, epochs: np.ndarray, offsets: np.ndarray,
            ).reshape(-1)
   offsets, bits = offsets.reshape(-1), cs.domain_bits(n)
   values = np.empty(offsets.size, np.int64)
-  for low in range(0, offsets.size, _BLOCK):
-    part = slice(low, low + _BLOCK)
-    values[part] = cs.permute_keyed([np.take(k, entry[part]) for k in table],
-                                    offsets[part], n, bits)
+
+  def draw(first: int, last: int) -> None:  # blocks first .. last - 1
+    with np.errstate(over="ignore"):
+      for low in range(first * _BLOCK, min(offsets.size, last * _BLOCK),
+                       _BLOCK):
+        part = slice(low, low + _BLOCK)
+        values[part] = cs.permute_keyed(
+            [np.take(k, entry[part]) for k in table], offsets[part], n, bits)
+
+  blocks = -(-offsets.size // _BLOCK)
+  (split or _in_one_part)(draw, blocks, _BLOCKS_PER_PART)
   return values
 
 
