@@ -102,12 +102,14 @@ def test_a_draw_split_over_threads_gives_the_streams(mode, monkeypatch):
   again wherever they fall."""
   from jax_data.loaders.gather import Gatherer
   from jax_data.streams import counter_chains
-  gatherer = Gatherer(threads=4)
-  parts = []
+  gatherer = Gatherer(threads=2)
+  threads = set()
 
-  def finest(work, size, least):  # parts of one block, ignoring `least`
-    parts.append(size)
-    gatherer.split(work, size, 1)
+  def finest(work, size, least):  # two parts, however small
+    def part(low, high):
+      threads.add(threading.get_ident())
+      work(low, high)
+    gatherer.split(part, size, 1)
 
   monkeypatch.setattr(counter_chains, "_HASH_BLOCK", 40)
   monkeypatch.setattr(counter_chains, "_BLOCK", 40)
@@ -120,7 +122,7 @@ def test_a_draw_split_over_threads_gives_the_streams(mode, monkeypatch):
       np.testing.assert_array_equal(got[c], want)
       if want_mask is not None:
         np.testing.assert_array_equal(got_mask[c], want_mask)
-  assert parts and all(size >= 2 for size in parts)
+  assert len(threads) == 2
   gatherer.close()
 
 
