@@ -2,6 +2,7 @@
 
 import gc
 import re
+import threading
 import warnings
 import weakref
 
@@ -373,6 +374,71 @@ def test_a_released_pipelines_loader_is_freed_without_a_collection(pipelines):
   gc.disable()
   try:
     del loader  # the last reference outside jax_data's objects
+    assert ref() is None, gc.get_referrers(ref())
+  finally:
+    gc.enable()
+
+
+@pytest.mark.parametrize("case", ["released while reading",
+                                  "released after a failure"])
+def test_a_loader_released_while_producing_ahead_is_freed_at_once(
+    case, monkeypatch):
+  """Released while the prefetch thread produces a chunk ahead (in the
+  middle of a read), or after such a production failed: nothing is claimed
+  after, and a failure keeps no frames (they hold the chain and its
+  future), so dropping the loader frees it at once, with no reference
+  cycle left for a garbage collection. The failure's traceback is kept as
+  text."""
+  started, go, armed = threading.Event(), threading.Event(), []
+
+  class Slow:  # a source whose read waits, once armed
+    def __len__(self):
+      return 100
+
+    def __getitem__(self, i):
+      if armed and not started.is_set():
+        started.set()
+        go.wait(30)
+      return {"x": np.float32(i)}
+
+  read = NumpyDataLoader._read  # pylint: disable=protected-access
+
+  def failing(self, flat, out):
+    if armed:
+      started.set()
+      raise OSError("the disk went away")
+    return read(self, flat, out)
+
+  if case == "released while reading":
+    loader = jax_data.SourceDataLoader(Slow(), workers=1)
+  else:  # its cursors keep the loader until they are dropped
+    monkeypatch.setattr(NumpyDataLoader, "_read", failing)
+    loader = NumpyDataLoader(x=np.arange(100, dtype=np.float32))
+  loader.store_limits = StoreLimits(ahead=2)
+  ref = weakref.ref(loader)
+  pipeline = jax_data.random_reference_data(loader, 2, 2)
+  init_fn, batch_fn, release_fn = pipeline
+  host = pipeline.host
+  state, _ = _scan(batch_fn, 6)(init_fn())  # chunks 0-2; 3 and 4 ahead
+  assert host.wait_idle()
+  armed.append(True)
+  _scan(batch_fn, 2)(state)  # chunk 3, stored: chunk 5 is produced ahead
+  assert started.wait(30)
+  if case == "released after a failure":
+    assert host.wait_idle()
+    record = host.chain(0)
+    error = record.chunks[5].future.exception()
+    assert "the disk went away" in str(error)
+    assert error.__cause__.__traceback__ is None
+    assert "in failing" in "".join(error.__cause__.__notes__)
+    del record, error
+  release_fn()
+  go.set()
+  assert host.wait_idle()
+  gc.collect()  # what earlier tests left behind
+  gc.disable()
+  try:
+    del loader
     assert ref() is None, gc.get_referrers(ref())
   finally:
     gc.enable()

@@ -202,6 +202,7 @@ class ChainStore:
     self._lock = threading.Lock()
     self._shelf = Shelf(chains.layout, self._limits, chains.keep)
     self._held = CursorBudget()
+    self._released = False  # then nothing is claimed ahead
     self._producer = Producer(chains.layout, self.name, self._limits,
                               self._held, verify_calls)
     self._scheduler = scheduler
@@ -353,8 +354,8 @@ class ChainStore:
       for _ in range(self._shelf.ahead()):
         following = [(record, self._following(index))
                      for record, index in following]
-        with self._lock:
-          jobs = self._shelf.claim_ahead(following)
+        with self._lock:  # none once released: they would keep the loader
+          jobs = [] if self._released else self._shelf.claim_ahead(following)
         if jobs:
           self._producer.produce_many(jobs)
     finally:
@@ -412,6 +413,7 @@ class ChainStore:
     wait for a production."""
     records = self._chains.release()
     with self._lock:
+      self._released = True
       self._producer.release(
           f"this pipeline over {self.name} was released by its release_fn; "
           "create a new pipeline to draw more data")

@@ -19,6 +19,7 @@ import collections
 import concurrent.futures
 import math
 import threading
+import traceback
 import warnings
 from typing import Any
 from typing import Callable
@@ -247,6 +248,7 @@ class Producer:
       settle(future, chunk)
 
   def _wrap(self, record: ChainRecord, index: int, e: BaseException):
+    _drop_frames(e)
     if isinstance(e, (HostLoaderError, PipelineReleasedError)):
       return e
     error = HostLoaderError(
@@ -375,3 +377,23 @@ def _span(arrays: Sequence[np.ndarray]) -> Optional[np.ndarray]:
   return np.lib.stride_tricks.as_strided(
       first, (len(arrays),) + first.shape, (first.nbytes,) + first.strides,
       writeable=True)
+
+
+def _drop_frames(error: BaseException) -> None:
+  """Replaces the tracebacks of ``error`` and of the errors it chains (its
+  cause and context) by a note with their text. ``error`` is kept in a
+  chunk's future, and a traceback's frames, with the frames that called
+  them, hold the chain and that future: a reference cycle that would keep
+  the loader alive until a garbage collection."""
+  pending, seen = [error], set()
+  while pending:
+    e = pending.pop()
+    if e is None or id(e) in seen:
+      continue
+    seen.add(id(e))
+    if e.__traceback__ is not None:
+      if not isinstance(e, PipelineReleasedError):  # raised by release
+        e.add_note("Traceback on the host (most recent call last):\n"
+                   + "".join(traceback.format_tb(e.__traceback__)).rstrip())
+      e.__traceback__ = None
+    pending += [e.__cause__, e.__context__]
