@@ -8,6 +8,7 @@ import pytest
 from scipy import stats
 
 import jax_data
+from jax_data import counter_chains
 from jax_data import counter_streams as cs
 from jax_data.counter_chains import CounterStream
 
@@ -145,7 +146,8 @@ def test_a_chunk_costs_no_replay():
   assert stream.get_state()["batch"] == 10**9 + 10
   # What it keeps is the batches drawn ahead: a few chunks' indices and
   # masks, whatever the number of records.
-  assert 0 < stream.held_bytes() <= (16_384 + 64 * 10) * 9
+  ahead = counter_chains._DRAW_WORDS  # pylint: disable=protected-access
+  assert 0 < stream.held_bytes() <= (ahead + 64 * 10) * 9
   stream.trim()
   assert stream.held_bytes() == 0
   np.testing.assert_array_equal(stream.draw(10)[0], cs.stream_batches(

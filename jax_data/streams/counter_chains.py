@@ -47,10 +47,13 @@ _BLOCK = 65_536
 # 8.4 ms in two threads); blocks of about 100,000 were slower again.
 _HASH_BLOCK = 65_536
 # A chain's draws of fewer indices than this are made this many at a time
-# (several chunks' worth, kept for the chunks that follow): each of the
-# hash's few dozen NumPy calls then does more work per call. For chunks of
-# 6,400 indices, a draw of 16,384 took 0.65x the time per index.
-_DRAW_WORDS = 16_384
+# (several chunks' worth, kept for the chunks that follow, within the
+# store's budget for cursors): each of the hash's few dozen NumPy calls
+# then does more work per call. For chunks of 6,400 indices, a draw of
+# 16,384 took 0.65x the time per index; in case (a), one chain's
+# jax_data.scan with counter / exact streams was 1.19x, 1.13x, 1.06x and
+# 1.06x with draws of 1, 2, 5 and 10 chunks (N = 1e4, 9 paired repeats).
+_DRAW_WORDS = 32_768
 _U32 = 0xFFFFFFFF
 
 #: ``split(work, size, least)`` calls ``work(low, high)`` on parts of
