@@ -109,6 +109,92 @@ def test_without_jit_and_under_vmap(pipeline):
     _same_run(run(state), _loop(batch_fn, _step, 0, state, None, 12))
 
 
+def _loops(jaxpr):
+  """The programs of the loops (and other calls) of ``jaxpr``, as text,
+  looking through ``custom_vmap`` calls."""
+  loops = []
+  for eqn in jaxpr.eqns:
+    inner = [j.jaxpr if hasattr(j, "jaxpr") else j
+             for j in jax.extend.core.jaxprs_in_params(eqn.params)]
+    if eqn.primitive.name == "custom_vmap_call":
+      loops += _loops(inner[0])
+    else:
+      loops += [str(j) for j in inner]
+  return loops
+
+
+@pytest.mark.parametrize("chains", [1, 3])
+def test_a_vmap_of_one_runs_the_chains_own_program(pipeline, chains):
+  """A vmap over one chain runs the program of the chain without vmap
+  (the same jaxpr), and gives its values; other counts are vmapped."""
+  init_fn, batch_fn, _ = pipeline
+  states = [init_fn(seed=s, shuffle=True) for s in range(chains)]
+  stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *states)
+  run = lambda s: jax_data.scan(_step, 0, s, batch_fn=batch_fn, length=12)
+  got = jax.jit(jax.vmap(run))(stacked)
+  for i, state in enumerate(states):
+    _same(jax.tree_util.tree_map(lambda a, i=i: a[i], got), jax.jit(run)(state))
+  plain = _loops(jax.make_jaxpr(run)(states[0]).jaxpr)
+  vmapped = _loops(jax.make_jaxpr(jax.vmap(run))(stacked).jaxpr)
+  assert len(plain) > 3
+  assert (vmapped == plain) == (chains == 1)
+
+
+@pytest.mark.parametrize("chains", [1, 3])
+def test_steps_that_close_over_per_chain_values_or_name_the_chain_axis(
+    pipeline, chains):
+  """A step may close over per-chain values (floats and ints) and use
+  collectives over the vmap's ``axis_name``; every chain count gives what
+  the chains give alone or together."""
+  init_fn, batch_fn, _ = pipeline
+  states = [init_fn(seed=s) for s in range(chains)]
+  stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *states)
+  scales = jnp.arange(1.0, chains + 1.0)
+  shifts = jnp.arange(chains, dtype=jnp.int32) * 10
+
+  def closing(s, scale, shift):
+    def f(total, batch):
+      return total + scale * jnp.sum(batch["x"] + shift), batch["y"]
+    return jax_data.scan(f, 0.0, s, batch_fn=batch_fn, length=7)
+
+  (totals, _), ys = jax.jit(jax.vmap(closing))(stacked, scales, shifts)
+  for c, state in enumerate(states):
+    (total, _), y = jax.jit(closing)(state, scales[c], shifts[c])
+    np.testing.assert_allclose(totals[c], total, rtol=1e-6)
+    _same(ys[c], y)
+
+  def naming(s):
+    def f(total, batch):
+      return total + lax.psum(jnp.sum(batch["x"]), "c"), lax.axis_index("c")
+    return jax_data.scan(f, 0, s, batch_fn=batch_fn, length=7)
+
+  (sums, _), index = jax.jit(jax.vmap(naming, axis_name="c"))(stacked)
+  each = [jax.jit(lambda s: jax_data.scan(
+      _step, 0, s, batch_fn=batch_fn, length=7))(s)[0][0] for s in states]
+  _same(sums, np.full(chains, sum(int(e) for e in each)))
+  _same(index, np.repeat(np.arange(chains)[:, None], 7, axis=1))
+
+
+def test_differentiation_through_scan_as_documented(pipeline):
+  """Forward mode works, vmapped over one chain or several; reverse mode
+  works where the position is known (no jit)."""
+  init_fn, batch_fn, _ = pipeline
+  state = init_fn(seed=0)
+
+  def total(w, s):
+    f = lambda c, b: (c + w * jnp.sum(b["x"]), None)
+    return jax_data.scan(f, 0.0, s, batch_fn=batch_fn, length=12)[0][0]
+
+  value = float(total(1.0, state))
+  assert float(jax.grad(total)(1.0, state)) == value
+  for chains in (1, 3):
+    stacked = jax.tree_util.tree_map(lambda a, c=chains: jnp.stack([a] * c),
+                                     state)
+    out, tangent = jax.jit(jax.vmap(lambda w, s: jax.jvp(
+        lambda w: total(w, s), (w,), (1.0,))))(jnp.ones(chains), stacked)
+    _same((out, tangent), (np.full(chains, value), np.full(chains, value)))
+
+
 def test_device_loader_falls_back_to_batch_fn():
   loader = jax_data.DeviceNumpyDataLoader(x=np.arange(20))
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 1, 3)
