@@ -195,6 +195,27 @@ def test_differentiation_through_scan_as_documented(pipeline):
     _same((out, tangent), (np.full(chains, value), np.full(chains, value)))
 
 
+@pytest.mark.parametrize("chains", [None, 3])
+def test_a_scan_between_chunk_boundaries_copies_no_cache(pipeline, chains):
+  """The parts of a scan that refresh the cache (a state inside a chunk,
+  a last chunk begun) are inside conditionals on any lane needing them:
+  the program's main path copies no cache, which XLA otherwise did twice
+  per call (13 MB each at 16 chains of case (g), 3 ms of a 90 ms call)."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the layout of XLA's CPU program")
+  init_fn, batch_fn, _ = pipeline
+  state = init_fn(seed=0) if chains is None else init_fn(seed=range(chains))
+  run = lambda s: jax_data.scan(_step, 0, s, batch_fn=batch_fn, length=13)
+  run = jax.jit(run if chains is None else jax.vmap(run), donate_argnums=0)
+  text = run.lower(state).compile().as_text()
+  entry = text[text.index("\nENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  cache = ",".join(str(d) for d in state.batches["x"].shape)
+  copies = [line for line in entry.splitlines()
+            if " copy(" in line and f"[{cache}]" in line]
+  assert not copies, copies
+
+
 def test_device_loader_falls_back_to_batch_fn():
   loader = jax_data.DeviceNumpyDataLoader(x=np.arange(20))
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 1, 3)
