@@ -213,3 +213,35 @@ def test_split_gathers_and_copies_equal_numpy(threads):
   np.testing.assert_array_equal(small, array[:1])
   gatherer.close()
   gatherer.close()  # idempotent
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("sizes", [[], [7], [40, 1, 1, 40, 3], [1] * 30])
+def test_copies_of_many_lanes_land_whole_split_or_not(threads, sizes):
+  """copy_all writes every pair, however its pairs split into parts (by
+  bytes, of at least 64 here) and whichever thread takes them."""
+  array = np.arange(100 * 4, dtype=np.float64).reshape(100, 4)
+  gatherer = gather.Gatherer(threads=threads, part_bytes=64)
+  starts = np.cumsum([0] + sizes)
+  outs = [np.full((n, 4), np.nan) for n in sizes]
+  pairs = [(out, array[a:a + len(out)]) for out, a in zip(outs, starts)]
+  gatherer.copy_all(pairs)
+  for out, source in pairs:
+    np.testing.assert_array_equal(out, source)
+  gatherer.close()
+
+
+def test_a_split_does_not_wait_for_a_helper_that_never_starts():
+  """The caller takes every part a helper has not taken: with the only
+  helper thread held up, a split gather still finishes, whole."""
+  import threading
+  gatherer = gather.Gatherer(threads=2, part_bytes=64)
+  array = np.arange(1000 * 5, dtype=np.float64).reshape(1000, 5)
+  release = threading.Event()
+  held = gatherer._helper_pool().submit(release.wait)
+  flat = np.arange(999, -1, -1)
+  out = gatherer.take(array, flat, np.empty((1000, 5)))
+  np.testing.assert_array_equal(out, array[::-1])
+  release.set()
+  held.result()
+  gatherer.close()

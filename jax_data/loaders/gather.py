@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import itertools
 import os
 import sys
 import threading
@@ -43,15 +44,22 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+# Parts per thread of a split gather or copy: the threads take them in
+# turn, so one that gets a core late does fewer.
+_PARTS_PER_THREAD = 3
+
+
 class Gatherer:
   """Copies rows of in-memory arrays into buffers.
 
   A large gather or copy is split into parts of at least ``part_bytes``,
-  at most one per thread: the caller's and up to ``threads - 1`` helper
-  threads, started on first use and ended by :meth:`close`. Below
-  ``part_bytes`` a part costs more to hand to another thread than it saves
-  (a 1.3 MB copy took 1.24x as long in two threads as in one, measured on 2
-  cores; a 13 MB copy 0.62x).
+  a few per thread, which the caller's thread and up to ``threads - 1``
+  helper threads (started on first use, ended by :meth:`close`) take in
+  turn: a helper that gets a core late, on a busy machine, takes fewer
+  parts, or none, and is not waited for. Below ``part_bytes`` a part costs
+  more to hand to another thread than it saves (a 1.3 MB copy took 1.24x
+  as long in two threads as in one, measured on 2 cores; a 13 MB copy
+  0.62x).
 
   Args:
     threads: Threads per gather; default: the usable cores, at most 8.
@@ -66,26 +74,46 @@ class Gatherer:
     self._lock = threading.Lock()
     self._helper: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
+  def _parts(self, size: int, most: int, threads: int) -> int:
+    """How many parts work of ``size`` units splits into, at most ``most``
+    (units of at least the least part): 1 for no split."""
+    return 1 if threads < 2 else min(threads * _PARTS_PER_THREAD, most,
+                                     size)
+
   def _bounds(self, out: np.ndarray) -> Optional[np.ndarray]:
     """Where ``out``'s rows split into parts, or None for one part."""
     if out.ndim == 0:
       return None
-    parts = min(self._threads, out.nbytes // self._part_bytes, out.shape[0])
+    parts = self._parts(out.shape[0], out.nbytes // self._part_bytes,
+                        self._threads)
     if parts < 2:
       return None
     return np.linspace(0, out.shape[0], parts + 1).astype(int)
 
-  def _split(self, work: Callable[[int, int], Any], bounds: np.ndarray
-             ) -> None:
-    """``work(low, high)`` for every part; the caller does the first."""
+  def _split(self, work: Callable[[int, int], Any], bounds: np.ndarray,
+             threads: Optional[int] = None) -> None:
+    """``work(low, high)`` for every part between ``bounds``, in the
+    caller's thread and up to ``threads - 1`` helpers. Each thread takes
+    the next part not taken yet; a helper that has not started when the
+    caller runs out of parts is cancelled, not waited for."""
+    parts = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+    taken = itertools.count()  # next() is atomic in CPython
+
+    def run() -> None:
+      for i in taken:
+        if i >= len(parts):
+          return
+        work(*parts[i])
+
     pool = self._helper_pool()
-    others = [pool.submit(work, int(low), int(high))
-              for low, high in zip(bounds[1:-1], bounds[2:])]
+    helpers = [pool.submit(run) for _ in range(
+        min(self._threads if threads is None else threads, len(parts)) - 1)]
     try:
-      work(int(bounds[0]), int(bounds[1]))
+      run()
     finally:
-      for other in others:
-        other.result()
+      for helper in helpers:
+        if not helper.cancel():
+          helper.result()
 
   def split(self, work: Callable[[int, int], Any], size: int,
             least: int) -> None:
@@ -97,11 +125,12 @@ class Gatherer:
     draw of 1,024 chains took 41, 28, 35, 42 and 51 ms in 1, 2, 4, 8 and
     16 threads on 16 cores (9.1, 8.7, 11, 15 and 19 ms for 256 chains on
     2 cores)."""
-    parts = min(self._threads, 2, size // max(1, least))
+    threads = min(self._threads, 2)
+    parts = self._parts(size, size // max(1, least), threads)
     if parts < 2:
       work(0, size)
       return
-    self._split(work, np.linspace(0, size, parts + 1).astype(int))
+    self._split(work, np.linspace(0, size, parts + 1).astype(int), threads)
 
   def take(self, array: np.ndarray, flat: np.ndarray,
            out: np.ndarray) -> np.ndarray:
@@ -132,6 +161,29 @@ class Gatherer:
       return
     self._split(lambda low, high: np.copyto(out[low:high],
                                             source[low:high]), bounds)
+
+  def copy_all(self, pairs: Sequence[Tuple[np.ndarray, np.ndarray]]
+               ) -> None:
+    """:meth:`copy` for every ``(out, source)`` pair, the pairs split over
+    threads by their bytes when they are large together: the chunks of
+    many lanes, each too small to split alone (16 lanes of 840 KiB took
+    1.7 ms in one thread)."""
+    sizes = np.cumsum([out.nbytes for out, _ in pairs])
+    total = int(sizes[-1]) if len(pairs) else 0
+    parts = self._parts(len(pairs), total // self._part_bytes, self._threads)
+    if parts < 2:
+      for out, source in pairs:
+        self.copy(out, source)
+      return
+
+    def work(low: int, high: int) -> None:
+      for out, source in pairs[low:high]:
+        np.copyto(out, source)
+
+    # Each part ends at the pair where its share of the bytes is reached.
+    shares = np.linspace(0, total, parts + 1)[1:-1]
+    ends = np.searchsorted(sizes, shares) + 1
+    self._split(work, np.concatenate([[0], ends, [len(pairs)]]))
 
   def _helper_pool(self) -> concurrent.futures.ThreadPoolExecutor:
     with self._lock:

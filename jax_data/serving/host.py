@@ -42,6 +42,18 @@ from jax_data.serving.chunk_store import Prefetcher
 from jax_data.serving.rendezvous import Rendezvous
 
 
+def _copies(outs: Sequence[np.ndarray], lanes: List[Chunk],
+            need: Optional[np.ndarray], read_in_place: bool
+            ) -> List[Tuple[np.ndarray, np.ndarray]]:
+  """The ``(out, leaf)`` copies that put the lanes' chunks into ``outs``:
+  none for lanes that ``need`` nothing (when given), nor for leaves that
+  are views of ``outs`` already (read in place)."""
+  return [(out[lane], leaf) for lane, chunk in enumerate(lanes)
+          if need is None or need[lane]
+          for out, leaf in zip(outs, list(chunk.leaves) + [chunk.mask])
+          if not (read_in_place and _same_memory(out[lane], leaf))]
+
+
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
   """Whether two arrays are the same memory, laid out alike (a chunk read
   in place)."""
@@ -233,13 +245,9 @@ class Host:
                            participants, deferred, outs)
       # Chunks read in place are views of outs already (see chunks); none
       # are where even all lanes would not be read in place.
-      read_in_place = store.reads_in_place(len(lanes))
-      for lane, chunk in enumerate(lanes):
-        if keep_others and not need.reshape(-1)[lane]:
-          continue
-        for out, leaf in zip(outs, list(chunk.leaves) + [chunk.mask]):
-          if not (read_in_place and _same_memory(out[lane], leaf)):
-            self._copier.copy(out[lane], leaf)
+      self._copier.copy_all(_copies(
+          outs, lanes, need.reshape(-1) if keep_others else None,
+          store.reads_in_place(len(lanes))))
     finally:
       store.schedule_next(deferred, trim=True)
 
