@@ -286,9 +286,11 @@ def _floor(request, data):
   pool = concurrent.futures.ThreadPoolExecutor(cores)
 
   def gather(part):
+    # mode="clip": no bounds checks (the indices are in range), as the
+    # loaders gather; NumPy's default checks took 2.4x as long here.
     for k, v in data.items():
       np.take(v, indices[part[0]:part[-1] + 1], axis=0,
-              out=outs[k][part[0]:part[-1] + 1])
+              out=outs[k][part[0]:part[-1] + 1], mode="clip")
 
   def once():
     list(pool.map(gather, parts))
