@@ -155,19 +155,14 @@ class Gatherer:
     """``np.copyto(out, source)``, split over threads when ``out`` is large
     (a copy from memory that is not in a core's cache runs at about 1.6
     times the bytes/s in two threads than in one)."""
-    bounds = self._bounds(out)
-    if bounds is None or np.shape(source) != out.shape:
-      np.copyto(out, source)
-      return
-    self._split(lambda low, high: np.copyto(out[low:high],
-                                            source[low:high]), bounds)
+    self.copy_all([(out, source)])
 
   def copy_all(self, pairs: Sequence[Tuple[np.ndarray, np.ndarray]]
                ) -> None:
-    """:meth:`copy` for every ``(out, source)`` pair, split over threads
-    by bytes: a large pair in parts of its rows, as :meth:`copy` splits
-    it, and small ones together (the chunks of many lanes, each too small
-    to split alone: 16 lanes of 840 KiB took 1.7 ms in one thread)."""
+    """``np.copyto(out, source)`` for every pair, split over threads by
+    bytes: a large pair in parts of its rows (:meth:`_bounds`), small ones
+    together (the chunks of many lanes, each too small to split alone: 16
+    lanes of 840 KiB took 1.7 ms in one thread)."""
     pieces = []
     for out, source in pairs:
       bounds = self._bounds(out) if np.shape(source) == out.shape else None
