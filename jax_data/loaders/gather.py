@@ -171,18 +171,20 @@ class Gatherer:
       else:
         pieces += [(out[a:b], source[a:b])
                    for a, b in zip(bounds[:-1], bounds[1:])]
-    sizes = np.cumsum([out.nbytes for out, _ in pieces])
-    total = int(sizes[-1]) if pieces else 0
-    parts = self._parts(len(pieces), total // self._part_bytes, self._threads)
-    if parts < 2:
-      for out, source in pieces:
-        np.copyto(out, source)
-      return
 
     def work(low: int, high: int) -> None:
       for out, source in pieces[low:high]:
         np.copyto(out, source)
 
+    parts = 1  # one small copy: no NumPy calls to plan it
+    if len(pieces) > 1:
+      sizes = np.cumsum([out.nbytes for out, _ in pieces])
+      total = int(sizes[-1])
+      parts = self._parts(len(pieces), total // self._part_bytes,
+                          self._threads)
+    if parts < 2:
+      work(0, len(pieces))
+      return
     # Each part ends at the piece where its share of the bytes is reached.
     shares = np.linspace(0, total, parts + 1)[1:-1]
     ends = np.searchsorted(sizes, shares) + 1
