@@ -406,3 +406,88 @@ def test_a_stream_drawn_ahead_gives_each_draw_its_own_batches(
     else:
       np.testing.assert_array_equal(mask, expected_mask)
     assert stream.get_state()["batch"] == first + count
+
+
+@pytest.mark.parametrize("shuffle,in_epochs", MODES)
+def test_a_group_draws_its_next_indices_while_reading(shuffle, in_epochs,
+                                                      monkeypatch):
+  """A group of chains produced together draws the indices of its next
+  chunks in another thread while it reads this chunk's rows, and takes
+  them when asked for those chunks: every chunk equals each chain's stream
+  through forward steps, a seek of one chain, and trims; indices drawn
+  ahead for chunks no longer asked for are not used."""
+  from jax_data.loaders import indexed
+  from jax_data.loaders.chains import RandomChain
+
+  caller = threading.get_ident()
+  draws = []  # the thread of each draw
+  made = indexed.chain_batches
+
+  def spied(*args, **kwargs):
+    draws.append(threading.get_ident() == caller)
+    return made(*args, **kwargs)
+
+  monkeypatch.setattr(indexed, "chain_batches", spied)
+  n, cache, mb = 1000, 3, 4
+  loader = jax_data.NumpyDataLoader(x=np.arange(n))
+  layout = loader.chunk_layout(cache, mb)
+  observations = jax_data.sampling.ObservationRange(0, n)
+  cursors = [loader.add_chain(RandomChain(
+      40 + c, observations, shuffle, in_epochs, "counter"), layout)[2]
+             for c in range(4)]
+  at = [0] * 4
+  for step in range(8):
+    if step == 4:  # one chain moves elsewhere: the drawn ahead are stale
+      cursors[1].seek(cursors[1].position_at(9))
+      at[1] = 9
+    if step == 6:
+      cursors[0].trim()
+    chunks = type(cursors[0]).produce_group(cursors, at, layout, np.empty)
+    for c, chunk in enumerate(chunks):
+      expected, mask = cs.stream_batches(40 + c, at[c] * cache, cache, mb,
+                                         n, shuffle, in_epochs)
+      np.testing.assert_array_equal(chunk.leaves[0], expected)
+      np.testing.assert_array_equal(
+          chunk.mask, np.ones_like(expected, bool) if mask is None else mask)
+      assert chunk.span[1] == c
+    at = [a + 1 for a in at]
+  cursors[0]._drawn[1].result()  # pylint: disable=protected-access
+  # In the caller: the first chunk, after the seek, after the trim.
+  assert draws.count(True) == 3, draws
+  assert draws.count(False) == 8, draws
+  for cursor in cursors:
+    cursor.close()
+
+
+def test_lanes_of_one_group_are_copied_once_per_leaf(monkeypatch):
+  """A refresh whose lanes are one group's chunks in its order is one copy
+  per leaf and the mask; the same chunks in another order are copied lane
+  by lane, to the same result."""
+  from jax_data.loaders.chains import RandomChain
+  from jax_data.loaders.chains import spanned
+  from jax_data.serving import host as host_module
+
+  n, cache, mb = 500, 2, 3
+  loader = jax_data.NumpyDataLoader(x=np.arange(n), y=np.arange(n) * 2.0)
+  layout = loader.chunk_layout(cache, mb)
+  observations = jax_data.sampling.ObservationRange(0, n)
+  cursors = [loader.add_chain(RandomChain(c, observations, True, True,
+                                          "counter"), layout)[2]
+             for c in range(5)]
+  chunks = type(cursors[0]).produce_group(cursors, [0] * 5, layout,
+                                          np.empty)
+  assert spanned(chunks) is chunks[0].span[0]
+  assert spanned(chunks[::-1]) is None and spanned(chunks[:4]) is None
+  for order in (list(range(5)), [4, 0, 3, 1, 2]):
+    lanes = [chunks[g] for g in order]
+    outs = [np.full(shape, -1, dtype)
+            for shape, dtype in layout.formats(5)]
+    copies = host_module._copies(outs, lanes, None, False)  # pylint: disable=protected-access
+    assert len(copies) == (3 if order == sorted(order) else 15)
+    for out, source in copies:
+      np.copyto(out, source)
+    for lane, chunk in enumerate(lanes):
+      for out, leaf in zip(outs, chunk.leaves + [chunk.mask]):
+        np.testing.assert_array_equal(out[lane], leaf)
+  for cursor in cursors:
+    cursor.close()

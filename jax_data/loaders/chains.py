@@ -255,10 +255,42 @@ class Chunk:
       code), it raises if they can no longer be read: leaves that are views
       of a memory-mapped file whose file has since shrunk (reading them
       would kill the process with SIGBUS).
+    span: ``(span, g)`` for the ``g``-th chunk of chains produced together
+      (:meth:`ChainCursor.produce_group`): a request for exactly those
+      chunks, in that order, is copied in one piece per leaf.
   """
   leaves: List[np.ndarray]
   mask: np.ndarray
   check: Callable[[], None] = readable
+  span: Optional[Tuple["Span", int]] = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Span:
+  """The chunks of chains produced together, as arrays with a leading lane
+  axis: chunk ``g``'s leaves are ``leaves[k][g]`` and its mask
+  ``mask[g]`` (any strides: a group read in place is interleaved batch by
+  batch; an all-valid mask may be a broadcast view)."""
+  leaves: List[np.ndarray]
+  mask: np.ndarray
+
+  def chunks(self, checks: Sequence[Callable[[], None]]) -> List[Chunk]:
+    """Its chunks, views of it, with these checks (one per chunk)."""
+    return [Chunk([leaf[g] for leaf in self.leaves], self.mask[g], check,
+                  (self, g)) for g, check in enumerate(checks)]
+
+
+def spanned(chunks: Sequence[Chunk]) -> Optional[Span]:
+  """The span whose chunks ``chunks`` are, all of them in its order; None
+  if they are not."""
+  first = chunks[0].span if chunks else None
+  if first is None or len(first[0].mask) != len(chunks):
+    return None
+  span = first[0]
+  for g, chunk in enumerate(chunks):
+    if chunk.span is None or chunk.span[0] is not span or chunk.span[1] != g:
+      return None
+  return span
 
 
 class ChainCursor(abc.ABC):

@@ -132,6 +132,18 @@ class Gatherer:
       return
     self._split(work, np.linspace(0, size, parts + 1).astype(int), threads)
 
+  def submit(self, work: Callable[[], Any]
+             ) -> Optional[concurrent.futures.Future]:
+    """Runs ``work()`` in a helper thread, where the parts of later splits
+    wait for it (work to overlap with a gather in the caller's thread);
+    None, and nothing runs, with one thread or once closed."""
+    if self._threads < 2:
+      return None
+    try:
+      return self._helper_pool().submit(work)
+    except RuntimeError:  # closed
+      return None
+
   def take(self, array: np.ndarray, flat: np.ndarray,
            out: np.ndarray) -> np.ndarray:
     """``np.take(array, flat, axis=0)`` written into ``out`` (returned).

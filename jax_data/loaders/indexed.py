@@ -8,12 +8,16 @@ and gets cursors whose streams are exactly the NumPy loader's.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
+import functools
+from typing import Any
 from typing import Callable
 from typing import Hashable
 from typing import List
 from typing import Optional
 from typing import Sequence
+from typing import Tuple
 from typing import Union
 
 import numpy as np
@@ -24,6 +28,7 @@ from jax_data.loaders.chains import Chunk
 from jax_data.loaders.chains import ChunkLayout
 from jax_data.loaders.chains import OrderedChain
 from jax_data.loaders.chains import Position
+from jax_data.loaders.chains import Span
 from jax_data.loaders.chains import batch_rows
 from jax_data.loaders.chains import readable
 from jax_data.streams.counter_chains import CounterStream
@@ -37,6 +42,9 @@ from jax_data.streams.sampling import RandomStream
 # filled, or read-only views of the data (of memory-mapped files too: then
 # the cursor's ``check`` tells whether they can still be read).
 ReadRows = Callable[[np.ndarray, List[np.ndarray]], List[np.ndarray]]
+
+# Runs work in another thread: its future, or None if it cannot.
+Ahead = Callable[[Callable[[], Any]], Optional[concurrent.futures.Future]]
 
 _POSITION_VERSION = 1
 
@@ -71,12 +79,17 @@ class IndexedCursor(ChainCursor):
     split: Draws a group's indices in parts, in several threads (a
       loader's :meth:`~jax_data.loaders.gather.Gatherer.split`); default:
       all at once.
+    ahead: Runs work in another thread and returns its future, or None (a
+      loader's :meth:`~jax_data.loaders.gather.Gatherer.submit`): a group
+      draws its next chunk's indices there while it reads this chunk's
+      rows. Default: none drawn ahead.
   """
 
   def __init__(self, spec: ChainSpec, layout: ChunkLayout, read: ReadRows,
                check: Callable[[], None] = readable,
                rows: Optional[Hashable] = None,
-               split: Optional[Split] = None):
+               split: Optional[Split] = None,
+               ahead: Optional[Ahead] = None):
     part = getattr(spec, "part", None)
     self._stream = stream_of(spec, batch_rows(spec, layout.mb_size))
     # A part of each batch: its columns of the whole batch's indices.
@@ -87,6 +100,10 @@ class IndexedCursor(ChainCursor):
     self._check = check
     self._rows = read if rows is None else rows
     self._split = split
+    self._ahead = ahead
+    # A group's next indices, drawn while it read its last chunk (on the
+    # group's first cursor): ((seeds, firsts), their future).
+    self._drawn: Optional[Tuple[Hashable, concurrent.futures.Future]] = None
     self._all_valid = np.ones(layout.lead, bool)
     self._all_valid.setflags(write=False)
 
@@ -124,45 +141,74 @@ class IndexedCursor(ChainCursor):
                     allocate: Callable[..., np.ndarray]) -> List[Chunk]:
     """The chunks of counter-based chains over the same rows: one draw of
     every chain's indices, one ``read`` of all their rows into one buffer
-    per leaf, of which each chunk is a slice."""
+    per leaf, of which each chunk is a slice. While the rows are read, the
+    indices of the group's next chunks are drawn in another thread (the
+    cursor's ``ahead``): a refresh of 256 chains then waits for the read
+    alone, not for a draw of 11 ms before it."""
     del indices  # each cursor stands at its chunk
     streams = [cursor._stream for cursor in cursors]  # pylint: disable=protected-access
     first = streams[0]
     count = layout.cache_size
-    columns = cursors[0]._columns  # pylint: disable=protected-access
-    indices, mask = chain_batches(
-        [stream.seed for stream in streams],
-        [stream.advance(count) for stream in streams], count,
-        first.mb_size, first.observations.count, first.shuffle,
-        first.in_epochs, first.observations.start, columns,
-        cursors[0]._split)  # pylint: disable=protected-access
-    rows = count * layout.mb_size
+    lead: IndexedCursor = cursors[0]  # type: ignore[assignment]
+    draw = functools.partial(
+        chain_batches, count=count, mb_size=first.mb_size,
+        n=first.observations.count, shuffle=first.shuffle,
+        in_epochs=first.in_epochs, start=first.observations.start,
+        columns=lead._columns)  # pylint: disable=protected-access
+    seeds = tuple(stream.seed for stream in streams)
+    firsts = tuple(stream.advance(count) for stream in streams)
+    drawn = lead._take_drawn((seeds, firsts))  # pylint: disable=protected-access
+    indices, mask = drawn or draw(seeds, firsts, split=lead._split)  # pylint: disable=protected-access
+    lead._draw_ahead(  # pylint: disable=protected-access
+        (seeds, tuple(f + count for f in firsts)), draw)
     flat_out = [allocate((indices.size,) + leaf.shape, leaf.dtype)
                 for leaf in layout.leaves]
     # Compiled code's buffers with the lane axis second take the rows
     # batch by batch, every cursor's batch j before any batch j + 1.
-    interleaved = getattr(allocate, "interleaved", False)
-    if interleaved:
+    lanes, shapes = len(cursors), layout.leaf_shapes()
+    if getattr(allocate, "interleaved", False):
       leaves = _read_interleaved(cursors[0]._read, indices, flat_out)  # pylint: disable=protected-access
+      leaves = [leaf.reshape(shape[:1] + (lanes,) + shape[1:]).swapaxes(0, 1)
+                for leaf, shape in zip(leaves, shapes)]
     else:
       leaves = cursors[0]._read(indices.reshape(-1), flat_out)  # pylint: disable=protected-access
-    chunks = []
-    for g, cursor in enumerate(cursors):
-      if interleaved:
-        part = [leaf.reshape(shape[:1] + (len(cursors),) + shape[1:])[:, g]
-                for leaf, shape in zip(leaves, layout.leaf_shapes())]
-      else:
-        part = [leaf[g * rows:(g + 1) * rows].reshape(shape)
-                for leaf, shape in zip(leaves, layout.leaf_shapes())]
-      valid = cursor._all_valid if mask is None else mask[g]  # pylint: disable=protected-access
-      chunks.append(Chunk(part, valid, cursor._check))  # pylint: disable=protected-access
-    return chunks
+      leaves = [leaf.reshape((lanes,) + shape)
+                for leaf, shape in zip(leaves, shapes)]
+    span = Span(leaves, np.broadcast_to(np.True_, (lanes,) + layout.lead)
+                if mask is None else mask)
+    return span.chunks([cursor._check for cursor in cursors])  # pylint: disable=protected-access
+
+  def _take_drawn(self, key: Hashable) -> Optional[Tuple[np.ndarray, Any]]:
+    """The indices drawn ahead for ``key`` (seeds and first batches), or
+    None (another key: the group's chains moved elsewhere; or the draw
+    failed, and is done again in the caller's thread); drops them."""
+    drawn, self._drawn = self._drawn, None
+    if drawn is None or drawn[0] != key:
+      return None
+    try:
+      return drawn[1].result()
+    except Exception:  # pylint: disable=broad-except
+      return None
+
+  def _draw_ahead(self, key: Tuple[Sequence[int], Sequence[int]],
+                  draw: Callable[..., Tuple[np.ndarray, Any]]) -> None:
+    if self._ahead is not None:
+      future = self._ahead(functools.partial(draw, *key))
+      self._drawn = None if future is None else (key, future)
+
+  def close(self) -> None:
+    self._drawn = None
 
   def trim(self) -> None:
     self._stream.trim()
+    self._drawn = None
 
   def held_bytes(self) -> int:
-    return self._stream.held_bytes()
+    drawn = self._drawn
+    ahead = 0
+    if drawn is not None and drawn[1].done() and not drawn[1].exception():
+      ahead = sum(a.nbytes for a in drawn[1].result() if a is not None)
+    return self._stream.held_bytes() + ahead
 
   def position(self) -> Position:
     return {"version": _POSITION_VERSION, "stream": self._stream.get_state()}

@@ -190,7 +190,8 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
   def open_chain(self, spec: ChainSpec, layout: ChunkLayout) -> ChainCursor:
     """A cursor over the chain's rows (``spec/SAMPLING.md``)."""
     return IndexedCursor(spec, layout, self._read, self._check_files,
-                         split=self._gatherer.split)
+                         split=self._gatherer.split,
+                         ahead=self._gatherer.submit)
 
   def content_digest(self) -> str:
     if self._digest is None:

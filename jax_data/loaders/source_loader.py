@@ -307,6 +307,7 @@ class _SourceCursor(IndexedCursor):
       pass  # cancelled before
 
   def close(self) -> None:
+    super().close()
     closed, self._closed = self._closed, None
     if closed is not None:
       closed()

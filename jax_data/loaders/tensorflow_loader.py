@@ -406,7 +406,8 @@ class TensorflowDataLoader(HostDataLoader):
                           self._gatherer)
         # Grouped by loader: every such chain reads the same rows.
         return IndexedCursor(spec, layout, rows.gather, rows=self,
-                             split=self._gatherer.split)
+                             split=self._gatherer.split,
+                             ahead=self._gatherer.submit)
       source = MemoryRows(self._arrays, shard, self._gatherer)
       if isinstance(spec, OrderedChain):
         return OrderedMemoryCursor(source, spec, layout)

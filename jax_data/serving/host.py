@@ -31,6 +31,7 @@ from jax_data.lifetime import Thread
 from jax_data.loaders.chains import ChainSpec
 from jax_data.loaders.chains import Chunk
 from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.chains import spanned
 from jax_data.loaders.gather import BufferPool
 from jax_data.loaders.gather import Gatherer
 from jax_data.loaders.host_loader import HostDataLoader
@@ -47,11 +48,19 @@ def _copies(outs: Sequence[np.ndarray], lanes: List[Chunk],
             ) -> List[Tuple[np.ndarray, np.ndarray]]:
   """The ``(out, leaf)`` copies that put the lanes' chunks into ``outs``:
   none for lanes that ``need`` nothing (when given), nor for leaves that
-  are views of ``outs`` already (read in place)."""
-  return [(out[lane], leaf) for lane, chunk in enumerate(lanes)
-          if need is None or need[lane]
-          for out, leaf in zip(outs, list(chunk.leaves) + [chunk.mask])
-          if not (read_in_place and _same_memory(out[lane], leaf))]
+  are views of ``outs`` already (read in place). Lanes that are the chunks
+  of one group, in its order (:func:`spanned`), are one copy per leaf, not
+  one per lane and leaf: 768 copies of 42 KiB and their planning took
+  about 10 ms at 256 lanes."""
+  span = spanned(lanes) if need is None or all(need) else None
+  if span is not None:
+    pairs = list(zip(outs, span.leaves + [span.mask]))
+  else:
+    pairs = [(out[lane], leaf) for lane, chunk in enumerate(lanes)
+             if need is None or need[lane]
+             for out, leaf in zip(outs, list(chunk.leaves) + [chunk.mask])]
+  return [(out, leaf) for out, leaf in pairs
+          if not (read_in_place and _same_memory(out, leaf))]
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
