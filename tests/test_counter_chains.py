@@ -409,10 +409,10 @@ def test_a_stream_drawn_ahead_gives_each_draw_its_own_batches(
 
 
 @pytest.mark.parametrize("shuffle,in_epochs", MODES)
-def test_a_group_draws_its_next_indices_while_reading(shuffle, in_epochs,
-                                                      monkeypatch):
+def test_a_group_draws_its_next_indices_ahead(shuffle, in_epochs,
+                                              monkeypatch):
   """A group of chains produced together draws the indices of its next
-  chunks in another thread while it reads this chunk's rows, and takes
+  chunks in another thread once it has read this chunk's rows, and takes
   them when asked for those chunks: every chunk equals each chain's stream
   through forward steps, a seek of one chain, and trims; indices drawn
   ahead for chunks no longer asked for are not used."""

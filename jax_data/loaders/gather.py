@@ -135,7 +135,7 @@ class Gatherer:
   def submit(self, work: Callable[[], Any]
              ) -> Optional[concurrent.futures.Future]:
     """Runs ``work()`` in a helper thread, where the parts of later splits
-    wait for it (work to overlap with a gather in the caller's thread);
+    wait for it (work to overlap with what the caller does next);
     None, and nothing runs, with one thread or once closed."""
     if self._threads < 2:
       return None
