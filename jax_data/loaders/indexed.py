@@ -102,8 +102,8 @@ class IndexedCursor(ChainCursor):
     self._rows = read if rows is None else rows
     self._split = split
     self._ahead = ahead
-    # A group's next indices, drawn while it read its last chunk (on the
-    # group's first cursor): ((seeds, firsts), their future).
+    # A group's next indices, drawn once it had read its last chunk (on
+    # the group's first cursor): ((seeds, firsts), their future).
     self._drawn: Optional[Tuple[Hashable, concurrent.futures.Future]] = None
     self._all_valid = np.ones(layout.lead, bool)
     self._all_valid.setflags(write=False)
@@ -147,7 +147,7 @@ class IndexedCursor(ChainCursor):
     cursor's ``ahead``), while compiled code works through these: a
     refresh of 256 chains read in place (N = 1e5, 100 batches) then need
     not wait for an 11 ms draw before its read. On 2 cores that made a
-    step 5 % faster at 256 and 1,024 chains; drawn during the read
+    step 4-10 % faster at 256 and 1,024 chains; drawn during the read
     instead, it only took the read's second thread (no faster)."""
     del indices  # each cursor stands at its chunk
     streams = [cursor._stream for cursor in cursors]  # pylint: disable=protected-access

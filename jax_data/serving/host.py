@@ -50,8 +50,8 @@ def _copies(outs: Sequence[np.ndarray], lanes: List[Chunk],
   none for lanes that ``need`` nothing (when given), nor for leaves that
   are views of ``outs`` already (read in place). Lanes that are the chunks
   of one group, in its order (:func:`spanned`), are one copy per leaf, not
-  one per lane and leaf: 768 copies of 42 KiB and their planning took
-  about 10 ms at 256 lanes."""
+  one per lane and leaf: a refresh of 256 lanes of 5 batches took 8.2 ms
+  to answer with 768 copies, 4.4 ms with 3."""
   span = spanned(lanes) if need is None or all(need) else None
   if span is not None:
     pairs = list(zip(outs, span.leaves + [span.mask]))
