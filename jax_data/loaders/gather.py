@@ -136,12 +136,13 @@ class Gatherer:
              ) -> Optional[concurrent.futures.Future]:
     """Runs ``work()`` in a helper thread, where the parts of later splits
     wait for it (work to overlap with what the caller does next);
-    None, and nothing runs, with one thread or once closed."""
+    None, and nothing runs, with one thread or while the interpreter
+    shuts down (a pool ended by :meth:`close` is started again)."""
     if self._threads < 2:
       return None
     try:
       return self._helper_pool().submit(work)
-    except RuntimeError:  # closed
+    except RuntimeError:  # the interpreter shuts down
       return None
 
   def take(self, array: np.ndarray, flat: np.ndarray,
