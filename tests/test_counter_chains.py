@@ -491,3 +491,126 @@ def test_lanes_of_one_group_are_copied_once_per_leaf(monkeypatch):
         np.testing.assert_array_equal(out[lane], leaf)
   for cursor in cursors:
     cursor.close()
+
+
+@pytest.mark.parametrize("lane_axis", [0, 1], ids=["lanes_first",
+                                                   "lanes_second"])
+def test_buffers_given_whole_are_the_regions_of_their_chunks(lane_axis):
+  """Compiled code's buffers handed over as one span give a group the same
+  regions, and so the same rows in place, as the same buffers handed over
+  chunk by chunk; a subset of their lanes is checked chunk by chunk."""
+  from jax_data.loaders.chains import Chunk
+  from jax_data.loaders.chains import RandomChain
+  from jax_data.loaders.chains import Span
+  from jax_data.loaders.chains import readable
+  from jax_data.serving import production
+
+  n, cache, mb, lanes = 500, 3, 4, 5
+  loader = jax_data.NumpyDataLoader(x=np.arange(n), y=np.arange(n) * 2.0)
+  layout = loader.chunk_layout(cache, mb)
+  observations = jax_data.sampling.ObservationRange(0, n)
+
+  def buffers():  # lane axis first, in memory first or second
+    return [np.moveaxis(np.full((shape[1], shape[0]) + shape[2:], -1, dtype),
+                        1, 0) if lane_axis else np.full(shape, -1, dtype)
+            for shape, dtype in layout.formats(lanes)]
+
+  got = []
+  for whole in (True, False):
+    outs = buffers()
+    if whole:
+      targets = Span(outs[:-1], outs[-1]).chunks([readable] * lanes)
+    else:
+      targets = [Chunk([o[g] for o in outs[:-1]], outs[-1][g])
+                 for g in range(lanes)]
+    regions = production._Regions(targets, np.empty)  # pylint: disable=protected-access
+    assert regions.interleaved == bool(lane_axis)
+    cursors = [loader.add_chain(RandomChain(c, observations, True, False,
+                                            "counter"), layout)[2]
+               for c in range(lanes)]
+    chunks = type(cursors[0]).produce_group(cursors, [0] * lanes, layout,
+                                            regions)
+    for chunk, target in zip(chunks, targets):
+      for leaf, out in zip(chunk.leaves, target.leaves):
+        assert np.shares_memory(leaf, out)  # read in place
+        np.testing.assert_array_equal(leaf, out)
+    got.append([o.copy() for o in outs[:-1]])
+    for cursor in cursors:
+      cursor.close()
+  for a, b in zip(*got):
+    np.testing.assert_array_equal(a, b)
+  # Lanes 1 to 4 of 5: one region each lane after lane, none batch by
+  # batch (other lanes' batches lie between theirs).
+  outs = buffers()
+  some = Span(outs[:-1], outs[-1]).chunks([readable] * lanes)[1:]
+  regions = production._Regions(some, np.empty)  # pylint: disable=protected-access
+  assert not regions.interleaved
+  spans = regions._spans  # pylint: disable=protected-access
+  assert all((span is None) == bool(lane_axis) for span in spans)
+
+
+def test_a_span_is_checked_as_its_chunks_are():
+  """A group's span passes the layout's check exactly when each of its
+  chunks would, and a failure names the shape expected."""
+  from jax_data.loaders.chains import Span
+  from jax_data.loaders.chains import readable
+
+  loader = jax_data.NumpyDataLoader(x=np.arange(10.0), y=np.arange(10))
+  layout = loader.chunk_layout(3, 2)
+  shapes = layout.formats(4)
+  good = Span([np.zeros(s, d) for s, d in shapes[:-1]],
+              np.ones(*shapes[-1]))
+  assert layout.check_span(good, 4) is good
+  for chunk in good.chunks([readable] * 4):
+    assert layout.check(chunk) is chunk
+  wrong_dtype = Span([good.leaves[0].astype(np.float64), good.leaves[1]],
+                     good.mask)
+  wrong_lanes = Span([leaf[:3] for leaf in good.leaves], good.mask[:3])
+  cases = ((wrong_dtype, 4, r"\(4, 3, 2\) and dtype float32"),
+           (wrong_lanes, 4, r"\(4, 3, 2\)"), (good, 3, r"\(3, 3, 2\)"))
+  for span, lanes, expected in cases:
+    with pytest.raises(ValueError, match=f"expected shape {expected}"):
+      layout.check_span(span, lanes)
+  with pytest.raises(ValueError, match="dtype"):
+    layout.check(wrong_dtype.chunks([readable] * 4)[0])
+
+
+def test_a_span_chunk_is_the_views_of_its_lane():
+  """A chunk of a span reads as its lane of every leaf and of the mask,
+  the same arrays each time."""
+  from jax_data.loaders.chains import Span
+  from jax_data.loaders.chains import readable
+
+  x = np.arange(24).reshape(4, 3, 2)
+  mask = np.arange(12).reshape(4, 3) % 2 == 0
+  chunks = Span([x], mask).chunks([readable] * 4)
+  for g, chunk in enumerate(chunks):
+    assert chunk.span[1] == g and chunk.check is readable
+    np.testing.assert_array_equal(chunk.leaves[0], x[g])
+    np.testing.assert_array_equal(chunk.mask, mask[g])
+    assert chunk.leaves is chunk.leaves and chunk.mask is chunk.mask
+    assert np.shares_memory(chunk.leaves[0], x)
+
+
+def test_an_answer_keeps_its_first_settlement():
+  """The future of a chunk read in place answers as a future does: its
+  first result or error, kept; asked before it has one, it says so."""
+  import concurrent.futures
+
+  from jax_data.serving.chain_records import settle
+  from jax_data.serving.production import Answer
+
+  answer = Answer()
+  assert not answer.done()
+  with pytest.raises(concurrent.futures.InvalidStateError):
+    answer.result()
+  settle(answer, "chunk")
+  settle(answer, error=ValueError("late"))
+  assert answer.done() and answer.result() == "chunk"
+  assert answer.exception() is None
+  failed = Answer()
+  settle(failed, error=ValueError("unreadable"))
+  settle(failed, "late")
+  assert isinstance(failed.exception(), ValueError)
+  with pytest.raises(ValueError, match="unreadable"):
+    failed.result()

@@ -217,26 +217,34 @@ class ChunkLayout:
       ValueError: a leaf or the mask of another shape or dtype (a loader's
         error, not something to cast).
     """
-    layout = self
-    if len(chunk.leaves) != len(layout.leaves):
+    self._check_arrays(chunk.leaves, chunk.mask, ())
+    return chunk
+
+  def check_span(self, span: "Span", chunks: int) -> "Span":
+    """``span`` of ``chunks`` chunks, checked against the layout at once,
+    as :meth:`check` checks each of its chunks."""
+    self._check_arrays(span.leaves, span.mask, (chunks,))
+    return span
+
+  def _check_arrays(self, leaves: Sequence[Any], mask: Any,
+                    lanes: Tuple[int, ...]) -> None:
+    if len(leaves) != len(self.leaves):
       raise ValueError(
-          f"the cursor returned {len(chunk.leaves)} arrays, expected "
-          f"{len(layout.leaves)} as in the loader's observation_format")
-    for leaf, shape, fmt in zip(chunk.leaves, layout.leaf_shapes(),
-                                layout.leaves):
+          f"the cursor returned {len(leaves)} arrays, expected "
+          f"{len(self.leaves)} as in the loader's observation_format")
+    for leaf, shape, fmt in zip(leaves, self.leaf_shapes(), self.leaves):
+      shape = lanes + shape
       if not isinstance(leaf, np.ndarray) or leaf.shape != shape or (
           leaf.dtype != fmt.dtype):
         raise ValueError(
             f"the cursor returned an array of shape {np.shape(leaf)} and "
             f"dtype {getattr(leaf, 'dtype', type(leaf).__name__)}, expected "
             f"shape {shape} and dtype {fmt.dtype}")
-    mask = chunk.mask
-    if (not isinstance(mask, np.ndarray) or mask.shape != layout.lead
+    if (not isinstance(mask, np.ndarray) or mask.shape != lanes + self.lead
         or mask.dtype != np.bool_):
       raise ValueError(
           f"the cursor returned a mask of shape {np.shape(mask)}, expected "
-          f"{layout.lead} and dtype bool")
-    return chunk
+          f"{lanes + self.lead} and dtype bool")
 
 
 def readable() -> None:
@@ -276,8 +284,33 @@ class Span:
 
   def chunks(self, checks: Sequence[Callable[[], None]]) -> List[Chunk]:
     """Its chunks, views of it, with these checks (one per chunk)."""
-    return [Chunk([leaf[g] for leaf in self.leaves], self.mask[g], check,
-                  (self, g)) for g, check in enumerate(checks)]
+    return [_SpanChunk(self, g, check) for g, check in enumerate(checks)]
+
+
+class _SpanChunk(Chunk):
+  """Chunk ``g`` of a span, whose views are made when first read: a
+  refresh copied or read in place as one span never reads them (4.6 ms of
+  views at 1,024 lanes)."""
+
+  def __init__(self, span: Span, g: int, check: Callable[[], None]):
+    # pylint: disable=super-init-not-called (leaves and mask are views)
+    self.span = (span, g)
+    self.check = check
+    self._views: Optional[Tuple[List[np.ndarray], np.ndarray]] = None
+
+  def _made(self) -> Tuple[List[np.ndarray], np.ndarray]:
+    if self._views is None:
+      span, g = self.span
+      self._views = [leaf[g] for leaf in span.leaves], span.mask[g]
+    return self._views
+
+  @property  # type: ignore[override]
+  def leaves(self) -> List[np.ndarray]:
+    return self._made()[0]
+
+  @property  # type: ignore[override]
+  def mask(self) -> np.ndarray:
+    return self._made()[1]
 
 
 def spanned(chunks: Sequence[Chunk]) -> Optional[Span]:

@@ -105,6 +105,7 @@ class IndexedCursor(ChainCursor):
     # A group's next indices, drawn once it had read its last chunk (on
     # the group's first cursor): ((seeds, firsts), their future).
     self._drawn: Optional[Tuple[Hashable, concurrent.futures.Future]] = None
+    self._group_key: Optional[_Key] = None  # see group_key
     self._all_valid = np.ones(layout.lead, bool)
     self._all_valid.setflags(write=False)
 
@@ -129,12 +130,14 @@ class IndexedCursor(ChainCursor):
                  self._check)
 
   def group_key(self) -> Optional[Hashable]:
-    stream = self._stream
-    if not isinstance(stream, CounterStream):
-      return None
-    return (IndexedCursor, self._rows, self._check, self._layout,
-            stream.observations, stream.mode,
-            None if self._columns is None else self._columns.start)
+    # Made once: a refresh of 1,024 chains asks each of them, and hashing
+    # the layout anew took microseconds per chain.
+    if self._group_key is None and isinstance(self._stream, CounterStream):
+      self._group_key = _Key((
+          IndexedCursor, self._rows, self._check, self._layout,
+          self._stream.observations, self._stream.mode,
+          None if self._columns is None else self._columns.start))
+    return self._group_key
 
   @classmethod
   def produce_group(cls, cursors: Sequence[ChainCursor],
@@ -231,6 +234,23 @@ class IndexedCursor(ChainCursor):
           f"position {position!r} is not one of an indexed chain (version "
           f"{_POSITION_VERSION})")
     self._stream.set_state(copy.deepcopy(position["stream"]))
+
+
+class _Key:
+  """A hashable tuple whose hash is computed once."""
+
+  __slots__ = ("parts", "_hash")
+
+  def __init__(self, parts: Tuple[Hashable, ...]):
+    self.parts = parts
+    self._hash = hash(parts)
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Key) and (
+        self._hash == other._hash and self.parts == other.parts)
 
 
 # Rows a read of an interleaved group takes at most (a few steps' rows of

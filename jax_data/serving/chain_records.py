@@ -36,8 +36,8 @@ from jax_data.loaders.host_loader import StoreLimits
 from jax_data.validation import check_int
 
 #: A chunk to produce: its chain, its index, the future its requests wait
-#: on.
-Job = Tuple["ChainRecord", int, concurrent.futures.Future]
+#: on (a ``concurrent.futures.Future`` or a ``production.Answer``).
+Job = Tuple["ChainRecord", int, Any]
 
 
 def keep_snapshot(index: int, newest: int, recent: int) -> bool:

@@ -42,10 +42,10 @@ Only NumPy runs here; nothing calls JAX.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import functools
 import threading
+from typing import Any
 from typing import Callable
 from typing import Deque
 from typing import List
@@ -59,6 +59,7 @@ from jax_data.serving.chain_records import ChainRecord
 from jax_data.serving.chain_records import ChainTable
 from jax_data.serving.chain_records import Shelf
 from jax_data.serving.chain_records import settle
+from jax_data.serving.production import Answer
 from jax_data.serving.production import CursorBudget
 from jax_data.serving.production import Producer
 
@@ -253,8 +254,7 @@ class ChainStore:
     in_place = (into is not None and device_count == 1
                 and self._shelf.reads_in_place(len(wanted)))
     # Per (chain, index): record, index, future, ready, stored.
-    claims: List[Tuple[ChainRecord, int, concurrent.futures.Future, bool,
-                       bool]] = []
+    claims: List[Tuple[ChainRecord, int, Any, bool, bool]] = []
     mine, direct, targets = [], {}, {}
     for lane, (chain, index) in enumerate(wanted):
       record = self._chains.record(chain)
@@ -274,8 +274,7 @@ class ChainStore:
         continue
       job = direct.get((chain, index))
       if job is None:  # the same chunk twice in a request: read once
-        job = direct[(chain, index)] = (record, index,
-                                        concurrent.futures.Future())
+        job = direct[(chain, index)] = (record, index, Answer())
         targets[id(job[2])] = into[lane]
         mine.append(job)
       claims.append((record, index, job[2], False, False))

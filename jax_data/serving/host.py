@@ -31,6 +31,8 @@ from jax_data.lifetime import Thread
 from jax_data.loaders.chains import ChainSpec
 from jax_data.loaders.chains import Chunk
 from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.chains import Span
+from jax_data.loaders.chains import readable
 from jax_data.loaders.chains import spanned
 from jax_data.loaders.gather import BufferPool
 from jax_data.loaders.gather import Gatherer
@@ -190,8 +192,9 @@ class Host:
               "states of this pipeline's init_fn")
       targets = None  # only where chunks can be read in place
       if into is not None and store.reads_in_place(sum(need)):
-        targets = [Chunk([out[lane] for out in into[:-1]], into[-1][lane])
-                   for lane, wanted in enumerate(need) if wanted]
+        # One span, so that a group read into all of them is seen as one.
+        whole = Span(list(into[:-1]), into[-1]).chunks([readable] * len(need))
+        targets = [target for target, wanted in zip(whole, need) if wanted]
       if self._progress is not None:
         for index, wanted in zip(chunks, need):
           if wanted:

@@ -36,11 +36,55 @@ from jax_data.errors import HostLoaderError
 from jax_data.errors import PipelineReleasedError
 from jax_data.loaders.chains import Chunk
 from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.chains import spanned
 from jax_data.loaders.gather import BufferPool
 from jax_data.loaders.host_loader import StoreLimits
 from jax_data.serving.chain_records import ChainRecord
 from jax_data.serving.chain_records import Job
 from jax_data.serving.chain_records import settle
+
+
+class Answer:
+  """The future of a chunk that the requesting thread produces itself (read
+  straight into compiled code's buffers, see :meth:`ChainStore.chunks`):
+  no other thread waits for it, so it needs no lock. A
+  ``concurrent.futures.Future`` makes a condition variable, 1,024 of them
+  per refresh of 1,024 lanes."""
+
+  __slots__ = ("_settled", "_value", "_error")
+
+  def __init__(self):
+    self._settled = False
+    self._value: Any = None
+    self._error: Optional[BaseException] = None
+
+  def done(self) -> bool:
+    return self._settled
+
+  def set_result(self, value: Any) -> None:
+    self._settle(value, None)
+
+  def set_exception(self, error: BaseException) -> None:
+    self._settle(None, error)
+
+  def exception(self) -> Optional[BaseException]:
+    self._check()
+    return self._error
+
+  def result(self) -> Any:
+    self._check()
+    if self._error is not None:
+      raise self._error
+    return self._value
+
+  def _settle(self, value: Any, error: Optional[BaseException]) -> None:
+    if self._settled:
+      raise concurrent.futures.InvalidStateError("the chunk has an answer")
+    self._settled, self._value, self._error = True, value, error
+
+  def _check(self) -> None:
+    if not self._settled:
+      raise concurrent.futures.InvalidStateError("the chunk has no answer")
 
 
 class CursorBudget:
@@ -231,12 +275,17 @@ class Producer:
       allocate = _Regions(targets, allocate)
     try:
       for record, index, _ in ready:
-        if index not in record.snapshots:
+        # A chain that reaches any chunk at once needs no snapshots.
+        if not record.regenerates and index not in record.snapshots:
           record.snapshots[index] = record.cursor.position()
         record.next_index = None  # unknown until the cursors return
       chunks = type(cursors[0]).produce_group(
           cursors, [index for _, index, _ in ready], self.layout, allocate)
-      chunks = [self.layout.check(chunk) for chunk in chunks]
+      span = spanned(chunks)
+      if span is not None:  # one check, not one per chunk
+        self.layout.check_span(span, len(chunks))
+      else:
+        chunks = [self.layout.check(chunk) for chunk in chunks]
     except BaseException as e:  # every failure reaches the waiting requests
       for record, index, future in ready:
         settle(future, error=self._wrap(record, index, e))
@@ -313,17 +362,29 @@ class _Regions:
   the span of them, so the rows land in place. Where they are interleaved
   batch by batch instead (compiled code's buffers with the lane axis
   second, see ``Bridge``), ``interleaved`` is True and the buffer is the
-  span of them in that order. Other requests get ``fallback``'s
-  buffers."""
+  span of them in that order. Chunks that are one span in its order (the
+  host's buffers whole, see ``Host.lanes``) are checked as one. Other
+  requests get ``fallback``'s buffers."""
 
   def __init__(self, chunks: Sequence[Chunk],
                fallback: Callable[..., np.ndarray]):
-    leaves = [[chunk.leaves[k] for chunk in chunks]
-              for k in range(len(chunks[0].leaves))]
-    self._spans = [_span(arrays) for arrays in leaves]
+    whole = spanned(chunks)
+    if whole is not None:  # the host's buffers whole: no check per chunk
+      self._spans = [a if _writable(a) else None for a in whole.leaves]
+
+      def interleaved() -> List[Optional[np.ndarray]]:
+        return [a.swapaxes(0, 1) if _writable(a.swapaxes(0, 1)) else None
+                for a in whole.leaves]
+    else:
+      leaves = [[chunk.leaves[k] for chunk in chunks]
+                for k in range(len(chunks[0].leaves))]
+      self._spans = [_span(arrays) for arrays in leaves]
+
+      def interleaved() -> List[Optional[np.ndarray]]:
+        return [_interleaved_span(arrays) for arrays in leaves]
     self.interleaved = False
     if len(chunks) > 1 and any(span is None for span in self._spans):
-      spans = [_interleaved_span(arrays) for arrays in leaves]
+      spans = interleaved()
       if all(span is not None for span in spans):
         self._spans, self.interleaved = spans, True
     self._next = 0
@@ -336,6 +397,10 @@ class _Regions:
         span.dtype == np.dtype(dtype)):
       return span.reshape(shape)  # a view: the span is contiguous
     return self._fallback(shape, dtype)
+
+
+def _writable(array: np.ndarray) -> bool:
+  return array.flags.c_contiguous and array.flags.writeable
 
 
 def _interleaved_span(arrays: Sequence[np.ndarray]
