@@ -431,9 +431,8 @@ def _span(arrays: Sequence[np.ndarray]) -> Optional[np.ndarray]:
   starting where the one before ends), stacked on a new leading axis; None
   if they are not laid out so."""
   first = arrays[0]
-  if not all(a.flags.c_contiguous and a.flags.writeable
-             and a.shape == first.shape and a.dtype == first.dtype
-             for a in arrays):
+  if not all(_writable(a) and a.shape == first.shape
+             and a.dtype == first.dtype for a in arrays):
     return None
   start = first.__array_interface__["data"][0]
   if any(a.__array_interface__["data"][0] != start + g * first.nbytes
