@@ -59,8 +59,8 @@ from jax_data.serving.chain_records import ChainRecord
 from jax_data.serving.chain_records import ChainTable
 from jax_data.serving.chain_records import Shelf
 from jax_data.serving.chain_records import settle
+from jax_data.serving.cursor_budget import CursorBudget
 from jax_data.serving.production import Answer
-from jax_data.serving.production import CursorBudget
 from jax_data.serving.production import Producer
 
 # Chunks whose production follows the copy of a served one: (chain, index).
