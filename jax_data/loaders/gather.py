@@ -225,13 +225,19 @@ class BufferPool:
   a recycled buffer does not. A buffer is free when only the pool holds it
   (the chunk store dropped the chunk and XLA copied it), which
   ``sys.getrefcount`` tells exactly.
+
+  Args:
+    pin: Called once on each buffer the pool keeps, before its first use
+      (:func:`jax_data.loaders.pinning.pin`: page-locked memory for the
+      runtime's copies to a GPU); default: none.
   """
 
   _PER_FORMAT = 6
 
-  def __init__(self):
+  def __init__(self, pin: Optional[Callable[[np.ndarray], Any]] = None):
     self._free: Dict[Tuple[Tuple[int, ...], np.dtype], List[np.ndarray]] = {}
     self._lock = threading.Lock()
+    self._pin = pin
 
   def empty(self, shape, dtype) -> np.ndarray:
     """An array of that shape and dtype, recycled if one is free."""
@@ -244,6 +250,8 @@ class BufferPool:
       buffer = np.empty(shape, dtype)
       if len(pool) < self._PER_FORMAT:
         pool.append(buffer)
+        if self._pin is not None:
+          self._pin(buffer)
       return buffer
 
 

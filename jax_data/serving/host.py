@@ -37,6 +37,7 @@ from jax_data.loaders.chains import spanned
 from jax_data.loaders.gather import BufferPool
 from jax_data.loaders.gather import Gatherer
 from jax_data.loaders.host_loader import HostDataLoader
+from jax_data.loaders.pinning import pin
 from jax_data.serving.chain_records import ChainRecord
 from jax_data.serving.chain_records import ChainTable
 from jax_data.serving.chunk_store import ChainStore
@@ -337,7 +338,9 @@ class _Parts:
     self._table: Optional[ChainTable] = None
     self.made_store: Optional[ChainStore] = None
     self.made_rendezvous: Optional[Rendezvous] = None
-    self.results = BufferPool()  # for serve's arrays
+    # For serve's arrays, which the runtime copies to the device: on a GPU
+    # page-locked, so that it copies them directly.
+    self.results = BufferPool(pin=pin)
     self._lock = threading.Lock()
 
   @property

@@ -37,6 +37,7 @@ from jax_data.loaders.chains import ChunkLayout
 from jax_data.loaders.chains import spanned
 from jax_data.loaders.gather import BufferPool
 from jax_data.loaders.host_loader import StoreLimits
+from jax_data.loaders.pinning import pin
 from jax_data.serving.chain_records import ChainRecord
 from jax_data.serving.chain_records import Job
 from jax_data.serving.chain_records import settle
@@ -106,7 +107,8 @@ class Producer:
     self._limits = limits
     self._held = held
     self._verify_calls = verify_calls
-    self._buffers = BufferPool()
+    # A chunk served to one lane is copied to a GPU from its own buffer.
+    self._buffers = BufferPool(pin=pin)
     self._released: Optional[str] = None
 
   def release(self, message: str) -> None:
