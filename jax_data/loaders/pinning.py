@@ -8,7 +8,9 @@ answer of 210 MB (a refresh of 256 vmapped chains) took 27-30 ms to reach
 the device from pageable memory, 4.1 ms once the same buffer was
 registered, which took 8.7 ms. A :class:`~jax_data.loaders.gather.
 BufferPool` uses its buffers again and again, so it registers each once
-(:func:`pin`).
+(:func:`pin`). From page-locked memory the copy is asynchronous; JAX's
+GPU callback waits for its stream before it drops the answer, so a buffer
+is used again only once its copy is done, as before.
 
 Only where this process drives an NVIDIA GPU (the CUDA driver's library is
 loaded, as XLA's CUDA backend loads it), through the CUDA runtime's
@@ -109,11 +111,12 @@ def cuda_runtime() -> Optional[Any]:
     return None
   try:
     library = ctypes.CDLL(path)
-  except OSError:
+    library.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
+                                         ctypes.c_uint]
+    library.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+    library.cudaGetLastError.argtypes = []
+  except (OSError, AttributeError):  # not a CUDA runtime after all
     return None
-  library.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
-                                       ctypes.c_uint]
-  library.cudaHostUnregister.argtypes = [ctypes.c_void_p]
   return library
 
 
@@ -130,8 +133,7 @@ def pin(array: np.ndarray, runtime: Optional[Any] = None) -> bool:
     return False
   address = array.ctypes.data
   if runtime.cudaHostRegister(address, array.nbytes, _PORTABLE) != 0:
-    # Not a sticky error: it only leaves the runtime's last error set.
-    getattr(runtime, "cudaGetLastError", lambda: None)()
+    runtime.cudaGetLastError()  # not sticky: only clear it
     return False
   # Unregistered before NumPy frees the memory. Not at exit: the process's
   # memory goes then anyway, and the runtime may be gone first.
