@@ -17,7 +17,12 @@ loaded, as XLA's CUDA backend loads it), through the CUDA runtime's
 library: one the process has loaded already, else one of the ``nvidia``
 wheels that JAX's CUDA plugin installs, else one on the library path.
 Elsewhere, and where registering fails, buffers stay pageable: copies are
-slower, not wrong.
+slower, not wrong. The runtime registers through the calling thread's CUDA
+context, or else through the primary context of device 0, which XLA's
+backend has started wherever device 0 is one of JAX's devices. A process
+whose JAX was told to leave device 0 alone (``jax_cuda_visible_devices``)
+would start a context there; ``CUDA_VISIBLE_DEVICES`` does not have this
+problem.
 
 ctypes only, no JAX call: it may run inside a host callback.
 """
