@@ -131,3 +131,38 @@ def test_on_a_gpu_a_pinned_buffer_reaches_the_device_intact():
   buffer[:] = np.arange(MIB, dtype=np.float32)
   np.testing.assert_array_equal(np.asarray(jax.device_put(buffer)), buffer)
   assert not pinning.pin(buffer)  # registered already: left as it is
+
+
+@pytest.mark.parametrize("page_locked", [True, False])
+def test_a_loader_s_store_limits_choose_whether_answers_are_registered(
+    monkeypatch, page_locked):
+  import dataclasses
+
+  import jax.numpy as jnp
+
+  import jax_data
+  from jax_data.serving import host
+  from jax_data.serving import production
+
+  seen = []
+  monkeypatch.setattr(host, "pin", seen.append)
+  monkeypatch.setattr(production, "pin", seen.append)
+  loader = jax_data.NumpyDataLoader(
+      x=np.arange(65536 * 4, dtype=np.float32).reshape(65536, 4))
+  loader.store_limits = dataclasses.replace(loader.store_limits,
+                                            page_locked=page_locked)
+  # Answers of 4 lanes x 64 batches x 512 rows x 4 float32: 2 MiB, through
+  # pure_callback (the path a GPU takes) and its pool of answers.
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      loader, 64, 512, callback="pure")
+  step = jax.jit(jax.vmap(batch_fn))
+  states = init_fn(seed=range(4))
+  _, batch = step(states)
+  assert batch["x"].shape == (4, 512, 4)
+  assert bool(jnp.all(batch["x"][..., 1] == batch["x"][..., 0] + 1))
+  release_fn()
+  if page_locked:
+    assert 2 * MIB in [buffer.nbytes for buffer in seen], [
+        buffer.nbytes for buffer in seen]
+  else:
+    assert seen == []

@@ -92,6 +92,13 @@ class StoreLimits:
       within this many times what the chains of the largest request hold if
       that is more; the cursors of the chains produced for least recently
       are trimmed first, those of the chains of the last request never.
+    page_locked: Where the process drives an NVIDIA GPU, the buffers of
+      the host's answers and of its chunks (those it keeps for reuse, of
+      1 MiB and more) are registered as page-locked memory, which the
+      runtime copies to the device directly: 2.2x faster steps of 256
+      vmapped chains on an H200 (:mod:`jax_data.loaders.pinning`). False
+      keeps them in ordinary memory. Nothing changes where no GPU is
+      driven.
   """
   recent_snapshots: int = 16
   max_stored: int = 32
@@ -99,6 +106,7 @@ class StoreLimits:
   max_replay: int = 1 << 20
   store_bytes: int = 128 << 20
   held_requests: int = 4
+  page_locked: bool = True
 
 
 class ChainNumbering:

@@ -340,7 +340,8 @@ class _Parts:
     self.made_rendezvous: Optional[Rendezvous] = None
     # For serve's arrays, which the runtime copies to the device: on a GPU
     # page-locked, so that it copies them directly.
-    self.results = BufferPool(pin=pin)
+    self.results = BufferPool(
+        pin=pin if loader.store_limits.page_locked else None)
     self._lock = threading.Lock()
 
   @property

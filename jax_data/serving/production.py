@@ -108,7 +108,7 @@ class Producer:
     self._held = held
     self._verify_calls = verify_calls
     # A chunk served to one lane is copied to a GPU from its own buffer.
-    self._buffers = BufferPool(pin=pin)
+    self._buffers = BufferPool(pin=pin if limits.page_locked else None)
     self._released: Optional[str] = None
 
   def release(self, message: str) -> None:
