@@ -266,7 +266,10 @@ def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
         positions = (batches[:, :, None] * mb_size + cols).reshape(
             chains, -1)
         if shuffle:
-          indices = _permute(seeds, positions // n, positions % n, n, split)
+          # NumPy divides by a scalar through libdivide, about 8x faster
+          # than its remainder.
+          epochs = positions // n
+          indices = _permute(seeds, epochs, positions - epochs * n, n, split)
         else:  # a run per batch
           indices = uniform_runs(
               np.repeat(seeds, count).tolist(),
@@ -302,16 +305,31 @@ def _permute(seeds: np.ndarray, epochs: np.ndarray, offsets: np.ndarray,
            ).reshape(-1)
   offsets, bits = offsets.reshape(-1), cs.domain_bits(n)
   values = np.empty(offsets.size, np.int64)
+  half = 1 << (bits - bits // 2)
+  block = _BLOCK
 
   def draw(first: int, last: int) -> None:  # blocks first .. last - 1
     with np.errstate(over="ignore"):
-      for low in range(first * _BLOCK, min(offsets.size, last * _BLOCK),
-                       _BLOCK):
-        part = slice(low, low + _BLOCK)
-        values[part] = cs.permute_keyed(
-            [np.take(k, entry[part]) for k in table], offsets[part], n, bits)
+      for low in range(first * block, min(offsets.size, last * block),
+                       block):
+        part = slice(low, low + block)
+        # Entries are non-decreasing: a block's are one range. Their round
+        # functions are tabulated where the tables (entries times the
+        # values of a half) are no larger than the block: 256 chains of
+        # 6,400 shuffled indices over 1e5 then took 48-60 against 68-74 ms
+        # on 2 cores, 1,024 chains 176-192 against 271-274 ms.
+        e0, e1 = int(entry[low]), int(entry[part][-1]) + 1
+        if half <= cs.TABLE_MAX and (e1 - e0) * half <= min(
+            block, offsets.size - low):
+          values[part] = cs.permute_keyed(
+              [k[e0:e1] for k in table], offsets[part], n, bits,
+              entry=(entry[part] - e0).astype(np.uint32))
+        else:
+          values[part] = cs.permute_keyed(
+              [np.take(k, entry[part]) for k in table], offsets[part], n,
+              bits)
 
-  blocks = -(-offsets.size // _BLOCK)
+  blocks = -(-offsets.size // block)
   (split or _in_one_part)(draw, blocks, _BLOCKS_PER_PART)
   return values
 

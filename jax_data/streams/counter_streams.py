@@ -29,7 +29,6 @@ integers, which only the host has.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 from typing import Optional
@@ -155,9 +154,9 @@ def _feistel(left: Any, right: Any, keys: list, bits: int, xp: Any
   return left, right
 
 
-# The most values of a half (2**(bits - bits // 2)) for which the host
-# tabulates the round functions of an epoch (see _round_tables).
-_TABLE_MAX = 1 << 12
+#: The most values of a half (2**(bits - bits // 2)) for which the host
+#: tabulates the round functions of an epoch (see _round_tables).
+TABLE_MAX = 1 << 12
 
 
 def _round_tables(keys: list, bits: int) -> list:
@@ -165,29 +164,43 @@ def _round_tables(keys: list, bits: int) -> list:
   tables over every value of the half they read: a half-round is then one
   lookup and one XOR instead of eleven NumPy calls. The same values, for
   halves of at most 12 bits (``n`` up to ``2**24``), where the tables are
-  small next to a chunk's indices."""
+  small next to a chunk's indices. With keys that are arrays of ``E``
+  (one per (chain, epoch) entry), round ``r``'s table holds every entry's
+  function, entry ``e``'s at ``e * 2**half`` onwards (flat)."""
   low = bits - bits // 2
-  words = np.asarray(keys, np.uint32)[:, None]
+  words = np.asarray(keys, np.uint32)[..., None]
   # Even half-rounds read the right half and write the left; odd ones the
-  # other way round. All rounds of a kind in one (rounds, values) array.
+  # other way round. All rounds of a kind in one (rounds, ..., values)
+  # array.
   even = _mix(np.arange(1 << low, dtype=np.uint32) ^ words[0::2], np) & (
       np.uint32((1 << (bits // 2)) - 1))
   odd = _mix(np.arange(1 << (bits // 2), dtype=np.uint32) ^ words[1::2],
              np) & np.uint32((1 << low) - 1)
-  return [(even if r % 2 == 0 else odd)[r // 2] for r in range(len(keys))]
+  return [(even if r % 2 == 0 else odd)[r // 2].reshape(-1)
+          for r in range(len(keys))]
 
 
-def _feistel_tables(left: np.ndarray, right: np.ndarray, keys: list,
-                    tables: list) -> Tuple[np.ndarray, np.ndarray]:
-  """:func:`_feistel` through :func:`_round_tables` (``keys`` unused: the
-  tables hold them)."""
-  del keys
+def _feistel_tables(left: np.ndarray, right: np.ndarray, tables: list,
+                    entry: Optional[np.ndarray] = None, bits: int = 0
+                    ) -> Tuple[np.ndarray, np.ndarray]:
+  """:func:`_feistel` through :func:`_round_tables`; with ``entry`` (one
+  per value, ``uint32``), each value through its entry's tables (``bits``:
+  the domain's)."""
   left, right = left.copy(), right.copy()
+  index = None
+  if entry is not None:
+    # Even rounds look up the right half (bits - bits // 2 bits), odd
+    # ones the left.
+    shifted = (entry << np.uint32(bits - bits // 2),
+               entry << np.uint32(bits // 2))
+    index = np.empty_like(left)
   for r, table in enumerate(tables):
-    if r % 2 == 0:
-      np.bitwise_xor(left, table.take(right), out=left)
+    read, write = (right, left) if r % 2 == 0 else (left, right)
+    if entry is None:
+      np.bitwise_xor(write, table.take(read), out=write)
     else:
-      np.bitwise_xor(right, table.take(left), out=right)
+      np.bitwise_or(shifted[r % 2], read, out=index)
+      np.bitwise_xor(write, table.take(index), out=write)
   return left, right
 
 
@@ -259,28 +272,41 @@ def _permute_host(seed: int, epoch: Any, offsets: np.ndarray, n: int,
   return values
 
 
-def permute_keyed(keys: list, offsets: np.ndarray, n: int, bits: int
-                  ) -> np.ndarray:
+def permute_keyed(keys: list, offsets: np.ndarray, n: int, bits: int,
+                  entry: Optional[np.ndarray] = None) -> np.ndarray:
   """The network on ``offsets`` (flat, on the host), with cycle-walking:
   ``permute`` once the round keys are known. ``keys``: the
   :func:`round_keys` of one epoch as Python ints, or arrays with one key
-  per offset; ``bits``: ``domain_bits(n)``."""
+  per offset, or with ``entry`` (``uint32``, one per offset) arrays with
+  one key per entry, offset ``i`` taking entry ``entry[i]``'s keys: every
+  entry's round functions are then tabulated (:func:`_round_tables`; the
+  caller sees that they are few next to the offsets, and ``n`` at most
+  ``2**24``). ``bits``: ``domain_bits(n)``."""
   left, right = _split(offsets, bits, np)
   low = bits - bits // 2
-  if not np.ndim(keys[0]) and offsets.size >= (1 << low) <= _TABLE_MAX:
-    network = functools.partial(_feistel_tables, tables=_round_tables(
-        keys, bits))
-  else:
-    network = functools.partial(_feistel, bits=bits, xp=np)
-  left, right = network(left, right, keys=keys)
+
+  def network(left, right, at):  # ``at``: the offsets' positions, or None
+    if entry is not None:
+      return _feistel_tables(left, right, tables,
+                             entry if at is None else entry[at], bits)
+    if tables is not None:
+      return _feistel_tables(left, right, tables)
+    some = keys if at is None else [k[at] if np.ndim(k) else k
+                                    for k in keys]
+    return _feistel(left, right, some, bits, np)
+
+  tables = None
+  if entry is not None or (not np.ndim(keys[0])
+                           and offsets.size >= (1 << low) <= TABLE_MAX):
+    tables = _round_tables(keys, bits)
+  left, right = network(left, right, None)
   values = _join(left, right, bits, np)
   outside = np.flatnonzero(values >= n)
   while outside.size:
     # Cycle-walking: those outside [0, n) go round the permutation of
     # [0, 2**b) again; each lands inside with probability n / 2**b, above
     # 1/2 for n of 3 or more.
-    some = [k[outside] if np.ndim(k) else k for k in keys]
-    l2, r2 = network(left[outside], right[outside], keys=some)
+    l2, r2 = network(left[outside], right[outside], outside)
     left[outside], right[outside] = l2, r2
     again = _join(l2, r2, bits, np)
     values[outside] = again
