@@ -2,6 +2,7 @@
 indices, one read of all their rows, the same batches as chain by chain."""
 
 import functools
+import itertools
 import threading
 
 import jax
@@ -98,8 +99,8 @@ def test_chain_batches_of_one_chain_and_of_many_blocks():
 def test_a_draw_split_over_threads_gives_the_streams(mode, monkeypatch):
   """Many chains' indices drawn in parts by several threads at once (a
   loader's gather threads) are each chain's own stream, whatever the parts
-  and blocks: rows of every part written once, rejected hashes drawn
-  again wherever they fall."""
+  and blocks (larger in large draws): rows of every part written once,
+  rejected hashes drawn again wherever they fall."""
   from jax_data.loaders.gather import Gatherer
   from jax_data.streams import counter_chains
   gatherer = Gatherer(threads=2)
@@ -113,8 +114,10 @@ def test_a_draw_split_over_threads_gives_the_streams(mode, monkeypatch):
 
   monkeypatch.setattr(counter_chains, "_HASH_BLOCK", 40)
   monkeypatch.setattr(counter_chains, "_BLOCK", 40)
-  seeds, firsts, count, mb = [3, 1, 4, 1, 5, 9, 2], [0, 7, 2, 9, 0, 1, 30], 3, 8
-  for n in (50, 2**31 + 1):  # half the hashes of 2**31 + 1 are rejected
+  seeds, firsts, mb = [3, 1, 4, 1, 5, 9, 2], [0, 7, 2, 9, 0, 1, 30], 8
+  # Half the hashes of 2**31 + 1 are rejected; 40 batches are enough
+  # indices for blocks four times as large.
+  for n, count in itertools.product((50, 2**31 + 1), (3, 40)):
     got, got_mask = chain_batches(seeds, firsts, count, mb, n,
                                   split=finest, **mode)
     for c, (seed, first) in enumerate(zip(seeds, firsts)):
@@ -408,26 +411,36 @@ def test_a_stream_drawn_ahead_gives_each_draw_its_own_batches(
     assert stream.get_state()["batch"] == first + count
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["after", "beside"])
 @pytest.mark.parametrize("shuffle,in_epochs", MODES)
-def test_a_group_draws_its_next_indices_ahead(shuffle, in_epochs,
+def test_a_group_draws_its_next_indices_ahead(shuffle, in_epochs, early,
                                               monkeypatch):
   """A group of chains produced together draws the indices of its next
-  chunks in another thread once it has read this chunk's rows, and takes
-  them when asked for those chunks: every chunk equals each chain's stream
-  through forward steps, a seek of one chain, and trims; indices drawn
-  ahead for chunks no longer asked for are not used."""
+  chunks in another thread, once it has read this chunk's rows or (where
+  cores are to spare) beside that read, and takes them when asked for
+  those chunks: every chunk equals each chain's stream through forward
+  steps, a seek of one chain, and trims; indices drawn ahead for chunks no
+  longer asked for are not used."""
+  from jax_data.loaders import gather
   from jax_data.loaders import indexed
   from jax_data.loaders.chains import RandomChain
 
   caller = threading.get_ident()
   draws = []  # the thread of each draw
+  events = []  # the order of reads and of draws handed to another thread
   made = indexed.chain_batches
 
   def spied(*args, **kwargs):
     draws.append(threading.get_ident() == caller)
     return made(*args, **kwargs)
 
+  submit, read = gather.Gatherer.submit, jax_data.NumpyDataLoader._read
   monkeypatch.setattr(indexed, "chain_batches", spied)
+  monkeypatch.setattr(gather.Gatherer, "draws_early", early)
+  monkeypatch.setattr(gather.Gatherer, "submit", lambda self, work: (
+      events.append("ahead"), submit(self, work))[1])
+  monkeypatch.setattr(jax_data.NumpyDataLoader, "_read", lambda *a: (
+      events.append("read"), read(*a))[1])
   n, cache, mb = 1000, 3, 4
   loader = jax_data.NumpyDataLoader(x=np.arange(n))
   layout = loader.chunk_layout(cache, mb)
@@ -455,6 +468,7 @@ def test_a_group_draws_its_next_indices_ahead(shuffle, in_epochs,
   # In the caller: the first chunk, after the seek, after the trim.
   assert draws.count(True) == 3, draws
   assert draws.count(False) == 8, draws
+  assert events == (["ahead", "read"] if early else ["read", "ahead"]) * 8
   for cursor in cursors:
     cursor.close()
 

@@ -47,6 +47,9 @@ def usable_cores() -> int:
 # Parts per thread of a split gather or copy: the threads take them in
 # turn, so one that gets a core late does fewer.
 _PARTS_PER_THREAD = 3
+# Cores from which a loader draws indices in more threads, and beside its
+# reads (Gatherer.draw_threads, Gatherer.draws_early).
+_MANY_CORES = 8
 
 
 class Gatherer:
@@ -68,6 +71,7 @@ class Gatherer:
 
   def __init__(self, threads: Optional[int] = None,
                part_bytes: int = 2 << 20):
+    self._many_cores = usable_cores() >= _MANY_CORES
     self._threads = (min(8, usable_cores()) if threads is None
                      else max(1, threads))
     self._part_bytes = part_bytes
@@ -118,19 +122,35 @@ class Gatherer:
   def split(self, work: Callable[[int, int], Any], size: int,
             least: int) -> None:
     """``work(low, high)`` on parts of ``0 .. size`` of at least ``least``
-    each, in the caller's thread and at most one helper thread: work of
-    many NumPy calls of tens of microseconds (the hash of many chains'
-    counter streams). Each call releases the GIL, but the Python between
-    calls holds it, so more threads wait for it more than they gain: the
-    draw of 1,024 chains took 41, 28, 35, 42 and 51 ms in 1, 2, 4, 8 and
-    16 threads on 16 cores (9.1, 8.7, 11, 15 and 19 ms for 256 chains on
-    2 cores)."""
-    threads = min(self._threads, 2)
+    each, in the caller's thread and at most :attr:`draw_threads` - 1
+    helper threads: work of many NumPy calls of tens of microseconds (the
+    hash of many chains' counter streams). Each call releases the GIL, but
+    the Python between calls holds it, so more threads wait for it more
+    than they gain: the draw of 1,024 chains took 41, 28, 35, 42 and 51 ms
+    in 1, 2, 4, 8 and 16 threads on 16 cores (9.1, 8.7, 11, 15 and 19 ms
+    for 256 chains on 2 cores), in blocks of 65,536 indices. Split, a
+    draw takes blocks four times as large (``counter_chains``), so each
+    call does more per hold of the GIL: 256 chains took 16, 13, 9.9, 12
+    and 13 ms then on an H100 machine's 16 cores."""
+    threads = min(self._threads, self.draw_threads)
     parts = self._parts(size, size // max(1, least), threads)
     if parts < 2:
       work(0, size)
       return
     self._split(work, np.linspace(0, size, parts + 1).astype(int), threads)
+
+  @property
+  def draw_threads(self) -> int:
+    """The threads :meth:`split` uses: 4 on 8 cores or more, else 2."""
+    return 4 if self._many_cores else 2
+
+  @property
+  def draws_early(self) -> bool:
+    """Whether a group's next indices are drawn beside its read of this
+    chunk's rows (:class:`~jax_data.loaders.indexed.IndexedCursor`): on 8
+    cores or more, where the read leaves cores idle. On 2 cores the draw
+    only took the read's second thread."""
+    return self._many_cores
 
   def submit(self, work: Callable[[], Any]
              ) -> Optional[concurrent.futures.Future]:

@@ -81,16 +81,19 @@ class IndexedCursor(ChainCursor):
       all at once.
     ahead: Runs work in another thread and returns its future, or None (a
       loader's :meth:`~jax_data.loaders.gather.Gatherer.submit`): a group
-      draws its next chunk's indices there once it has read this chunk's
-      rows, while compiled code works through them. Default: none drawn
-      ahead.
+      draws its next chunk's indices there, through ``split``, once it has
+      read this chunk's rows, while compiled code works through them.
+      Default: none drawn ahead.
+    early: Start that draw before the read, beside it (a loader's
+      :attr:`~jax_data.loaders.gather.Gatherer.draws_early`: where cores
+      are to spare).
   """
 
   def __init__(self, spec: ChainSpec, layout: ChunkLayout, read: ReadRows,
                check: Callable[[], None] = readable,
                rows: Optional[Hashable] = None,
                split: Optional[Split] = None,
-               ahead: Optional[Ahead] = None):
+               ahead: Optional[Ahead] = None, early: bool = False):
     part = getattr(spec, "part", None)
     self._stream = stream_of(spec, batch_rows(spec, layout.mb_size))
     # A part of each batch: its columns of the whole batch's indices.
@@ -102,6 +105,7 @@ class IndexedCursor(ChainCursor):
     self._rows = read if rows is None else rows
     self._split = split
     self._ahead = ahead
+    self._early = early
     # A group's next indices, drawn once it had read its last chunk (on
     # the group's first cursor): ((seeds, firsts), their future).
     self._drawn: Optional[Tuple[Hashable, concurrent.futures.Future]] = None
@@ -151,7 +155,11 @@ class IndexedCursor(ChainCursor):
     refresh of 256 chains read in place (N = 1e5, 100 batches) then need
     not wait for an 11 ms draw before its read. On 2 cores that made a
     step 4-10 % faster at 256 and 1,024 chains; drawn during the read
-    instead, it only took the read's second thread (no faster)."""
+    instead, it only took the read's second thread (no faster). Where
+    cores are to spare (the cursor's ``early``), the draw starts before
+    the read, beside it: on a GPU, whose compiled code works through a
+    refresh in about a millisecond, the next refresh otherwise waits for
+    the whole draw."""
     del indices  # each cursor stands at its chunk
     streams = [cursor._stream for cursor in cursors]  # pylint: disable=protected-access
     first = streams[0]
@@ -166,6 +174,9 @@ class IndexedCursor(ChainCursor):
     firsts = tuple(stream.advance(count) for stream in streams)
     drawn = lead._take_drawn((seeds, firsts))  # pylint: disable=protected-access
     indices, mask = drawn or draw(seeds, firsts, split=lead._split)  # pylint: disable=protected-access
+    following = (seeds, tuple(f + count for f in firsts))
+    if lead._early:  # pylint: disable=protected-access
+      lead._draw_ahead(following, draw)  # pylint: disable=protected-access
     flat_out = [allocate((indices.size,) + leaf.shape, leaf.dtype)
                 for leaf in layout.leaves]
     # Compiled code's buffers with the lane axis second take the rows
@@ -179,8 +190,8 @@ class IndexedCursor(ChainCursor):
       leaves = cursors[0]._read(indices.reshape(-1), flat_out)  # pylint: disable=protected-access
       leaves = [leaf.reshape((lanes,) + shape)
                 for leaf, shape in zip(leaves, shapes)]
-    lead._draw_ahead(  # pylint: disable=protected-access
-        (seeds, tuple(f + count for f in firsts)), draw)
+    if not lead._early:  # pylint: disable=protected-access
+      lead._draw_ahead(following, draw)  # pylint: disable=protected-access
     span = Span(leaves, np.broadcast_to(np.True_, (lanes,) + layout.lead)
                 if mask is None else mask)
     return span.chunks([cursor._check for cursor in cursors])  # pylint: disable=protected-access
@@ -200,7 +211,7 @@ class IndexedCursor(ChainCursor):
   def _draw_ahead(self, key: Tuple[Sequence[int], Sequence[int]],
                   draw: Callable[..., Tuple[np.ndarray, Any]]) -> None:
     if self._ahead is not None:
-      future = self._ahead(functools.partial(draw, *key))
+      future = self._ahead(functools.partial(draw, *key, split=self._split))
       self._drawn = None if future is None else (key, future)
 
   def close(self) -> None:

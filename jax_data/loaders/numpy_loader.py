@@ -191,7 +191,8 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
     """A cursor over the chain's rows (``spec/SAMPLING.md``)."""
     return IndexedCursor(spec, layout, self._read, self._check_files,
                          split=self._gatherer.split,
-                         ahead=self._gatherer.submit)
+                         ahead=self._gatherer.submit,
+                         early=self._gatherer.draws_early)
 
   def content_digest(self) -> str:
     if self._digest is None:

@@ -407,7 +407,8 @@ class TensorflowDataLoader(HostDataLoader):
         # Grouped by loader: every such chain reads the same rows.
         return IndexedCursor(spec, layout, rows.gather, rows=self,
                              split=self._gatherer.split,
-                             ahead=self._gatherer.submit)
+                             ahead=self._gatherer.submit,
+                             early=self._gatherer.draws_early)
       source = MemoryRows(self._arrays, shard, self._gatherer)
       if isinstance(spec, OrderedChain):
         return OrderedMemoryCursor(source, spec, layout)

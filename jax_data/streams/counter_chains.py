@@ -46,6 +46,14 @@ _BLOCK = 65_536
 # took 12.7 ms in blocks of 16,384, 8.4-10.8 ms in blocks of 65,536 (and
 # 8.4 ms in two threads); blocks of about 100,000 were slower again.
 _HASH_BLOCK = 65_536
+# Blocks of a draw split over threads are this many times as large (of
+# both kinds): each NumPy call then does more per hold of the GIL. The
+# draw of 1,024 chains took 26 ms in two threads in blocks of 65,536 on 2
+# cores, 13 ms in blocks of 262,144 (18 ms in one thread); 256 chains took
+# 9.9 ms in four threads on 16 cores, 22 ms in blocks of 65,536. Only
+# draws of at least two parts of such blocks: a block that large leaves
+# the L2 cache (16 chains took 0.91 against 0.28 ms in one block).
+_SPLIT_BLOCKS = 4
 # A chain's draws of fewer indices than this are made this many at a time
 # (several chunks' worth, kept for the chunks that follow, within the
 # store's budget for cursors): each of the hash's few dozen NumPy calls
@@ -68,6 +76,12 @@ def _in_one_part(work: Callable[[int, int], None], size: int,
                  least: int) -> None:
   del least
   work(0, size)
+
+
+def _scale(split: Optional[Split], size: int) -> int:
+  """How many times the usual block a draw of ``size`` indices takes."""
+  large = _SPLIT_BLOCKS * _BLOCK * _BLOCKS_PER_PART * 2
+  return _SPLIT_BLOCKS if split is not None and size >= large else 1
 
 
 def _words(values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -178,8 +192,9 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
   # those few chains take the general function.
   crossing = [c for c, s in enumerate(starts)
               if (s & _U32) + length > 2**32]
-  rows = max(1, min(chains, _HASH_BLOCK // length))
-  cols = min(length, _HASH_BLOCK)
+  block = _HASH_BLOCK * _scale(split, chains * length)
+  rows = max(1, min(chains, block // length))
+  cols = min(length, block)
   count = np.arange(length, dtype=np.uint32)
   rejected = []  # (chains, columns) of hashes at or above limit
 
@@ -306,7 +321,7 @@ def _permute(seeds: np.ndarray, epochs: np.ndarray, offsets: np.ndarray,
   offsets, bits = offsets.reshape(-1), cs.domain_bits(n)
   values = np.empty(offsets.size, np.int64)
   half = 1 << (bits - bits // 2)
-  block = _BLOCK
+  block = _BLOCK * _scale(split, offsets.size)
 
   def draw(first: int, last: int) -> None:  # blocks first .. last - 1
     with np.errstate(over="ignore"):
