@@ -9,7 +9,8 @@ call a ``lax.scan`` of ``steps`` steps:
 * jax_data: ``jax.vmap`` of ``jax_data.scan`` over the stacked states of
   ``init_fn(seed=c)`` (independent draws, the default stream at these
   sizes), and with ``stream="counter"``, whose chains a refresh draws and
-  reads together;
+  reads together, and counter chains in shuffled epochs (``shuffle=True,
+  in_epochs=True``: what SG-MCMC users often run);
 * compute over a cache: every chain scans over one fixed refresh of
   ``cache`` random batches on the device, again and again, as
   ``jax_data.scan`` scans its chunks (no host work: XLA slicing each
@@ -47,6 +48,7 @@ COMPUTE = "compute only"
 DEVICE = "device-resident"
 JAX_DATA = "jax_data"
 COUNTER = "jax_data counter"
+EPOCHS = "jax_data counter, epochs"
 FLOOR = "gather floor"
 CACHED = "compute over a cache"
 DATARAX = "Datarax MemorySource"
@@ -122,7 +124,8 @@ def _section(config: Config, results: list) -> Section:
         format_ratio(to_device), format_ratio(fastest / floor),
         format_ratio(fastest / cached_floor),
         format_bytes(memory["peak"]), format_bytes(memory["caches"]),
-        datarax, datarax_ratio])
+        datarax, datarax_ratio, format_timing(timings[EPOCHS], "us"),
+        format_ratio(_ratio(timing, EPOCHS, DEVICE))])
     bests.append(f"{chains}: {format_ratio(best)}")
     device_ok.append(to_device <= 0.8)
     limit = 2.0 if chains <= 16 else 4.0
@@ -154,12 +157,14 @@ def _section(config: Config, results: list) -> Section:
           "scan mode, a call one epoch of N // mb steps (a permutation of N "
           "per chain and epoch); not run where C x N is over "
           f"{config.datarax_work:,}; its ratio is to the faster jax_data "
-          "column."),
+          f"column. {EPOCHS}: counter chains in shuffled epochs "
+          "(shuffle=True, in_epochs=True), not in the targets' 'best'."),
       headers=["N", "C", COMPUTE, CACHED, DEVICE, JAX_DATA, COUNTER, FLOOR,
                "jax_data / compute", "counter / compute",
                "best / device", "best / (compute + floor)",
                "best / (cached + floor)", "peak RSS",
-               "device caches", DATARAX, "Datarax / best jax_data"],
+               "device caches", DATARAX, "Datarax / best jax_data",
+               EPOCHS, "epochs / device"],
       rows=rows,
       targets=[
           Target("(g) jax_data / device-resident, every C", "<= 0.8x",
@@ -251,7 +256,8 @@ def _samplers(request: dict[str, Any], data: dict[str, np.ndarray]):
   }, theta, keys, step_size
 
 
-def _jax_data(request, data, theta, keys, step_size, stream, loader=None):
+def _jax_data(request, data, theta, keys, step_size, stream, loader=None,
+              **init):
   import jax
   from models import sgld_update
 
@@ -275,7 +281,7 @@ def _jax_data(request, data, theta, keys, step_size, stream, loader=None):
 
   # The many-chain form the docs give: the chains' states made stacked,
   # and donated, so a call's returned states take the given ones' buffers.
-  states = init_fn(seed=range(request["chains"]), stream=stream)
+  states = init_fn(seed=range(request["chains"]), stream=stream, **init)
   return (jax.jit(jax.vmap(one), donate_argnums=1), (theta, states, keys),
           release_fn)
 
@@ -384,9 +390,11 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
       contenders.pop(DATARAX, None)
       failed[DATARAX] = str(e).splitlines()[0][:120]
   releases = []
-  for name, stream in ((JAX_DATA, "auto"), (COUNTER, "counter")):
+  for name, stream, init in (
+      (JAX_DATA, "auto", {}), (COUNTER, "counter", {}),
+      (EPOCHS, "counter", {"shuffle": True, "in_epochs": True})):
     run_fn, carry, release_fn = _jax_data(request, data, theta, keys,
-                                          step_size, stream)
+                                          step_size, stream, **init)
     contenders[name] = (run_fn, carry)
     steps[name] = request["steps"]
     releases.append(release_fn)
