@@ -417,7 +417,7 @@ def test_a_group_draws_its_next_indices_ahead(shuffle, in_epochs, early,
                                               monkeypatch):
   """A group of chains produced together draws the indices of its next
   chunks in another thread, once it has read this chunk's rows or (where
-  cores are to spare) beside that read, and takes them when asked for
+  cores are to spare) beside that read and split, and takes them when asked for
   those chunks: every chunk equals each chain's stream through forward
   steps, a seek of one chain, and trims; indices drawn ahead for chunks no
   longer asked for are not used."""
@@ -430,8 +430,12 @@ def test_a_group_draws_its_next_indices_ahead(shuffle, in_epochs, early,
   events = []  # the order of reads and of draws handed to another thread
   made = indexed.chain_batches
 
+  split_ahead = []  # whether each draw in another thread was split
+
   def spied(*args, **kwargs):
     draws.append(threading.get_ident() == caller)
+    if not draws[-1]:
+      split_ahead.append(kwargs.get("split") is not None)
     return made(*args, **kwargs)
 
   submit, read = gather.Gatherer.submit, jax_data.NumpyDataLoader._read
@@ -469,6 +473,7 @@ def test_a_group_draws_its_next_indices_ahead(shuffle, in_epochs, early,
   assert draws.count(True) == 3, draws
   assert draws.count(False) == 8, draws
   assert events == (["ahead", "read"] if early else ["read", "ahead"]) * 8
+  assert split_ahead == [early] * 8  # in one thread where cores are few
   for cursor in cursors:
     cursor.close()
 

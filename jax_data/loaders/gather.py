@@ -147,9 +147,11 @@ class Gatherer:
   @property
   def draws_early(self) -> bool:
     """Whether a group's next indices are drawn beside its read of this
-    chunk's rows (:class:`~jax_data.loaders.indexed.IndexedCursor`): on 8
-    cores or more, where the read leaves cores idle. On 2 cores the draw
-    only took the read's second thread."""
+    chunk's rows, split over threads
+    (:class:`~jax_data.loaders.indexed.IndexedCursor`): on 8 cores or
+    more, where the read leaves cores idle. On 2 cores that draw runs
+    after the read in one thread: beside the read it only took the read's
+    second thread, and split it took compiled code's."""
     return self._many_cores
 
   def submit(self, work: Callable[[], Any]
