@@ -48,15 +48,18 @@ def test_uniform_runs_equal_the_streams_definition(n):
   """The in-place hash of runs of positions is ``uniform``'s, bit for bit:
   seeds up to 2**64 - 1; n whose hashes are rejected half the time
   (2**31 + 1) or never (2**32, 3); runs whose positions' low words wrap
-  past 2**32; runs longer than a block."""
+  past 2**32; runs longer than a block. Seeds and starts given as arrays
+  (uint64, int64) give the same as Python ints."""
   seeds = [0, 1, 5, 2**40 + 3, 2**64 - 1]
   starts = [0, 37, 2**32 - 5, 10**15, 2**62]
+  arrays = np.asarray(seeds, np.uint64), np.asarray(starts, np.int64)
   for length in (1, 7, 6400, 40_000):
     got = uniform_runs(seeds, starts, length, n)
     assert got.shape == (5, length) and got.dtype == np.int64
     for c in range(5):
       np.testing.assert_array_equal(
           got[c], cs.uniform(seeds[c], starts[c] + np.arange(length), n))
+    np.testing.assert_array_equal(uniform_runs(*arrays, length, n), got)
 
 
 @pytest.mark.parametrize("n", [7, 1000, 2**33 + 5])

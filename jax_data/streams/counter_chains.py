@@ -171,11 +171,11 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
   """``uniform(seeds[c], starts[c] + arange(length), n)`` for every ``c``
   (:func:`jax_data.streams.counter_streams.uniform`, the same values): shape
   ``(C, length)``, int64, the chains' blocks drawn through ``split``
-  (default: all at once).
+  (default: all at once). ``seeds`` and ``starts`` may be arrays (uint64,
+  int64): nothing then runs per chain in Python.
   ``starts[c] + length`` must stay below ``2**63``."""
-  seeds = [int(s) for s in seeds]
-  starts = [int(s) for s in starts]
-  chains = len(seeds)
+  seeds, starts = _uint64(seeds), np.asarray(_uint64(starts), np.int64)
+  chains = seeds.size
   out = np.empty((chains, length), np.int64)
   if not chains or not length:
     return out
@@ -184,14 +184,12 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
   limit = span - span % n
   tags = (cs.TAG_UNIFORM_LO, cs.TAG_UNIFORM_HI) if wide else (
       cs.TAG_UNIFORM_LO,)
-  prefixes = [np.asarray([_prefix(tag, s) for s in seeds], np.uint32)
-              for tag in tags]
-  lows = np.asarray([s & _U32 for s in starts], np.uint32)
-  highs = np.asarray([s >> 32 for s in starts], np.uint32)
+  prefixes = [_prefixes(tag, seeds) for tag in tags]
+  lows = (starts & _U32).astype(np.uint32)
+  highs = (starts >> 32).astype(np.uint32)
   # A run whose low words wrap past 2**32 changes its high word midway:
   # those few chains take the general function.
-  crossing = [c for c, s in enumerate(starts)
-              if (s & _U32) + length > 2**32]
+  crossing = np.flatnonzero((starts & _U32) + length > 2**32).tolist()
   block = _HASH_BLOCK * _scale(split, chains * length)
   rows = max(1, min(chains, block // length))
   cols = min(length, block)
@@ -239,10 +237,30 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
   (split or _in_one_part)(draw, chains, rows * _BLOCKS_PER_PART)
   if rejected:
     chain, column = (np.concatenate(parts) for parts in zip(*rejected))
-    out[chain, column] = _redrawn(seeds, starts, chain, column, n)
+    out[chain, column] = _redrawn(seeds.tolist(), starts.tolist(), chain,
+                                  column, n)
   for c in crossing:
-    out[c] = cs.uniform(seeds[c], starts[c] + np.arange(length), n)
+    out[c] = cs.uniform(int(seeds[c]), int(starts[c]) + np.arange(length), n)
   return out
+
+
+def _uint64(values: Sequence[int]) -> np.ndarray:
+  """Non-negative integers as a uint64 array (Python ints one by one: a
+  list may hold values above 2**63)."""
+  if isinstance(values, np.ndarray):
+    return values.astype(np.uint64, copy=False)
+  return np.asarray([int(v) for v in values], np.uint64)
+
+
+def _prefixes(tag: int, seeds: np.ndarray) -> np.ndarray:
+  """:func:`_prefix` of every seed (uint64), as uint32: 1,024 chains'
+  prefixes in Python took 1.5 ms, most of a draw of one batch each."""
+  h = np.full(seeds.shape, cs.GOLDEN, np.uint32)
+  tmp = np.empty_like(h)
+  with np.errstate(over="ignore"):
+    for word in (np.uint32(tag),) + _words(seeds):
+      _absorb_into(h, word, tmp)
+  return h
 
 
 def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
@@ -265,8 +283,8 @@ def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
                                       mb_size, n, shuffle, in_epochs, start,
                                       columns=columns)
     return indices[None], None if mask is None else mask[None]
-  seeds = np.asarray([int(s) for s in seeds], np.uint64)
-  firsts = np.asarray([int(f) for f in firsts], np.int64)
+  seeds = _uint64(seeds)
+  firsts = np.asarray(_uint64(firsts), np.int64)
   chains = seeds.size
   cols = np.arange(mb_size, dtype=np.int64)[
       slice(None) if columns is None else columns]
@@ -275,8 +293,8 @@ def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
   with np.errstate(over="ignore"):  # uint32 arithmetic wraps
     if not in_epochs:
       if not shuffle and columns is None:  # a run per chain
-        indices = uniform_runs(seeds.tolist(), (firsts * mb_size).tolist(),
-                               count * mb_size, n, split)
+        indices = uniform_runs(seeds, firsts * mb_size, count * mb_size, n,
+                               split)
       else:
         positions = (batches[:, :, None] * mb_size + cols).reshape(
             chains, -1)
@@ -286,9 +304,9 @@ def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
           epochs = positions // n
           indices = _permute(seeds, epochs, positions - epochs * n, n, split)
         else:  # a run per batch
-          indices = uniform_runs(
-              np.repeat(seeds, count).tolist(),
-              positions[:, ::width].reshape(-1).tolist(), width, n, split)
+          indices = uniform_runs(np.repeat(seeds, count),
+                                 positions[:, ::width].reshape(-1), width, n,
+                                 split)
       mask = None
     else:
       per_epoch = -(-n // mb_size)
