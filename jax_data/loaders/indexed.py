@@ -88,13 +88,17 @@ class IndexedCursor(ChainCursor):
       through ``split`` (a loader's
       :attr:`~jax_data.loaders.gather.Gatherer.draws_early`: where cores
       are to spare).
+    in_memory: ``read`` reads arrays held in memory (no file, no decoding):
+      reading rows while compiled code waits costs no more than reading
+      them ahead (see ``Host.serve_into``).
   """
 
   def __init__(self, spec: ChainSpec, layout: ChunkLayout, read: ReadRows,
                check: Callable[[], None] = readable,
                rows: Optional[Hashable] = None,
                split: Optional[Split] = None,
-               ahead: Optional[Ahead] = None, early: bool = False):
+               ahead: Optional[Ahead] = None, early: bool = False,
+               in_memory: bool = False):
     part = getattr(spec, "part", None)
     self._stream = stream_of(spec, batch_rows(spec, layout.mb_size))
     # A part of each batch: its columns of the whole batch's indices.
@@ -107,6 +111,7 @@ class IndexedCursor(ChainCursor):
     self._split = split
     self._ahead = ahead
     self._early = early
+    self.in_memory = in_memory
     # A group's next indices, drawn once it had read its last chunk (on
     # the group's first cursor): ((seeds, firsts), their future).
     self._drawn: Optional[Tuple[Hashable, concurrent.futures.Future]] = None
@@ -115,6 +120,16 @@ class IndexedCursor(ChainCursor):
     self._all_valid.setflags(write=False)
 
   serves_parts = True
+
+  @property
+  def seed(self) -> int:
+    """The seed of the chain's stream."""
+    return self._stream.seed
+
+  @property
+  def check(self) -> Callable[[], None]:
+    """Each chunk's :attr:`~jax_data.loaders.chains.Chunk.check`."""
+    return self._check
 
   def produce(self, index: int, out: Chunk) -> Chunk:
     del index
@@ -148,76 +163,90 @@ class IndexedCursor(ChainCursor):
   def produce_group(cls, cursors: Sequence[ChainCursor],
                     indices: Sequence[int], layout: ChunkLayout,
                     allocate: Callable[..., np.ndarray]) -> List[Chunk]:
-    """The chunks of counter-based chains over the same rows: one draw of
-    every chain's indices, one ``read`` of all their rows into one buffer
-    per leaf, of which each chunk is a slice. Once the rows are read, the
-    indices of the group's next chunks are drawn in another thread (the
-    cursor's ``ahead``), while compiled code works through these: a
-    refresh of 256 chains read in place (N = 1e5, 100 batches) then need
-    not wait for an 11 ms draw before its read. On 2 cores that made a
-    step 4-10 % faster at 256 and 1,024 chains; drawn during the read
-    instead, it only took the read's second thread (no faster). Where
-    cores are to spare (the cursor's ``early``), the draw starts before
-    the read, beside it: on a GPU, whose compiled code works through a
-    refresh in about a millisecond, the next refresh otherwise waits for
-    the whole draw."""
+    """The chunks of counter-based chains over the same rows, each cursor
+    moved past its chunk: :meth:`read_group` of the first."""
     del indices  # each cursor stands at its chunk
     streams = [cursor._stream for cursor in cursors]  # pylint: disable=protected-access
-    first = streams[0]
-    count = layout.cache_size
+    seeds = np.asarray([stream.seed for stream in streams], np.uint64)
+    firsts = np.asarray([stream.advance(layout.cache_size)
+                         for stream in streams], np.int64)
     lead: IndexedCursor = cursors[0]  # type: ignore[assignment]
+    span = Span(*lead.read_group(seeds, firsts, allocate))
+    return span.chunks([cursor._check for cursor in cursors])  # pylint: disable=protected-access
+
+  def read_group(self, seeds: np.ndarray, firsts: np.ndarray,
+                 allocate: Callable[..., np.ndarray]
+                 ) -> Tuple[List[np.ndarray], np.ndarray]:
+    """The chunks of the chains of this cursor's group (counter-based
+    streams of ``seeds``, this one's mode, rows and columns) from batches
+    ``firsts``: one draw of every chain's indices, one ``read`` of all
+    their rows into one buffer per leaf from ``allocate``; each leaf and
+    the mask with a leading lane axis. Cursors stay where they are.
+
+    Once the rows are read, the indices of the group's next chunks are
+    drawn in another thread (``ahead``), while compiled code works through
+    these: a refresh of 256 chains read in place (N = 1e5, 100 batches)
+    then need not wait for an 11 ms draw before its read. On 2 cores that
+    made a step 4-10 % faster at 256 and 1,024 chains; drawn during the
+    read instead, it only took the read's second thread (no faster).
+    Where cores are to spare (``early``), the draw starts before the read,
+    beside it: on a GPU, whose compiled code works through a refresh in
+    about a millisecond, the next refresh otherwise waits for the whole
+    draw."""
+    stream, layout = self._stream, self._layout
+    assert isinstance(stream, CounterStream)
+    count = layout.cache_size
     draw = functools.partial(
-        chain_batches, count=count, mb_size=first.mb_size,
-        n=first.observations.count, shuffle=first.shuffle,
-        in_epochs=first.in_epochs, start=first.observations.start,
-        columns=lead._columns)  # pylint: disable=protected-access
-    seeds = tuple(stream.seed for stream in streams)
-    firsts = tuple(stream.advance(count) for stream in streams)
-    drawn = lead._take_drawn((seeds, firsts))  # pylint: disable=protected-access
-    indices, mask = drawn or draw(seeds, firsts, split=lead._split)  # pylint: disable=protected-access
-    following = (seeds, tuple(f + count for f in firsts))
-    if lead._early:  # pylint: disable=protected-access
-      lead._draw_ahead(following, draw)  # pylint: disable=protected-access
+        chain_batches, count=count, mb_size=stream.mb_size,
+        n=stream.observations.count, shuffle=stream.shuffle,
+        in_epochs=stream.in_epochs, start=stream.observations.start,
+        columns=self._columns)
+    drawn = self._take_drawn(seeds, firsts)
+    indices, mask = drawn or draw(seeds, firsts, split=self._split)
+    if self._early:
+      self._draw_ahead(seeds, firsts + count, draw)
     flat_out = [allocate((indices.size,) + leaf.shape, leaf.dtype)
                 for leaf in layout.leaves]
     # Compiled code's buffers with the lane axis second take the rows
-    # batch by batch, every cursor's batch j before any batch j + 1.
-    lanes, shapes = len(cursors), layout.leaf_shapes()
+    # batch by batch, every chain's batch j before any batch j + 1.
+    lanes, shapes = len(seeds), layout.leaf_shapes()
     if getattr(allocate, "interleaved", False):
-      leaves = _read_interleaved(cursors[0]._read, indices, flat_out)  # pylint: disable=protected-access
+      leaves = _read_interleaved(self._read, indices, flat_out)
       leaves = [leaf.reshape(shape[:1] + (lanes,) + shape[1:]).swapaxes(0, 1)
                 for leaf, shape in zip(leaves, shapes)]
     else:
-      leaves = cursors[0]._read(indices.reshape(-1), flat_out)  # pylint: disable=protected-access
+      leaves = self._read(indices.reshape(-1), flat_out)
       leaves = [leaf.reshape((lanes,) + shape)
                 for leaf, shape in zip(leaves, shapes)]
-    if not lead._early:  # pylint: disable=protected-access
-      lead._draw_ahead(following, draw)  # pylint: disable=protected-access
-    span = Span(leaves, np.broadcast_to(np.True_, (lanes,) + layout.lead)
-                if mask is None else mask)
-    return span.chunks([cursor._check for cursor in cursors])  # pylint: disable=protected-access
+    if not self._early:
+      self._draw_ahead(seeds, firsts + count, draw)
+    return leaves, (np.broadcast_to(np.True_, (lanes,) + layout.lead)
+                    if mask is None else mask)
 
-  def _take_drawn(self, key: Hashable) -> Optional[Tuple[np.ndarray, Any]]:
-    """The indices drawn ahead for ``key`` (seeds and first batches), or
-    None (another key: the group's chains moved elsewhere; or the draw
-    failed, and is done again in the caller's thread); drops them."""
+  def _take_drawn(self, seeds: np.ndarray, firsts: np.ndarray
+                  ) -> Optional[Tuple[np.ndarray, Any]]:
+    """The indices drawn ahead for these seeds and first batches, or None
+    (others: the group's chains moved elsewhere; or the draw failed, and
+    is done again in the caller's thread); drops them."""
     drawn, self._drawn = self._drawn, None
-    if drawn is None or drawn[0] != key:
+    if drawn is None or drawn[0] != (seeds.tobytes(), firsts.tobytes()):
       return None
     try:
       return drawn[1].result()
     except Exception:  # pylint: disable=broad-except
       return None
 
-  def _draw_ahead(self, key: Tuple[Sequence[int], Sequence[int]],
+  def _draw_ahead(self, seeds: np.ndarray, firsts: np.ndarray,
                   draw: Callable[..., Tuple[np.ndarray, Any]]) -> None:
     if self._ahead is not None:
       # Split only where cores are to spare: on 2 cores a split draw
       # ahead took the second core from compiled code (1,024 shuffled
       # chains: 3,328 against 3,035 us per step in one thread).
       split = self._split if self._early else None
-      future = self._ahead(functools.partial(draw, *key, split=split))
-      self._drawn = None if future is None else (key, future)
+      future = self._ahead(functools.partial(draw, seeds, firsts,
+                                             split=split))
+      self._drawn = None if future is None else (
+          (seeds.tobytes(), firsts.tobytes()), future)
 
   def close(self) -> None:
     self._drawn = None

@@ -192,7 +192,9 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
     return IndexedCursor(spec, layout, self._read, self._check_files,
                          split=self._gatherer.split,
                          ahead=self._gatherer.submit,
-                         early=self._gatherer.draws_early)
+                         early=self._gatherer.draws_early,
+                         in_memory=all(type(leaf) is np.ndarray
+                                       for leaf in self._leaves))
 
   def content_digest(self) -> str:
     if self._digest is None:

@@ -408,7 +408,8 @@ class TensorflowDataLoader(HostDataLoader):
         return IndexedCursor(spec, layout, rows.gather, rows=self,
                              split=self._gatherer.split,
                              ahead=self._gatherer.submit,
-                             early=self._gatherer.draws_early)
+                             early=self._gatherer.draws_early,
+                             in_memory=True)
       source = MemoryRows(self._arrays, shard, self._gatherer)
       if isinstance(spec, OrderedChain):
         return OrderedMemoryCursor(source, spec, layout)
