@@ -224,18 +224,33 @@ def test_vmapped_scans_get_each_chains_stream(limits, pipelines,
   """``jax_data.scan`` over vmapped chains, whose whole chunks the host
   writes with the lane axis second (on CPU, in place), gives each chain
   exactly its own stream, on every loader; read in place, the rows of all
-  chains land in compiled code's buffer batch by batch, with no copy."""
+  chains land in compiled code's buffer batch by batch, with no copy: on a
+  CPU device whatever the store's limits (one group of chains, with no
+  Python per lane); in ``pure_callback``'s answer where the store reads in
+  place."""
   from jax_data.loaders import indexed
+  from jax_data.serving import group_refresh
   from jax_data.serving import production
 
-  regions = []
-  made = production._Regions  # pylint: disable=protected-access
+  regions, intos, alike = [], [], []
+  made, into = production._Regions, group_refresh._Into  # pylint: disable=protected-access
+  same = group_refresh.same_memory
 
   def spied(*args):
     regions.append(made(*args))
     return regions[-1]
 
+  def spied_into(*args):
+    intos.append(into(*args))
+    return intos[-1]
+
+  def spied_same(*args):
+    alike.append(same(*args))
+    return alike[-1]
+
   monkeypatch.setattr(production, "_Regions", spied)
+  monkeypatch.setattr(group_refresh, "_Into", spied_into)
+  monkeypatch.setattr(group_refresh, "same_memory", spied_same)
   # Interleaved reads of one step's rows at a time, as with many chains.
   monkeypatch.setattr(indexed, "_INTERLEAVED_ROWS", 1)
   n, cache, mb, chains, length = 103, 3, 8, 5, 11
@@ -261,13 +276,14 @@ def test_vmapped_scans_get_each_chains_stream(limits, pipelines,
                                       False)
       np.testing.assert_array_equal(got[c], expected, err_msg=repr(loader))
     release_fn()
-  if (limits is IN_PLACE and pipelines.callback == "auto"
-      and jax.default_backend() == "cpu"):  # elsewhere pure_callback's copy
-    # Whole chunks interleaved; the refreshes of the first and last steps
-    # (batch_fn's path) chain after chain; none elsewhere.
-    spans = [r._spans for r in regions]  # pylint: disable=protected-access
-    assert any(r.interleaved for r in regions)
-    assert all(s is not None for leaves in spans for s in leaves)
+  if pipelines.callback == "auto" and jax.default_backend() == "cpu":
+    # Whole chunks interleaved, read in place by the group; the refreshes
+    # of the first and last steps (batch_fn's path) chain after chain.
+    assert not regions
+    assert any(i.interleaved for i in intos) and alike and all(alike)
+  elif limits is IN_PLACE:  # into pure_callback's answer, lane axis first
+    assert not regions
+    assert intos and not any(i.interleaved for i in intos) and all(alike)
 
 
 def test_a_refresh_of_many_chains_reads_once():
@@ -636,3 +652,125 @@ def test_an_answer_keeps_its_first_settlement():
   assert isinstance(failed.exception(), ValueError)
   with pytest.raises(ValueError, match="unreadable"):
     failed.result()
+
+
+def _stacked(init_fn, seeds, **mode):
+  return jax.tree_util.tree_map(
+      lambda *s: jnp.stack(s),
+      *[init_fn(seed=s, stream="counter", **mode) for s in seeds])
+
+
+@pytest.mark.parametrize("in_memory", [True, False], ids=["arrays", "memmap"])
+def test_a_group_of_chains_is_served_as_one(in_memory, pipelines, tmp_path,
+                                            monkeypatch):
+  """On a CPU device, a refresh of vmapped counter-based chains over arrays
+  in memory is read straight into compiled code's buffers by the group,
+  whatever the store's limits: the chains' records and cursors are not
+  touched and nothing is stored, and a chain served alone afterwards goes
+  on with its exact stream. Over a memmap, and through pure_callback, the
+  store's path serves them as before (chunks read ahead)."""
+  from jax_data.serving import group_refresh
+
+  served = []
+  serve = group_refresh.GroupRefresh.serve_into
+
+  def spied(self, *args, **kwargs):
+    served.append(serve(self, *args, **kwargs))
+    return served[-1]
+
+  monkeypatch.setattr(group_refresh.GroupRefresh, "serve_into", spied)
+  n, cache, mb, chains = 1000, 4, 8, 6
+  x = np.arange(n)
+  if not in_memory:
+    np.save(tmp_path / "x.npy", x)
+    x = np.load(tmp_path / "x.npy", mmap_mode="r")
+  loader = jax_data.NumpyDataLoader(copy=False, x=x)
+  pipeline = pipelines.random_reference_data(loader, cache, mb)
+  init_fn, batch_fn, release_fn = pipeline
+  stacked = _stacked(init_fn, range(50, 50 + chains), shuffle=True)
+  host = pipeline.host
+  before = [(host.chain(c).next_index, host.chain(c).cursor.position())
+            for c in host.chains()]
+  step = jax.jit(jax.vmap(batch_fn))
+  got = []
+  for _ in range(2 * cache + 1):
+    stacked, batch = step(stacked)
+    got.append(np.asarray(batch["x"]))
+  got = np.stack(got, axis=1)
+  for c in range(chains):
+    np.testing.assert_array_equal(
+        got[c], cs.stream_batches(50 + c, 0, 2 * cache + 1, mb, n, True,
+                                  False)[0])
+  assert host.wait_idle()
+  grouped = (in_memory and pipelines.callback == "auto"
+             and jax.default_backend() == "cpu")
+  assert (served and all(served)) if grouped else not any(served)
+  after = [(host.chain(c).next_index, host.chain(c).cursor.position())
+           for c in host.chains()]
+  assert (after == before) == grouped
+  assert any(host.chain(c).chunks for c in host.chains()) != grouped
+  # One chain alone, through the store's path, from where the group left it.
+  alone = jax.tree_util.tree_map(lambda a: a[3], stacked)
+  _, batch = jax.jit(batch_fn)(alone)
+  np.testing.assert_array_equal(
+      batch["x"], cs.stream_batches(53, 2 * cache + 1, 1, mb, n, True,
+                                    False)[0][0])
+  release_fn()
+
+
+def test_a_chain_taken_out_is_no_longer_served_by_its_group(pipelines):
+  """The group a request's chains formed is forgotten once one of them is
+  taken out of the pipeline: the next request names the missing chain."""
+  loader = jax_data.NumpyDataLoader(x=np.arange(100))
+  pipeline = pipelines.random_reference_data(loader, 2, 4)
+  init_fn, batch_fn, release_fn = pipeline
+  stacked = _stacked(init_fn, range(4))
+  step = jax.jit(jax.vmap(batch_fn))
+  jax.block_until_ready(step(stacked))
+  gone = int(stacked.chain[2])
+  pipeline.host.remove_chain(gone)
+  with pytest.raises(Exception, match=f"chain {gone} was not created"):
+    jax.block_until_ready(step(stacked))
+  release_fn()
+
+
+def test_a_group_whose_read_fails_reports_it_as_any_chunk(tmp_path,
+                                                          pipelines):
+  """A failure while a group is read in place (a memmap's file truncated
+  under it) reaches the caller as the store's path reports it, naming the
+  array and the file; the pipeline stays usable once the file is whole."""
+  path = tmp_path / "x.npy"
+  np.save(path, np.arange(4000, dtype=np.int64))
+  loader = jax_data.NumpyDataLoader(copy=False,
+                                    x=np.load(path, mmap_mode="r"))
+  loader.store_limits = IN_PLACE
+  init_fn, batch_fn, release_fn = pipelines.random_reference_data(
+      loader, 2, 4)
+  stacked = _stacked(init_fn, range(4), shuffle=True)
+  step = jax.jit(jax.vmap(batch_fn))
+  jax.block_until_ready(step(stacked))
+  whole = path.read_bytes()
+  with open(path, "r+b") as f:
+    f.truncate(1000)
+  with pytest.raises(Exception, match="OSError: the file of array 'x'.*was "
+                     "truncated to 1000 bytes"):
+    jax.block_until_ready(step(stacked))
+  path.write_bytes(whole)
+  _, batch = step(stacked)
+  np.testing.assert_array_equal(
+      np.asarray(batch["x"])[1],
+      cs.stream_batches(1, 0, 1, 4, 4000, True, False)[0][0])
+  release_fn()
+
+
+def test_same_memory_ignores_the_strides_of_axes_of_one():
+  """A lane-first view of a buffer whose lane axis is second in memory is
+  the buffer's memory when its batches axis has length one (NumPy gives
+  such axes any stride), and not when the layouts differ."""
+  from jax_data.serving.group_refresh import same_memory
+  buffer = np.zeros((1, 5, 3))  # (batches, lanes, rows)
+  view = np.moveaxis(buffer, 1, 0)
+  assert same_memory(view, buffer.reshape(5, 1, 3))
+  assert same_memory(view, view)
+  longer = np.zeros((2, 5, 3))
+  assert not same_memory(np.moveaxis(longer, 1, 0), longer.reshape(5, 2, 3))

@@ -407,7 +407,8 @@ class _Callback:
       LIVE_HOSTS.host(_owner(owners)).serve_into(
           [np.asarray(o) for o in outs], np.asarray(pipelines),
           np.asarray(chains), np.asarray(chunks), np.asarray(need),
-          self._device_count, self._participants, keep_others=keep)
+          self._device_count, self._participants, keep_others=keep,
+          cpu=True)
     except BaseException:
       LIVE_HOSTS.note_failed_callback()
       raise

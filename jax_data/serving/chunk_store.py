@@ -208,9 +208,11 @@ class ChainStore:
                               self._held, verify_calls)
     self._scheduler = scheduler
     self._trim_queued = threading.Event()
+    self.removals = 0  # chains taken out so far
 
   def remove(self, number: int) -> None:
     """Takes a chain out of the pipeline and closes its cursor."""
+    self.removals += 1
     record = self._chains.pop(number)
     if record is None:
       return
