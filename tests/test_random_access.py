@@ -358,15 +358,23 @@ def test_a_state_of_another_pipeline_is_refused(pipelines):
 
 
 
-def test_a_released_pipelines_loader_is_freed_without_a_collection(pipelines):
+@pytest.mark.parametrize("chains", [1, 3])
+def test_a_released_pipelines_loader_is_freed_without_a_collection(
+    chains, pipelines):
   """Nothing of jax_data forms a reference cycle with a loader: once the
   pipeline is released and the prefetch thread idle, dropping the loader
-  frees it (and its arrays) at once, not at the next garbage collection."""
+  frees it (and its arrays) at once, not at the next garbage collection;
+  also after vmapped counter chains were served as one group."""
   loader = NumpyDataLoader(x=np.arange(100.0))
   ref = weakref.ref(loader)
   pipeline = pipelines.random_reference_data(loader, 2, 2)
   init_fn, batch_fn, release_fn = pipeline
-  _scan(batch_fn, 5)(init_fn())
+  if chains == 1:
+    _scan(batch_fn, 5)(init_fn())
+  else:
+    states = init_fn(seed=range(chains), stream="counter")
+    jax.block_until_ready(jax.jit(jax.vmap(batch_fn))(states))
+    del states
   host = pipeline.host
   release_fn()
   assert host.wait_idle()

@@ -435,4 +435,5 @@ class _Parts:
     it closes the chains' cursors)."""
     self.store().release(error)
     self.results = BufferPool()  # their memory goes now
+    self._groups = None  # and the chains it remembered, with the loader
     self._loader = None
