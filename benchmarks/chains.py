@@ -11,8 +11,7 @@ call a ``lax.scan`` of ``steps`` steps:
   sizes), and with ``stream="counter"``, whose chains a refresh draws and
   reads together, and counter chains in shuffled epochs (``shuffle=True,
   in_epochs=True``: what SG-MCMC users often run); and counter chains with
-  caches of 10 batches (what the user guide advises for hundreds of
-  chains on a CPU);
+  caches of 10 batches (a tenth of the device memory);
 * compute over a cache: every chain scans over one fixed refresh of
   ``cache`` random batches on the device, again and again, as
   ``jax_data.scan`` scans its chunks (no host work: XLA slicing each
