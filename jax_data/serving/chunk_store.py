@@ -212,8 +212,8 @@ class ChainStore:
 
   def remove(self, number: int) -> None:
     """Takes a chain out of the pipeline and closes its cursor."""
-    self.removals += 1
     record = self._chains.pop(number)
+    self.removals += 1  # once it is out: groups found later lack it
     if record is None:
       return
     with self._lock:
