@@ -38,6 +38,7 @@ from jax_data.loaders.chains import ChunkLayout
 from jax_data.loaders.chains import Span
 from jax_data.serving.chain_records import ChainRecord
 from jax_data.serving.chain_records import ChainTable
+from jax_data.serving.chunk_store import ChainStore
 
 # Sets of chains remembered (a pipeline's requests name one or a few).
 _REMEMBERED = 8
@@ -66,6 +67,33 @@ class GroupRefresh:
         collections.OrderedDict())
     self._removals = 0
     self._lock = threading.Lock()
+
+  def serve_request(self, store: ChainStore, pipeline: int,
+                    outs: Sequence[np.ndarray], pipelines: np.ndarray,
+                    chains: np.ndarray, chunks: np.ndarray, need: np.ndarray,
+                    one_device: bool, cpu: bool) -> bool:
+    """Serves a request of pipeline ``pipeline`` (``Host.serve_into``'s
+    arguments) if it is one device's refresh of every lane, all chains of
+    one group read in place; whether it did.
+
+    Read in place are the refreshes the store would read so (too large to
+    keep ahead), and, on a CPU device (``cpu``), whose compiled code runs
+    on the host's cores, those of groups over arrays in memory whatever
+    their size (files and decoded records are still produced ahead,
+    beside compiled code): produced ahead, they would take those cores
+    from compiled code and be copied once more. On 2 cores, 64 chains of
+    100 batches took 145-182 us per step produced ahead and 122-159 us read
+    in place; 256 chains of 10 batches 671-719 and 415-420 us."""
+    lanes = need.size
+    in_place = store.reads_in_place(lanes)
+    if (lanes < 2 or not one_device or not (cpu or in_place)
+        or not need.all() or not (pipelines == pipeline).all()):
+      return False
+    if not self.serve_into(outs, chains, chunks, store.removals,
+                           memory_only=not in_place):
+      return False
+    store.note_lanes(lanes)
+    return True
 
   def serve_into(self, outs: Sequence[np.ndarray], chains: np.ndarray,
                  chunks: np.ndarray, removals: int, memory_only: bool

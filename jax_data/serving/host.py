@@ -242,20 +242,13 @@ class Host:
     releases the GIL; the next chunks are produced after the copy, which
     holds up the device, not during it (see :meth:`ChainStore.chunks`).
     Lanes that ``need`` nothing get zeros, or with ``keep_others`` are left
-    as they are (``outs`` are the caches themselves).
-
-    ``cpu``: ``outs`` belong to a CPU device, whose compiled code runs on
-    the host's cores. A refresh of one group of counter-based chains over
-    arrays in memory is then read straight into them whatever its size
-    (files and decoded records are still read ahead, beside compiled
-    code): produced ahead, it would take those cores from compiled code
-    and be copied once more (on
-    2 cores, 64 chains of 100 batches took 145-182 us per step produced
-    ahead and 122-159 us read in place; 256 chains of 10 batches 671-719
-    and 415-420 us)."""
+    as they are (``outs`` are the caches themselves). A group's refresh goes
+    to :meth:`GroupRefresh.serve_request` first (``cpu``: on a CPU)."""
     store = self._parts.store()
-    if self._group_refresh(store, outs, pipelines, chains, chunks, need,
-                           device_count, participants, cpu):
+    if self._progress is None and self._parts.groups().serve_request(
+        store, self.id, outs, pipelines, chains, chunks, need,
+        device_count * participants == 1, cpu):
+      self.requests += 1
       return
     deferred: Deferred = []
     try:
@@ -271,27 +264,6 @@ class Host:
           store.reads_in_place(len(lanes))))
     finally:
       store.schedule_next(deferred, trim=True)
-
-  def _group_refresh(self, store: ChainStore, outs: Sequence[np.ndarray],
-                     pipelines: np.ndarray, chains: np.ndarray,
-                     chunks: np.ndarray, need: np.ndarray, device_count: int,
-                     participants: int, cpu: bool) -> bool:
-    """Serves a refresh whose lanes are all chains of one group of this
-    pipeline's counter-based chains, read in place (on a CPU device, or
-    where the store would), with no Python per lane (:class:`GroupRefresh`:
-    one device, every lane wanted); whether it did."""
-    lanes = need.size
-    in_place = store.reads_in_place(lanes)
-    if (lanes < 2 or participants != 1 or device_count != 1
-        or self._progress is not None or not (cpu or in_place)
-        or not need.all() or not (pipelines == self.id).all()):
-      return False
-    if not self._parts.groups().serve_into(
-        outs, chains, chunks, store.removals, memory_only=not in_place):
-      return False
-    store.note_lanes(lanes)
-    self.requests += 1
-    return True
 
   def _ready(self, store: ChainStore, pipelines: np.ndarray,
              chains: np.ndarray, chunks: np.ndarray, need: np.ndarray,
@@ -331,8 +303,7 @@ class Host:
 
   def stop_prefetching(self) -> Optional[Thread]:
     """Ends the prefetch thread after its running job, and returns it to
-    join (None if it never started); chunks are then produced when asked
-    for."""
+    join (None if it never started); chunks are then made when asked for."""
     self._copier.close()
     return self._parts.stop_prefetching(PipelineReleasedError(
         f"the prefetch thread of the pipeline over {self.name} stopped"))
