@@ -1,7 +1,8 @@
 """Follows four requests through jax_data call by call (architecture check).
 
-For each trip (serving a chunk, registering a chain, restoring a chain,
-building a pipeline, and a new pipeline's first chain and first chunk) it
+For each trip (serving a chunk, a group of chains' refresh, registering a
+chain, restoring a chain, building a pipeline, and a new pipeline's first
+chain and first chunk) it
 records, in the calling thread, every call from one jax_data module into
 another and prints:
 
@@ -128,6 +129,19 @@ def main():
 
   follow("serving a chunk produced ahead", serve(1))
   follow("serving a chunk not stored (far ahead)", serve(9))
+  # Eight vmapped counter chains refreshed together on a CPU device: the
+  # group's first refresh finds its chains, the next ones know them.
+  group = init_fn(seed=range(10, 18), stream="counter")
+  lanes = [np.empty((1, 8) + o.shape[1:], o.dtype) for o in outs]
+
+  def refresh(index):
+    return lambda: host.serve_into(
+        [a[0] for a in lanes], np.full(8, host.id), np.asarray(group.chain),
+        np.full(8, index), np.ones(8, bool), cpu=True)
+
+  follow("serving a group of counter chains (its first refresh)",
+         refresh(0))
+  follow("serving a group of counter chains", refresh(1))
   follow("registering a chain (init_fn)", lambda: init_fn(seed=3))
   spec = loader.chain_spec(False, seed=5, shuffle=True)
   follow("registering a chain (Host.register)", lambda: host.register(spec))

@@ -71,10 +71,11 @@ class GroupRefresh:
   def serve_request(self, store: ChainStore, pipeline: int,
                     outs: Sequence[np.ndarray], pipelines: np.ndarray,
                     chains: np.ndarray, chunks: np.ndarray, need: np.ndarray,
-                    one_device: bool, cpu: bool) -> bool:
+                    plain: bool, cpu: bool) -> bool:
     """Serves a request of pipeline ``pipeline`` (``Host.serve_into``'s
-    arguments) if it is one device's refresh of every lane, all chains of
-    one group read in place; whether it did.
+    arguments) if it is a refresh of every lane, all chains of one group
+    read in place, and ``plain`` (one device's, no progress to report);
+    whether it did.
 
     Read in place are the refreshes the store would read so (too large to
     keep ahead), and, on a CPU device (``cpu``), whose compiled code runs
@@ -85,9 +86,11 @@ class GroupRefresh:
     100 batches took 145-182 us per step produced ahead and 122-159 us read
     in place; 256 chains of 10 batches 671-719 and 415-420 us."""
     lanes = need.size
+    if (lanes < 2 or not plain or not need.all()
+        or not (pipelines == pipeline).all()):
+      return False
     in_place = store.reads_in_place(lanes)
-    if (lanes < 2 or not one_device or not (cpu or in_place)
-        or not need.all() or not (pipelines == pipeline).all()):
+    if not (cpu or in_place):
       return False
     if not self.serve_into(outs, chains, chunks, store.removals,
                            memory_only=not in_place):

@@ -245,9 +245,9 @@ class Host:
     as they are (``outs`` are the caches themselves). A group's refresh goes
     to :meth:`GroupRefresh.serve_request` first (``cpu``: on a CPU)."""
     store = self._parts.store()
-    if self._progress is None and self._parts.groups().serve_request(
+    if need.size > 1 and self._parts.groups().serve_request(
         store, self.id, outs, pipelines, chains, chunks, need,
-        device_count * participants == 1, cpu):
+        device_count * participants == 1 and self._progress is None, cpu):
       self.requests += 1
       return
     deferred: Deferred = []
