@@ -367,7 +367,9 @@ def test_global_batches_over_processes_equal_one_process(tmp_path,
   mapper_release()
   grid = []
   for seed in worker.GLOBAL_SEEDS:
-    chain, rows = init_fn(seed=seed, shuffle=True, in_epochs=True), []
+    # Chains made together (the grid's) draw counter-based streams.
+    chain, rows = init_fn(seed=seed, shuffle=True, in_epochs=True,
+                          stream="counter"), []
     for _ in range(worker.GLOBAL_STEPS):
       chain, batch = batch_fn(chain)
       rows.append(np.asarray(batch["index"]))

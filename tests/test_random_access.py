@@ -459,7 +459,7 @@ def test_a_sequence_of_seeds_gives_the_stacked_chains(mode, pipelines):
   loaders (exact and counter streams) and device-resident ones."""
   n, cache, mb, steps = 53, 3, 4, 8
   seeds = [4, 0, 9]
-  loaders = [(NumpyDataLoader(x=np.arange(n)), {}),
+  loaders = [(NumpyDataLoader(x=np.arange(n)), {"stream": "exact"}),
              (NumpyDataLoader(x=np.arange(n)), {"stream": "counter"}),
              (jax_data.DeviceNumpyDataLoader(x=np.arange(n)),
               {"stream": "counter"})]
@@ -485,6 +485,51 @@ def test_a_sequence_of_seeds_gives_the_stacked_chains(mode, pipelines):
     np.testing.assert_array_equal(got["x"], want["x"])
     assert len({tuple(np.asarray(x).ravel()) for x in got["x"]}) == 3
     release_fn()
+
+
+class _NeverCounter(NumpyDataLoader):
+  """A loader whose "auto" never draws counter-based streams."""
+  auto_counter_above = None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sequence_of_seeds_draws_counter_based_streams_by_default(
+    mode, pipelines):
+  """The chains of one ``init_fn(seed=[...])`` call are vmapped together:
+  with ``stream`` left to "auto" they draw counter-based streams, whatever
+  the observation count, where the loader's "auto" can (the same batches
+  as ``stream="counter"``); a single seed keeps the exact streams of the
+  guide's library, and so does a loader whose "auto" is never
+  counter-based."""
+  n, cache, mb, steps, seeds = 53, 3, 4, 8, [4, 0, 9]
+
+  def lanes(loader, **keywords):
+    init_fn, batch_fn, release_fn = pipelines.random_reference_data(
+        loader, cache, mb)
+    states = init_fn(**keywords)
+    if np.ndim(keywords["seed"]) == 0:
+      states = jax.tree_util.tree_map(lambda s: s[None], states)
+    run = jax.vmap(lambda state: lax.scan(
+        lambda st, _: batch_fn(st), state, None, length=steps)[1]["x"])
+    got = np.asarray(jax.jit(run)(states))
+    release_fn()
+    return got
+
+  counter = np.concatenate([
+      lanes(NumpyDataLoader(x=np.arange(n)), seed=s, stream="counter", **mode)
+      for s in seeds])
+  exact = np.concatenate([
+      lanes(NumpyDataLoader(x=np.arange(n)), seed=s, **mode) for s in seeds])
+  assert not np.array_equal(counter, exact)
+  for stream in ({}, {"stream": "auto"}):
+    np.testing.assert_array_equal(
+        lanes(NumpyDataLoader(x=np.arange(n)), seed=seeds, **stream, **mode),
+        counter)
+  np.testing.assert_array_equal(
+      lanes(NumpyDataLoader(x=np.arange(n)), seed=seeds, stream="exact",
+            **mode), exact)
+  np.testing.assert_array_equal(
+      lanes(_NeverCounter(x=np.arange(n)), seed=seeds, **mode), exact)
 
 
 def test_a_bad_sequence_of_seeds_is_refused_before_any_chain(pipelines):

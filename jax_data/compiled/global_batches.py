@@ -43,6 +43,7 @@ from jax_data.compiled import pipeline as pl
 from jax_data.compiled import scan as scan_lib
 from jax_data.compiled import states
 from jax_data.loaders.chains import BatchPart
+from jax_data.loaders.host_loader import chain_specs
 from jax_data.types import CacheState
 from jax_data.types import MiniBatchInformation
 
@@ -161,9 +162,11 @@ class GlobalPipeline(pl.RandomPipeline):
 
   def init_fn(self, **kwargs: Any) -> CacheState:
     """Registers a chain (with ``chain_axis``: a chain per seed of the
-    sequence ``seed``) and returns its global state; other keywords go to
-    the loader as for ``random_reference_data`` (``shuffle``,
-    ``in_epochs``, ``stream``, ``shard_index``, ``shard_count``). This
+    sequence ``seed``, by default of counter-based streams, as for
+    ``random_reference_data``) and returns its global state; other
+    keywords go to the loader as for ``random_reference_data``
+    (``shuffle``, ``in_epochs``, ``stream``, ``shard_index``,
+    ``shard_count``). This
     process registers the parts of its own devices only. In a job of
     several processes every process calls it alike.
 
@@ -172,8 +175,10 @@ class GlobalPipeline(pl.RandomPipeline):
         not a sequence whose length the chain axis divides.
     """
     seeds = self._seeds(kwargs.pop("seed", None))
-    specs = [self.host.loader.chain_spec(False, seed=seed, **kwargs)
-             for seed in seeds]
+    loader = self.host.loader
+    specs = ([loader.chain_spec(False, seed=seeds[0], **kwargs)]
+             if self._axes.chain_axis is None
+             else chain_specs(loader, seeds, **kwargs))
     with self._lock:
       chains = [next(self._numbers) for _ in specs]
     specs = [spec if spec.seed is not None else

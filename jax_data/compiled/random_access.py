@@ -19,6 +19,7 @@ from jax_data.compiled import states
 from jax_data.compiled.bridge import Bridge
 from jax_data.lifetime import STEPS
 from jax_data.loaders.host_loader import HostDataLoader
+from jax_data.loaders.host_loader import chain_specs
 from jax_data.loaders.loader import DataLoader
 from jax_data.types import CacheState
 from jax_data.types import Callback
@@ -73,9 +74,9 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
   Returns:
     ``(init_fn, batch_fn, release_fn)``. ``init_fn(**kwargs)`` registers a
     chain (keywords go to the loader, e.g. ``seed``, ``shuffle``,
-    ``in_epochs``) and returns its :class:`CacheState`; with a sequence of
-    seeds (``seed=range(C)``), a chain per seed, their states stacked for
-    ``jax.vmap``;
+    ``in_epochs``, ``stream``) and returns its :class:`CacheState`; with a
+    sequence of seeds (``seed=range(C)``), a chain per seed, their states
+    stacked for ``jax.vmap``, by default of counter-based streams;
     ``batch_fn(state, information=False, device_count=1)`` returns
     ``(state, batch)`` or ``(state, (batch, MiniBatchInformation))``;
     ``release_fn()`` drops the pipeline's references to the loader.
@@ -139,8 +140,11 @@ class RandomPipeline(pl.RandomPipeline):
 
     A sequence of seeds (``seed=range(C)``) registers a chain per seed and
     returns their states stacked for ``jax.vmap``, the same as stacking
-    ``init_fn(seed=s)`` of each, made with one cache buffer for all chains
-    (stacking C states holds C caches and then their stack)."""
+    ``init_fn(seed=s, stream=...)`` of each with the same ``stream``, made
+    with one cache buffer for all chains (stacking C states holds C caches
+    and then their stack). Their default stream is counter-based wherever
+    the loader draws such streams
+    (:func:`~jax_data.loaders.host_loader.chain_specs`)."""
     seeds = seed_list(kwargs.get("seed"))
     if seeds is None:
       spec = self.host.loader.chain_spec(False, **kwargs)
@@ -148,8 +152,7 @@ class RandomPipeline(pl.RandomPipeline):
       return CacheState.start(self.id, chain, self._mb_size,
                               self._cache_size, self._batch_format)
     # Every seed checked before any chain is registered.
-    specs = [self.host.loader.chain_spec(False, **{**kwargs, "seed": seed})
-             for seed in seeds]
+    specs = chain_specs(self.host.loader, seeds, **kwargs)
     chains = [self.host.register(spec) for spec in specs]
     return CacheState.start_chains(self.id, chains, self._mb_size,
                                    self._cache_size, self._batch_format)

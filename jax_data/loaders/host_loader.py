@@ -29,7 +29,9 @@ from typing import Any
 from typing import Callable
 from typing import ClassVar
 from typing import Dict
+from typing import List
 from typing import Optional
+from typing import Sequence
 from typing import Tuple
 
 import jax
@@ -389,3 +391,29 @@ def _stream_kind(stream: Any, observations: ObservationRange,
     return ("counter" if auto_counter_above is not None
             and observations.count > auto_counter_above else "exact")
   return stream
+
+
+def chain_specs(loader: HostDataLoader, seeds: Sequence[Any],
+                **keywords: Any) -> List[ChainSpec]:
+  """The specs of the random chains of ``init_fn(seed=range(C))``, one per
+  seed, every one checked before any chain is made: each is the loader's
+  :meth:`~HostDataLoader.chain_spec` of its seed and the other keywords,
+  except that ``stream="auto"`` (the default) draws counter-based streams
+  wherever the loader's "auto" can (:attr:`~HostDataLoader.
+  auto_counter_above` not None), whatever the observation count.
+
+  Chains made together are vmapped together. Counter-based ones are drawn
+  in one vectorised call and read in one gather for all of them, and a
+  shuffled one keeps no permutation; exact ones are drawn chain by chain,
+  and a shuffled one keeps a permutation of 8 bytes per observation. With
+  the exact streams, 256 and 1,024 vmapped chains over 1e5 observations
+  took 1.6-1.7x the time per step on 2 cores. The exact streams, those of
+  the guide's library, are for one chain per ``init_fn`` call, the only way
+  that library made chains; ``stream="exact"`` keeps them here."""
+  stream = keywords.get("stream", "auto")
+  if ("stream" in loader.random_keywords
+      and loader.auto_counter_above is not None
+      and isinstance(stream, str) and stream == "auto"):
+    keywords = {**keywords, "stream": "counter"}
+  return [loader.chain_spec(False, **{**keywords, "seed": seed})
+          for seed in seeds]
