@@ -7,9 +7,10 @@ call a ``lax.scan`` of ``steps`` steps:
 * device-resident: the data on the device, each chain's indices drawn with
   ``jax.random.randint`` and gathered inside the scan;
 * jax_data: ``jax.vmap`` of ``jax_data.scan`` over the stacked states of
-  ``init_fn(seed=c)`` (independent draws, the default stream at these
-  sizes), and with ``stream="counter"``, whose chains a refresh draws and
-  reads together, and counter chains in shuffled epochs (``shuffle=True,
+  ``init_fn(seed=range(C))`` (independent draws): with the default stream
+  of a sequence of seeds, counter-based, whose chains a refresh draws and
+  reads together, and with ``stream="exact"`` (the guide's streams, drawn
+  chain by chain); counter chains in shuffled epochs (``shuffle=True,
   in_epochs=True``: what SG-MCMC users often run); and counter chains with
   caches of 10 batches (a tenth of the device memory);
 * compute over a cache: every chain scans over one fixed refresh of
@@ -47,7 +48,7 @@ from common import run_child
 
 COMPUTE = "compute only"
 DEVICE = "device-resident"
-JAX_DATA = "jax_data"
+JAX_DATA = "jax_data exact"
 COUNTER = "jax_data counter"
 EPOCHS = "jax_data counter, epochs"
 SMALL = "jax_data counter, 10 batches"
@@ -165,7 +166,7 @@ def _section(config: Config, results: list) -> Section:
           f"(shuffle=True, in_epochs=True); {SMALL}: counter chains with "
           "cached_batches_count=10; neither is in the targets' 'best'."),
       headers=["N", "C", COMPUTE, CACHED, DEVICE, JAX_DATA, COUNTER, FLOOR,
-               "jax_data / compute", "counter / compute",
+               "exact / compute", "counter / compute",
                "best / device", "best / (compute + floor)",
                "best / (cached + floor)", "peak RSS",
                "device caches", DATARAX, "Datarax / best jax_data",
@@ -397,7 +398,7 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
   releases = []
   small = {**request, "cache": min(10, request["cache"])}
   for name, stream, init, asked in (
-      (JAX_DATA, "auto", {}, request), (COUNTER, "counter", {}, request),
+      (JAX_DATA, "exact", {}, request), (COUNTER, "auto", {}, request),
       (EPOCHS, "counter", {"shuffle": True, "in_epochs": True}, request),
       (SMALL, "counter", {}, small)):
     run_fn, carry, release_fn = _jax_data(asked, data, theta, keys,
