@@ -10,7 +10,8 @@ same values bit for bit, faster:
   on a few thousand indices, and 1,024 chains pay the calls' overhead 1,024
   times. :func:`chain_batches` draws all chains in one pass: the same NumPy
   calls on ``C`` times as many indices, the round keys of each (chain,
-  epoch) hashed once;
+  epoch) hashed once (shuffled chains block by block:
+  :mod:`jax_data.streams.shuffled_chains`);
 * independent draws hash runs of consecutive positions: the words of the
   seed are hashed once per chain, the positions' words are made from the
   run's start without 64-bit arithmetic, and the hash is computed in place
@@ -36,6 +37,8 @@ import numpy as np
 
 from jax_data.streams import counter_streams as cs
 from jax_data.streams.sampling import random_mode
+from jax_data.streams.shuffled_chains import shuffled_batches
+from jax_data.streams.shuffled_chains import uint32_words
 
 # Indices permuted per pass: the temporaries of one pass (a few dozen
 # arrays of this many words) stay in the caches; 1,024 chunks of 640
@@ -84,13 +87,6 @@ def _scale(split: Optional[Split], size: int) -> int:
   return _SPLIT_BLOCKS if split is not None and size >= large else 1
 
 
-def _words(values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-  """Low and high ``uint32`` words of non-negative integers (``uint64``)."""
-  values = values.astype(np.uint64)
-  return ((values & np.uint64(0xFFFFFFFF)).astype(np.uint32),
-          (values >> np.uint64(32)).astype(np.uint32))
-
-
 def _prefix(tag: int, seed: int) -> int:
   """The hash state after absorbing ``tag`` and the seed's two words
   (``counter_streams._absorb``'s first three steps), as a Python int."""
@@ -136,7 +132,7 @@ def _redrawn(seeds: Sequence[int], starts: Sequence[int], chain: np.ndarray,
   """``uniform(seeds[c], starts[c] + k, n)`` at the rejected ``(c, k)``:
   the first later attempt whose hash is below the limit, reduced."""
   if chain.size > _FEW_REJECTED:
-    return cs.uniform(_words(np.asarray(seeds, np.uint64)[chain]),
+    return cs.uniform(uint32_words(np.asarray(seeds, np.uint64)[chain]),
                       np.asarray(starts, np.int64)[chain] + column, n)
   wide = n > 2**32
   span = 2**64 if wide else 2**32
@@ -258,7 +254,7 @@ def _prefixes(tag: int, seeds: np.ndarray) -> np.ndarray:
   h = np.full(seeds.shape, cs.GOLDEN, np.uint32)
   tmp = np.empty_like(h)
   with np.errstate(over="ignore"):
-    for word in (np.uint32(tag),) + _words(seeds):
+    for word in (np.uint32(tag),) + uint32_words(seeds):
       _absorb_into(h, word, tmp)
   return h
 
@@ -289,82 +285,25 @@ def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
   cols = np.arange(mb_size, dtype=np.int64)[
       slice(None) if columns is None else columns]
   width = cols.size
-  batches = firsts[:, None] + np.arange(count, dtype=np.int64)
-  with np.errstate(over="ignore"):  # uint32 arithmetic wraps
-    if not in_epochs:
-      if not shuffle and columns is None:  # a run per chain
+  if shuffle:
+    block = _BLOCK * _scale(split, chains * count * width)
+    indices, mask = shuffled_batches(seeds, firsts, count, mb_size, n,
+                                     in_epochs, cols, split, block,
+                                     _BLOCKS_PER_PART)
+  else:
+    with np.errstate(over="ignore"):  # uint32 arithmetic wraps
+      if columns is None:  # a run per chain
         indices = uniform_runs(seeds, firsts * mb_size, count * mb_size, n,
                                split)
-      else:
-        positions = (batches[:, :, None] * mb_size + cols).reshape(
-            chains, -1)
-        if shuffle:
-          # NumPy divides by a scalar through libdivide, about 8x faster
-          # than its remainder.
-          epochs = positions // n
-          indices = _permute(seeds, epochs, positions - epochs * n, n, split)
-        else:  # a run per batch
-          indices = uniform_runs(np.repeat(seeds, count),
-                                 positions[:, ::width].reshape(-1), width, n,
-                                 split)
-      mask = None
-    else:
-      per_epoch = -(-n // mb_size)
-      epochs = np.repeat(batches // per_epoch, width, axis=1)
-      offsets = ((batches % per_epoch)[:, :, None] * mb_size
-                 + cols).reshape(chains, -1)
-      mask = offsets < n
-      indices = _permute(seeds, epochs, np.where(mask, offsets, 0), n, split)
-      indices = np.where(mask.reshape(-1), indices.reshape(-1), 0)
-      mask = mask.reshape(chains, count, width)
-  indices = indices.reshape(chains, count, width)
-  return (indices + start if start else indices), mask
-
-
-def _permute(seeds: np.ndarray, epochs: np.ndarray, offsets: np.ndarray,
-             n: int, split: Optional[Split] = None) -> np.ndarray:
-  """``permute(seeds[c], epochs[c, i], offsets[c, i], n)`` for every ``c``
-  and ``i``, flat. The round keys are hashed once per (chain, epoch) that
-  occurs, a chain's epochs being consecutive: ``epochs[c]`` is
-  non-decreasing and spans few values unless ``n`` is tiny."""
-  chains = seeds.size
-  low = epochs.min(axis=1)
-  width = int((epochs.max(axis=1) - low).max()) + 1
-  # Table entry c * width + k: the keys of chain c's epoch low[c] + k.
-  seed_lo, seed_hi = (np.repeat(w, width) for w in _words(seeds))
-  table_epochs = (low[:, None] + np.arange(width)).reshape(-1)
-  table = cs.round_keys((seed_lo, seed_hi), table_epochs, np)
-  entry = (np.arange(chains)[:, None] * width + (epochs - low[:, None])
-           ).reshape(-1)
-  offsets, bits = offsets.reshape(-1), cs.domain_bits(n)
-  values = np.empty(offsets.size, np.int64)
-  half = 1 << (bits - bits // 2)
-  block = _BLOCK * _scale(split, offsets.size)
-
-  def draw(first: int, last: int) -> None:  # blocks first .. last - 1
-    with np.errstate(over="ignore"):
-      for low in range(first * block, min(offsets.size, last * block),
-                       block):
-        part = slice(low, low + block)
-        # Entries are non-decreasing: a block's are one range. Their round
-        # functions are tabulated where the tables (entries times the
-        # values of a half) are no larger than the block: 256 chains of
-        # 6,400 shuffled indices over 1e5 then took 48-60 against 68-74 ms
-        # on 2 cores, 1,024 chains 176-192 against 271-274 ms.
-        e0, e1 = int(entry[low]), int(entry[part][-1]) + 1
-        if half <= cs.TABLE_MAX and (e1 - e0) * half <= min(
-            block, offsets.size - low):
-          values[part] = cs.permute_keyed(
-              [k[e0:e1] for k in table], offsets[part], n, bits,
-              entry=(entry[part] - e0).astype(np.uint32))
-        else:
-          values[part] = cs.permute_keyed(
-              [np.take(k, entry[part]) for k in table], offsets[part], n,
-              bits)
-
-  blocks = -(-offsets.size // block)
-  (split or _in_one_part)(draw, blocks, _BLOCKS_PER_PART)
-  return values
+      else:  # a run per batch
+        batches = firsts[:, None] + np.arange(count, dtype=np.int64)
+        indices = uniform_runs(np.repeat(seeds, count),
+                               (batches * mb_size + cols[0]).reshape(-1),
+                               width, n, split)
+    indices, mask = indices.reshape(chains, count, width), None
+  if start:
+    indices += start
+  return indices, mask
 
 
 class CounterStream:
