@@ -185,22 +185,27 @@ def _feistel_tables(left: np.ndarray, right: np.ndarray, tables: list,
                     ) -> Tuple[np.ndarray, np.ndarray]:
   """:func:`_feistel` through :func:`_round_tables`; with ``entry`` (one
   per value, ``uint32``), each value through its entry's tables (``bits``:
-  the domain's)."""
-  left, right = left.copy(), right.copy()
-  index = None
-  if entry is not None:
+  the domain's).
+
+  Each half carries its entry in the bits above it, where the tables of
+  the rounds that read it put that entry's function: a half-round is then
+  one lookup and one XOR (the tables' values fit the half they write, so
+  the entry's bits stay), two NumPy calls instead of three."""
+  if entry is None:
+    left, right = left.copy(), right.copy()
+  else:
     # Even rounds look up the right half (bits - bits // 2 bits), odd
     # ones the left.
-    shifted = (entry << np.uint32(bits - bits // 2),
-               entry << np.uint32(bits // 2))
-    index = np.empty_like(left)
+    left = (entry << np.uint32(bits // 2)) | left
+    right = (entry << np.uint32(bits - bits // 2)) | right
+  looked_up = np.empty_like(left)
   for r, table in enumerate(tables):
     read, write = (right, left) if r % 2 == 0 else (left, right)
-    if entry is None:
-      np.bitwise_xor(write, table.take(read), out=write)
-    else:
-      np.bitwise_or(shifted[r % 2], read, out=index)
-      np.bitwise_xor(write, table.take(index), out=write)
+    np.take(table, read, out=looked_up, mode="clip")
+    np.bitwise_xor(write, looked_up, out=write)
+  if entry is not None:
+    left &= np.uint32((1 << (bits // 2)) - 1)
+    right &= np.uint32((1 << (bits - bits // 2)) - 1)
   return left, right
 
 
