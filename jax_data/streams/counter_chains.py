@@ -16,9 +16,10 @@ same values bit for bit, faster:
   seed are hashed once per chain, the positions' words are made from the
   run's start without 64-bit arithmetic, and the hash is computed in place
   on blocks that stay in the CPU's caches (:func:`uniform_runs`);
-* with a ``split`` (:data:`Split`, a loader's gather threads), the blocks
-  of many chains are drawn in several threads: NumPy releases the GIL in
-  each call, and compiled code waits for the draw.
+* with a ``split`` (:data:`~jax_data.streams.shuffled_chains.Split`, a
+  loader's gather threads), the blocks of many chains are drawn in several
+  threads: NumPy releases the GIL in each call, and compiled code waits
+  for the draw.
 
 :class:`CounterStream` is a chain's stream as a cursor holds it.
 
@@ -37,6 +38,7 @@ import numpy as np
 
 from jax_data.streams import counter_streams as cs
 from jax_data.streams.sampling import random_mode
+from jax_data.streams.shuffled_chains import Split
 from jax_data.streams.shuffled_chains import shuffled_batches
 from jax_data.streams.shuffled_chains import uint32_words
 
@@ -67,10 +69,6 @@ _SPLIT_BLOCKS = 4
 _DRAW_WORDS = 32_768
 _U32 = 0xFFFFFFFF
 
-#: ``split(work, size, least)`` calls ``work(low, high)`` on parts of
-#: ``0 .. size`` of at least ``least`` (all of it at once if smaller), maybe
-#: in several threads at once (:meth:`jax_data.loaders.gather.Gatherer.split`).
-Split = Callable[[Callable[[int, int], None], int, int], None]
 # The least hash blocks (of _HASH_BLOCK or _BLOCK indices) a thread draws.
 _BLOCKS_PER_PART = 2
 

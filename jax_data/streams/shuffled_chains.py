@@ -30,8 +30,9 @@ import numpy as np
 
 from jax_data.streams import counter_streams as cs
 
-#: ``split(work, size, least)``: ``work(low, high)`` on parts of
-#: ``0 .. size`` (:data:`jax_data.streams.counter_chains.Split`).
+#: ``split(work, size, least)`` calls ``work(low, high)`` on parts of
+#: ``0 .. size`` of at least ``least`` (all of it at once if smaller), maybe
+#: in several threads at once (:meth:`jax_data.loaders.gather.Gatherer.split`).
 Split = Callable[[Callable[[int, int], None], int, int], None]
 
 
