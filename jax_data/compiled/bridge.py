@@ -46,6 +46,7 @@ import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
 
+from jax_data.compiled import huge_pages
 from jax_data.lifetime import BRIDGES
 from jax_data.lifetime import LIVE_HOSTS
 from jax_data.types import CALLBACKS
@@ -402,10 +403,13 @@ class _Callback:
 
   def _serve_into(self, outs, owners, pipelines, chains, chunks, need,
                   keep: bool) -> None:
+    outs = [np.asarray(o) for o in outs]
+    if not keep:  # fresh buffers of this call, not yet written
+      huge_pages.advise(outs)
     LIVE_HOSTS.begin_request()
     try:
       LIVE_HOSTS.host(_owner(owners)).serve_into(
-          [np.asarray(o) for o in outs], np.asarray(pipelines),
+          outs, np.asarray(pipelines),
           np.asarray(chains), np.asarray(chunks), np.asarray(need),
           self._device_count, self._participants, keep_others=keep,
           cpu=True)
