@@ -9,7 +9,9 @@ caches of 100 batches (865 MB) took 214,000-219,000 page faults and 0.4-1.3
 s of system time per 1,000-step call. Where the kernel's transparent huge
 pages are given on request (``/sys/kernel/mm/transparent_hugepage/enabled``
 reads ``madvise``), :func:`advise` asks for them over such a buffer before
-it is written, one fault per 2 MiB.
+it is written, one fault per 2 MiB, as NumPy asks for them over its own
+large arrays (``numpy._core.multiarray._get_madvise_hugepage()``), among
+them the loaders' copies of the data.
 
 Advice only: it changes no byte. Where it is not given (not Linux, huge
 pages off, a refused call) buffers fault as before; where huge pages are
