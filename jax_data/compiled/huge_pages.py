@@ -16,8 +16,9 @@ them the loaders' copies of the data.
 Advice only: it changes no byte. Where it is not given (not Linux, huge
 pages off, a refused call) buffers fault as before; where huge pages are
 always on, buffers get them without asking.
-Buffers below :data:`ADVISE_BYTES` are left alone: glibc keeps those in
-its heap and gives them again at the next call, faulted in already.
+Buffers below :data:`ADVISE_BYTES` are left alone: once one of their size
+has been freed, glibc serves them from its heap, which it keeps between
+calls, faulted in already.
 
 ctypes only, no JAX call: it runs inside a host callback.
 """
@@ -88,7 +89,7 @@ def advise(arrays: Sequence[np.ndarray],
   Returns:
     How many arrays were advised.
   """
-  call = call or _madvise()
+  call = _madvise() if call is None else call
   if call is None:
     return 0
   advised = 0
