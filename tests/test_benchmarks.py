@@ -21,3 +21,31 @@ def test_benchmark_smoke_mode():
   for row in ("(a)", "(b)", "(c)", "(d)", "(e)", "(f)", "(g)",
               "out-of-core"):
     assert row in done.stdout, done.stdout[-3000:]
+
+
+def test_chains_rows_pool_their_processes(monkeypatch):
+  """Case (g) times a row in several fresh processes: samples pool, and a
+  ratio is the median over processes of each one's median per-repeat
+  ratio, its range shown; a contender failed in any process is failed."""
+  monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+  import chains  # pylint: disable=import-outside-toplevel
+
+  def process(a, b, c=None):
+    out = {"a": {"samples": a, "median": sorted(a)[len(a) // 2]},
+           "b": {"samples": b, "median": sorted(b)[len(b) // 2]}}
+    out["c"] = ({"failed": "out of memory"} if c is None else
+                {"samples": c, "median": c[0]})
+    return out
+
+  pooled = chains._pooled([process([1.0, 3.0, 2.0], [2.0, 2.0, 2.0], [1.0]),
+                           process([6.0], [2.0]),
+                           process([4.0], [8.0], [1.0])])
+  assert pooled["a"]["samples"] == [1.0, 3.0, 2.0, 6.0, 4.0]
+  assert pooled["a"]["median"] == 3.0
+  assert pooled["a"]["processes"] == [[1.0, 3.0, 2.0], [6.0], [4.0]]
+  assert chains._ratios(pooled, "a", "b") == [1.0, 3.0, 0.5]
+  assert chains._ratio(pooled, "a", "b") == 1.0
+  assert chains._spread(pooled, "a", "b") == "1.00x (0.50-3.00)"
+  assert pooled["c"] == {"failed": "out of memory"}
+  one = chains._pooled([process([1.0, 3.0], [2.0, 2.0], [1.0])])
+  assert chains._spread(one, "a", "b") == "1.00x"
