@@ -96,7 +96,7 @@ def run(config: Config, repeats: int) -> Section:
         f"{k} failed: {v['failed']}" for k, v in timing.items())
           + f"; peak RSS +{format_bytes(memory['peak'])}", flush=True)
     results.append((n, chains, timing, memory))
-  return _section(config, results)
+  return _section(config, results, processes)
 
 
 def _child_run(request: dict[str, Any]) -> dict[str, Any]:
@@ -141,7 +141,7 @@ def _spread(timing: dict[str, Any], a: str, b: str) -> str:
           f"({min(ratios):.2f}-{max(ratios):.2f})")
 
 
-def _section(config: Config, results: list) -> Section:
+def _section(config: Config, results: list, processes: int) -> Section:
   rows, device_ok, compute_ok, memory_ok, bests = [], [], [], [], []
   for n, chains, timing, memory in results:
     timings = {k: Timing(tuple(v["samples"]), 1) for k, v in timing.items()
@@ -189,7 +189,7 @@ def _section(config: Config, results: list) -> Section:
           f"mb={config.mb}, cache={config.cache}) in one jitted jax.vmap, "
           f"{config.steps:,} steps per call; times per step of all C "
           "chains, medians over the repeats, which run in "
-          f"{config.processes} fresh processes (split evenly). A ratio is "
+          f"{processes} fresh process(es), as many in each. A ratio is "
           "the median over the processes of each one's median per-repeat "
           "ratio (a repeat runs the contenders one after another), with "
           "its range over the processes in parentheses. "
