@@ -216,6 +216,26 @@ def test_split_gathers_and_copies_equal_numpy(threads):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("count", [0, 1, 97])
+def test_take_all_gathers_every_leaf_as_numpy_does(threads, count):
+  """take_all writes rows ``flat`` of every leaf, split by rows over the
+  threads with all leaves in each part (a leaf of one value per row, rows
+  of 5 float64, and one converted to another dtype), as np.take would."""
+  gatherer = gather.Gatherer(threads=threads, part_bytes=64)
+  rows = np.arange(1000 * 5, dtype=np.float64).reshape(1000, 5)
+  labels = np.arange(1000, dtype=np.int32) * 3
+  wide = np.arange(1000 * 2, dtype=np.int16).reshape(1000, 2)
+  flat = np.random.default_rng(count).integers(0, 1000, count)
+  outs = [np.full((count, 5), np.nan), np.full(count, -1, np.int32),
+          np.zeros((count, 2), np.float32)]
+  gatherer.take_all(list(zip((rows, labels, wide), outs)), flat)
+  for array, out in zip((rows, labels, wide), outs):
+    np.testing.assert_array_equal(
+        out, np.take(array, flat, axis=0).astype(out.dtype))
+  gatherer.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("sizes", [[], [7], [40, 1, 1, 40, 3], [1] * 30])
 def test_copies_of_many_lanes_land_whole_split_or_not(threads, sizes):
   """copy_all writes every pair, however its pairs split into parts (by

@@ -174,17 +174,39 @@ class Gatherer:
     ``out`` has ``flat.size`` rows; its dtype may differ from the array's,
     then rows are converted as ``astype`` would.
     """
-    if out.dtype != array.dtype:
-      np.copyto(out, np.take(array, flat, axis=0), casting="unsafe")
-      return out
-    # Indices come from the streams, always in range: no bounds checks.
-    bounds = self._bounds(out)
-    if bounds is None:
-      return np.take(array, flat, axis=0, out=out, mode="clip")
-    self._split(lambda low, high: np.take(
-        array, flat[low:high], axis=0, out=out[low:high], mode="clip"),
-                bounds)
+    self.take_all([(array, out)], flat)
     return out
+
+  def take_all(self, pairs: Sequence[Tuple[np.ndarray, np.ndarray]],
+               flat: np.ndarray) -> None:
+    """:meth:`take` of rows ``flat`` of every ``(array, out)`` pair, split
+    over threads by rows: each part takes its rows of every array, so a
+    small leaf (a label per row) is split with the large one, and the
+    threads are handed work once for all leaves. At 16 chains of case (g)
+    the labels' 0.4 MB took 0.19 ms after the features' 13 MB took 1.06
+    ms, one leaf after the other."""
+    same = []
+    for array, out in pairs:
+      if out.dtype == array.dtype:
+        same.append((array, out))
+      else:
+        np.copyto(out, np.take(array, flat, axis=0), casting="unsafe")
+    if not same:
+      return
+    # Indices come from the streams, always in range: no bounds checks.
+    parts = self._parts(flat.size, sum(out.nbytes for _, out in same)
+                        // self._part_bytes, self._threads)
+    if parts < 2 or flat.ndim != 1:
+      for array, out in same:
+        np.take(array, flat, axis=0, out=out, mode="clip")
+      return
+
+    def work(low: int, high: int) -> None:
+      for array, out in same:
+        np.take(array, flat[low:high], axis=0, out=out[low:high],
+                mode="clip")
+
+    self._split(work, np.linspace(0, flat.size, parts + 1).astype(int))
 
   def copy(self, out: np.ndarray, source: np.ndarray) -> None:
     """``np.copyto(out, source)``, split over threads when ``out`` is large

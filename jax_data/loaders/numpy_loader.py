@@ -226,6 +226,7 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
     run = is_run(flat)
     first = int(flat[0])
     leaves = []
+    taken = []  # gathered together, in one split over the threads
     for array, mapped, buffer in zip(self._leaves, self._mapped, out):
       if mapped is not None:
         leaves.append(mapped.read(flat, buffer, run))
@@ -234,5 +235,8 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
       elif run and array.dtype == buffer.dtype:
         leaves.append(array[first:first + flat.size])
       else:
-        leaves.append(self._gatherer.take(array, flat, buffer))
+        taken.append((array, buffer))
+        leaves.append(buffer)
+    if taken:
+      self._gatherer.take_all(taken, flat)
     return leaves

@@ -177,8 +177,8 @@ class MemoryRows:
     if is_run(flat):
       first = int(flat[0])
       return [array[first:first + flat.size] for array in self._arrays]
-    return [self._gatherer.take(array, flat, buffer)
-            for array, buffer in zip(self._arrays, out)]
+    self._gatherer.take_all(list(zip(self._arrays, out)), flat)
+    return list(out)
 
 
 def _lookup(numbers: np.ndarray, wanted: np.ndarray
