@@ -217,17 +217,20 @@ def test_vmapped_chains_draw_each_chains_stream(mode, limits, pipelines):
     release_fn()
 
 
+@pytest.mark.parametrize("rows_per_read", [1, None],
+                         ids=["step_by_step", "at_once"])
 @pytest.mark.parametrize("limits", [StoreLimits(), IN_PLACE],
                          ids=["ahead", "read_in_place"])
-def test_vmapped_scans_get_each_chains_stream(limits, pipelines,
-                                              monkeypatch):
+def test_vmapped_scans_get_each_chains_stream(limits, rows_per_read,
+                                              pipelines, monkeypatch):
   """``jax_data.scan`` over vmapped chains, whose whole chunks the host
   writes with the lane axis second (on CPU, in place), gives each chain
   exactly its own stream, on every loader; read in place, the rows of all
   chains land in compiled code's buffer batch by batch, with no copy: on a
   CPU device whatever the store's limits (one group of chains, with no
   Python per lane); in ``pure_callback``'s answer where the store reads in
-  place."""
+  place. Whether the rows are read one step of every chain at a time, or
+  all at once in the order the indices drawn ahead were laid out in."""
   from jax_data.loaders import indexed
   from jax_data.serving import group_refresh
   from jax_data.serving import production
@@ -251,8 +254,9 @@ def test_vmapped_scans_get_each_chains_stream(limits, pipelines,
   monkeypatch.setattr(production, "_Regions", spied)
   monkeypatch.setattr(group_refresh, "_Into", spied_into)
   monkeypatch.setattr(group_refresh, "same_memory", spied_same)
-  # Interleaved reads of one step's rows at a time, as with many chains.
-  monkeypatch.setattr(indexed, "_INTERLEAVED_ROWS", 1)
+  if rows_per_read is not None:
+    # Interleaved reads of one step's rows at a time, as with many chains.
+    monkeypatch.setattr(indexed, "_INTERLEAVED_ROWS", rows_per_read)
   n, cache, mb, chains, length = 103, 3, 8, 5, 11
   for loader in _loaders(n):
     loader.store_limits = limits
@@ -774,3 +778,19 @@ def test_same_memory_ignores_the_strides_of_axes_of_one():
   assert same_memory(view, view)
   longer = np.zeros((2, 5, 3))
   assert not same_memory(np.moveaxis(longer, 1, 0), longer.reshape(5, 2, 3))
+
+
+def test_indices_drawn_ahead_in_step_order_keep_their_values():
+  """Indices drawn ahead for a read with the lane axis second are laid out
+  step by step: the same values, whose step-major order is a view; those
+  of more rows than one read takes stay as drawn."""
+  from jax_data.loaders import indexed
+
+  drawn = np.random.default_rng(0).integers(0, 100, (5, 3, 4))
+  ordered = indexed._interleaved_order(drawn)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(ordered, drawn)
+  flat = ordered.transpose(1, 0, 2).reshape(-1)
+  assert np.shares_memory(flat, ordered)
+  np.testing.assert_array_equal(flat, drawn.transpose(1, 0, 2).reshape(-1))
+  many = np.zeros((1, indexed._INTERLEAVED_ROWS + 1, 1), np.int64)  # pylint: disable=protected-access
+  assert indexed._interleaved_order(many) is many  # pylint: disable=protected-access
