@@ -196,7 +196,7 @@ class Gatherer:
     # Indices come from the streams, always in range: no bounds checks.
     parts = self._parts(flat.size, sum(out.nbytes for _, out in same)
                         // self._part_bytes, self._threads)
-    if parts < 2 or flat.ndim != 1:
+    if parts < 2:
       for array, out in same:
         np.take(array, flat, axis=0, out=out, mode="clip")
       return
