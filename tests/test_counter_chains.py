@@ -95,6 +95,76 @@ def test_chain_batches_of_one_chain_and_of_many_blocks():
         got[c], cs.stream_batches(c, 2, 40, 64, 10**6, True, False)[0])
 
 
+@pytest.mark.parametrize("n", [3, 5, 17, 1000, 65_537, 10**6, 2**24])
+def test_rounds_tabulated_per_entry_give_each_entrys_permutation(n):
+  """Many chains' offsets, each with its (chain, epoch) entry, through
+  every entry's tabulated round functions: each offset as its own seed and
+  epoch permute it, cycle-walks included (n = 17 and 65,537 walk often).
+  Epochs and offsets per chain, or one row the chains share; chains'
+  entries at epoch 0 below zero or far above their entries."""
+  from jax_data.streams.shuffled_chains import permute_tabulated
+  bits = cs.domain_bits(n)
+  rng = np.random.default_rng(n)
+  seeds = [(0, 0), (5, 1), (2**40 + 3, 9), (2**64 - 1, 2**33)]
+  with np.errstate(over="ignore"):
+    lo, hi = (np.asarray([s >> shift & 0xFFFFFFFF for s, _ in seeds],
+                         np.uint32) for shift in (0, 32))
+    keys = cs.round_keys((lo, hi), np.asarray([e for _, e in seeds]), np)
+  # Chain c's entries c and c + 1 are its epochs 2**33 + 7 and the next.
+  first_epoch = 2**33 + 7
+  chain_entry = np.arange(3)[:, None] - first_epoch
+  epoch = first_epoch + (np.arange(600) >= 250)[None]
+  offsets = rng.integers(0, n, (3, 600))
+  for epochs, offset in ((epoch, offsets[:1]),
+                         (np.repeat(epoch, 3, axis=0), offsets)):
+    got = permute_tabulated(keys, chain_entry, epochs, offset, n, bits)
+    assert got.shape == (3, 600)
+    for c in range(3):
+      for part in (slice(0, 250), slice(250, 600)):
+        e = c + (part.start > 0)
+        seed, key_epoch = seeds[e]
+        np.testing.assert_array_equal(
+            got[c, part],
+            cs.permute(seed, key_epoch,
+                       np.broadcast_to(offset, got.shape)[c, part], n))
+
+
+def test_chains_that_start_together_keep_their_streams(monkeypatch):
+  """Chains whose chunks start at the same batch share the positions'
+  epochs and offsets: each still gets its own stream, across an epoch's
+  end, in tiles of chains that start together and tiles that do not, with
+  the round functions tabulated and not."""
+  from jax_data.streams import counter_chains
+  from jax_data.streams import shuffled_chains
+  tabulated = []
+
+  def spied(*args):
+    tabulated.append(args[3].size)
+    return permute_tabulated(*args)
+
+  permute_tabulated = shuffled_chains.permute_tabulated
+  monkeypatch.setattr(shuffled_chains, "permute_tabulated", spied)
+  seeds = list(range(10, 22))
+  # (n, firsts, count, mb, block): tiles of 4 chains across an epoch's
+  # end; of 6 chains, one tile mixed; of 2 chains over many tiny epochs.
+  for n, firsts, count, mb, block in (
+      (1000, [14] * 12, 6, 64, 1600),
+      (65_537, [5] * 5 + [9] * 7, 20, 64, 7680),
+      (17, [3] * 12, 6, 4, 48)):
+    monkeypatch.setattr(counter_chains, "_BLOCK", block)
+    for shuffle, in_epochs in MODES[1:]:
+      got, mask = chain_batches(seeds, firsts, count, mb, n, shuffle,
+                                in_epochs)
+      for c, (seed, first) in enumerate(zip(seeds, firsts)):
+        want, want_mask = cs.stream_batches(seed, first, count, mb, n,
+                                            shuffle, in_epochs)
+        np.testing.assert_array_equal(got[c], want)
+        if want_mask is not None:
+          np.testing.assert_array_equal(mask[c], want_mask)
+  # Offsets shared by a tile's chains (one row), and a tile's own.
+  assert {384, 1280, 6 * 1280} <= set(tabulated)
+
+
 @pytest.mark.parametrize("mode", [dict(shuffle=False, in_epochs=False),
                                   dict(shuffle=True, in_epochs=False),
                                   dict(shuffle=True, in_epochs=True)],

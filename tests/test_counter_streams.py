@@ -426,23 +426,3 @@ def test_tabulated_rounds_give_the_same_permutation(n):
     device = jax.jit(lambda o: cs.permute(7, 3, o, n, jnp))(
         jnp.asarray(offsets, jnp.uint32))
     np.testing.assert_array_equal(np.asarray(device), tabulated)
-
-
-@pytest.mark.parametrize("n", [3, 5, 17, 1000, 65_537, 10**6, 2**24])
-def test_rounds_tabulated_per_entry_give_each_entrys_permutation(n):
-  """Many chains' offsets, each with its (chain, epoch) entry, through
-  every entry's tabulated round functions: each offset as its own seed and
-  epoch permute it, cycle-walks included (n = 17 and 65,537 walk often)."""
-  bits = cs.domain_bits(n)
-  rng = np.random.default_rng(n)
-  seeds = [(0, 0), (5, 1), (2**40 + 3, 9), (2**64 - 1, 2**33)]
-  with np.errstate(over="ignore"):
-    lo, hi = (np.asarray([s >> shift & 0xFFFFFFFF for s, _ in seeds],
-                         np.uint32) for shift in (0, 32))
-    keys = cs.round_keys((lo, hi), np.asarray([e for _, e in seeds]), np)
-  entry = np.sort(rng.integers(0, len(seeds), 5_000)).astype(np.uint32)
-  offsets = rng.integers(0, n, entry.size)
-  got = cs.permute_keyed(keys, offsets, n, bits, entry=entry)
-  for e, (seed, epoch) in enumerate(seeds):
-    np.testing.assert_array_equal(
-        got[entry == e], cs.permute(seed, epoch, offsets[entry == e], n))

@@ -155,11 +155,11 @@ def _feistel(left: Any, right: Any, keys: list, bits: int, xp: Any
 
 
 #: The most values of a half (2**(bits - bits // 2)) for which the host
-#: tabulates the round functions of an epoch (see _round_tables).
+#: tabulates the round functions of an epoch (see round_tables).
 TABLE_MAX = 1 << 12
 
 
-def _round_tables(keys: list, bits: int) -> list:
+def round_tables(keys: list, bits: int) -> list:
   """The round functions of :func:`_feistel` for one epoch's keys as
   tables over every value of the half they read: a half-round is then one
   lookup and one XOR instead of eleven NumPy calls. The same values, for
@@ -180,32 +180,16 @@ def _round_tables(keys: list, bits: int) -> list:
           for r in range(len(keys))]
 
 
-def _feistel_tables(left: np.ndarray, right: np.ndarray, tables: list,
-                    entry: Optional[np.ndarray] = None, bits: int = 0
+def _feistel_tables(left: np.ndarray, right: np.ndarray, tables: list
                     ) -> Tuple[np.ndarray, np.ndarray]:
-  """:func:`_feistel` through :func:`_round_tables`; with ``entry`` (one
-  per value, ``uint32``), each value through its entry's tables (``bits``:
-  the domain's).
-
-  Each half carries its entry in the bits above it, where the tables of
-  the rounds that read it put that entry's function: a half-round is then
-  one lookup and one XOR (the tables' values fit the half they write, so
-  the entry's bits stay), two NumPy calls instead of three."""
-  if entry is None:
-    left, right = left.copy(), right.copy()
-  else:
-    # Even rounds look up the right half (bits - bits // 2 bits), odd
-    # ones the left.
-    left = (entry << np.uint32(bits // 2)) | left
-    right = (entry << np.uint32(bits - bits // 2)) | right
+  """:func:`_feistel` through :func:`round_tables`: a half-round is one
+  lookup and one XOR, two NumPy calls."""
+  left, right = left.copy(), right.copy()
   looked_up = np.empty_like(left)
   for r, table in enumerate(tables):
     read, write = (right, left) if r % 2 == 0 else (left, right)
     np.take(table, read, out=looked_up, mode="clip")
     np.bitwise_xor(write, looked_up, out=write)
-  if entry is not None:
-    left &= np.uint32((1 << (bits // 2)) - 1)
-    right &= np.uint32((1 << (bits - bits // 2)) - 1)
   return left, right
 
 
@@ -277,23 +261,17 @@ def _permute_host(seed: int, epoch: Any, offsets: np.ndarray, n: int,
   return values
 
 
-def permute_keyed(keys: list, offsets: np.ndarray, n: int, bits: int,
-                  entry: Optional[np.ndarray] = None) -> np.ndarray:
+def permute_keyed(keys: list, offsets: np.ndarray, n: int, bits: int
+                  ) -> np.ndarray:
   """The network on ``offsets`` (flat, on the host), with cycle-walking:
   ``permute`` once the round keys are known. ``keys``: the
-  :func:`round_keys` of one epoch as Python ints, or arrays with one key
-  per offset, or with ``entry`` (``uint32``, one per offset) arrays with
-  one key per entry, offset ``i`` taking entry ``entry[i]``'s keys: every
-  entry's round functions are then tabulated (:func:`_round_tables`; the
-  caller sees that they are few next to the offsets, and ``n`` at most
-  ``2**24``). ``bits``: ``domain_bits(n)``."""
+  :func:`round_keys` of one epoch as Python ints (whose round functions
+  are tabulated where a half's values are few next to the offsets), or
+  arrays with one key per offset. ``bits``: ``domain_bits(n)``."""
   left, right = _split(offsets, bits, np)
   low = bits - bits // 2
 
   def network(left, right, at):  # ``at``: the offsets' positions, or None
-    if entry is not None:
-      return _feistel_tables(left, right, tables,
-                             entry if at is None else entry[at], bits)
     if tables is not None:
       return _feistel_tables(left, right, tables)
     some = keys if at is None else [k[at] if np.ndim(k) else k
@@ -301,9 +279,8 @@ def permute_keyed(keys: list, offsets: np.ndarray, n: int, bits: int,
     return _feistel(left, right, some, bits, np)
 
   tables = None
-  if entry is not None or (not np.ndim(keys[0])
-                           and offsets.size >= (1 << low) <= TABLE_MAX):
-    tables = _round_tables(keys, bits)
+  if not np.ndim(keys[0]) and offsets.size >= (1 << low) <= TABLE_MAX:
+    tables = round_tables(keys, bits)
   left, right = network(left, right, None)
   values = _join(left, right, bits, np)
   outside = np.flatnonzero(values >= n)

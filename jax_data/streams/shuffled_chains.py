@@ -11,10 +11,11 @@ block of indices), positions, epochs and offsets included, from what all
 chains' chunks share, so that the only array of the whole size is the
 result (and the mask). Made whole, a refresh of 1,024 chains of 100
 batches of 64 took 254 MiB of temporaries for its 50 MiB of indices;
-tiled, 5 MiB. With the round functions' lookups of
-:func:`~jax_data.streams.counter_streams.permute_keyed` reduced to two
-NumPy calls a round, that refresh's draw took 162 against 315 ms in one
-thread on 2 cores (152 against 177 ms in epochs).
+tiled, 5 MiB. With the round functions' lookups reduced to two NumPy
+calls a round, that refresh's draw took 162 against 315 ms in one thread
+on 2 cores (152 against 177 ms in epochs); with the halves made from what
+the chains share (:func:`permute_tabulated`), 122-124 ms on another
+2-core machine.
 
 Pure NumPy, on the host.
 """
@@ -83,25 +84,29 @@ def shuffled_batches(seeds: np.ndarray, firsts: np.ndarray, count: int,
     with np.errstate(over="ignore"):
       for c0, c1, i0, i1 in tiles[first:last]:
         rows = slice(c0, c1)
+        # Chains that start their chunks together (vmapped chains do)
+        # share the positions' epochs and offsets: made once, broadcast.
+        starts = firsts[rows]
+        if (starts == starts[0]).all():
+          starts = starts[:1]
+        starts = starts[:, None]
         if in_epochs:
-          batch = firsts[rows, None] + batch_of[None, i0:i1]
+          batch = starts + batch_of[None, i0:i1]
           epoch = batch // per_epoch
           offset = ((batch - epoch * per_epoch) * mb_size
                     + column_of[None, i0:i1])
           valid = offset < n
           offset[~valid] = 0
         else:
-          position = (firsts[rows, None] * mb_size
-                      + position_of[None, i0:i1])
+          position = starts * mb_size + position_of[None, i0:i1]
           # NumPy divides by a scalar through libdivide, about 8x faster
           # than its remainder.
           epoch = position // n
           offset = position - epoch * n
-        entry = (base[rows, None] + epoch).reshape(-1)
-        part = _permuted(table, entry, offset.reshape(-1), n, bits, half)
-        part = part.reshape(c1 - c0, i1 - i0)
+        part = _permuted(table, base[rows, None], epoch, offset, n, bits,
+                         half)
         if in_epochs:
-          part[~valid] = 0
+          np.copyto(part, 0, where=~valid)
           mask[rows, i0:i1] = valid
         values[rows, i0:i1] = part
 
@@ -126,20 +131,98 @@ def _tiles(chains: int, length: int, block: int
           for c in range(chains) for i in range(0, length, block)]
 
 
-def _permuted(table: list, entry: np.ndarray, offset: np.ndarray, n: int,
-              bits: int, half: int) -> np.ndarray:
-  """``permute`` of each offset with its entry's keys. Entries are
-  non-decreasing, so a block's are one range; their round functions are
-  tabulated where the tables (entries times the values of a half) are no
-  larger than the block: 256 chains of 6,400 shuffled indices over 1e5
-  then took 48-60 against 68-74 ms on 2 cores, 1,024 chains 176-192
-  against 271-274 ms."""
-  e0, e1 = int(entry[0]), int(entry[-1]) + 1
-  if half <= cs.TABLE_MAX and (e1 - e0) * half <= offset.size:
-    return cs.permute_keyed([k[e0:e1] for k in table], offset, n, bits,
-                            entry=(entry - e0).astype(np.uint32))
+def _permuted(table: list, chain_base: np.ndarray, epoch: np.ndarray,
+              offset: np.ndarray, n: int, bits: int, half: int
+              ) -> np.ndarray:
+  """``permute`` of each offset with the keys of its entry, ``chain_base``
+  (``(k, 1)``, a chain's entry of epoch 0) plus its ``epoch`` (``(k, L)``,
+  or ``(1, L)`` shared by the chains): a ``(k, L)`` array. Entries are
+  non-decreasing in row-major order, so a tile's are one range; their
+  round functions are tabulated where the tables (entries times the values
+  of a half) are no larger than the tile: 256 chains of 6,400 shuffled
+  indices over 1e5 then took 48-60 against 68-74 ms on 2 cores, 1,024
+  chains 176-192 against 271-274 ms."""
+  shape = np.broadcast_shapes(chain_base.shape, epoch.shape)
+  size = shape[0] * shape[1]
+  e0 = int(chain_base[0, 0] + epoch[0, 0])
+  e1 = int(chain_base[-1, 0] + epoch[-1, -1]) + 1
+  if half <= cs.TABLE_MAX and (e1 - e0) * half <= size:
+    return permute_tabulated([k[e0:e1] for k in table], chain_base - e0,
+                             epoch, offset, n, bits)
+  entry = (chain_base + epoch).reshape(-1)
+  offset = np.broadcast_to(offset, shape).reshape(-1)
   return cs.permute_keyed([np.take(k, entry) for k in table], offset, n,
-                          bits)
+                          bits).reshape(shape)
+
+
+def permute_tabulated(keys: list, chain_entry: np.ndarray,
+                      epoch: np.ndarray, offset: np.ndarray, n: int,
+                      bits: int) -> np.ndarray:
+  """``permute`` of offsets, each with the keys of its entry, through
+  those entries' round functions tabulated (``n`` at most ``2**24``).
+
+  Args:
+    keys: the :func:`~jax_data.streams.counter_streams.round_keys` of
+      ``E`` entries, ``ROUNDS`` arrays of ``E`` ``uint32`` keys.
+    chain_entry: ``(k, 1)`` integers, a chain's entry at epoch 0 (maybe
+      negative: only ``chain_entry + epoch`` is an entry).
+    epoch: ``(k, L)`` integers, or ``(1, L)`` where the chains share them.
+    offset: the offsets in their epochs, shaped as ``epoch``.
+    n: the epoch's observations.
+    bits: ``domain_bits(n)``.
+
+  Returns:
+    The ``(k, L)`` permuted offsets, ``uint32``.
+
+  Each half carries its entry in the bits above it, where the tables of
+  the rounds that read it put that entry's function: a half-round is then
+  one lookup and one XOR (the tables' values fit the half they write, so
+  the entry's bits stay). The halves are made from what the chains share
+  in one broadcast sum (uint32 sums wrap, so the two terms' high bits
+  cancel), and cycle-walking goes on with the values outside ``[0, n)``
+  alone: 1,024 chains of 6,400 shuffled indices over 1e5 took 122-124
+  against 142-147 ms on 2 cores, 16 chains 2.9 against 4.3 ms.
+  """
+  tables = cs.round_tables(keys, bits)
+  low = bits - bits // 2  # the right half's bits; the left has the rest
+  left_mask, right_mask = (1 << (bits // 2)) - 1, (1 << low) - 1
+
+  def halves(shift: int, value: np.ndarray) -> np.ndarray:
+    # Entry chain_entry + epoch above a half's ``shift`` bits.
+    return ((chain_entry << shift).astype(np.uint32)
+            + ((epoch << shift) | value).astype(np.uint32)).reshape(-1)
+
+  left = halves(bits // 2, offset >> low)
+  right = halves(low, offset & right_mask)
+  looked_up = np.empty_like(left)
+
+  def network(left, right, looked_up):
+    for r, table in enumerate(tables):
+      read, write = (right, left) if r % 2 == 0 else (left, right)
+      np.take(table, read, out=looked_up, mode="clip")
+      np.bitwise_xor(write, looked_up, out=write)
+
+  def joined(left, right):
+    value = left & np.uint32(left_mask)
+    value <<= np.uint32(low)
+    value |= right & np.uint32(right_mask)
+    return value
+
+  network(left, right, looked_up)
+  values = joined(left, right)
+  # Cycle-walking: those outside [0, n) go round the permutation of
+  # [0, 2**b) again; each lands inside with probability n / 2**b, above
+  # 1/2 for n of 3 or more.
+  at = np.flatnonzero(values >= n)
+  left, right = left[at], right[at]
+  while at.size:
+    network(left, right, looked_up[:at.size])
+    again = joined(left, right)
+    values[at] = again
+    outside = again >= n
+    at, left, right = at[outside], left[outside], right[outside]
+  return values.reshape(np.broadcast_shapes(chain_entry.shape,
+                                            epoch.shape))
 
 
 def uint32_words(values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
