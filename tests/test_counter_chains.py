@@ -100,8 +100,8 @@ def test_rounds_tabulated_per_entry_give_each_entrys_permutation(n):
   """Many chains' offsets, each with its (chain, epoch) entry, through
   every entry's tabulated round functions: each offset as its own seed and
   epoch permute it, cycle-walks included (n = 17 and 65,537 walk often).
-  Epochs and offsets per chain, or one row the chains share; chains'
-  entries at epoch 0 below zero or far above their entries."""
+  Epochs and offsets per chain, or one row the chains share; a chain's
+  entry at epoch 0 far below zero (only entry plus epoch is an entry)."""
   from jax_data.streams.shuffled_chains import permute_tabulated
   bits = cs.domain_bits(n)
   rng = np.random.default_rng(n)
@@ -110,7 +110,8 @@ def test_rounds_tabulated_per_entry_give_each_entrys_permutation(n):
     lo, hi = (np.asarray([s >> shift & 0xFFFFFFFF for s, _ in seeds],
                          np.uint32) for shift in (0, 32))
     keys = cs.round_keys((lo, hi), np.asarray([e for _, e in seeds]), np)
-  # Chain c's entries c and c + 1 are its epochs 2**33 + 7 and the next.
+  # Chain c's epochs 2**33 + 7 and the next are entries c and c + 1, whose
+  # keys are those of seeds[c] and seeds[c + 1].
   first_epoch = 2**33 + 7
   chain_entry = np.arange(3)[:, None] - first_epoch
   epoch = first_epoch + (np.arange(600) >= 250)[None]
