@@ -180,16 +180,22 @@ def round_tables(keys: list, bits: int) -> list:
           for r in range(len(keys))]
 
 
-def _feistel_tables(left: np.ndarray, right: np.ndarray, tables: list
-                    ) -> Tuple[np.ndarray, np.ndarray]:
-  """:func:`_feistel` through :func:`round_tables`: a half-round is one
-  lookup and one XOR, two NumPy calls."""
-  left, right = left.copy(), right.copy()
-  looked_up = np.empty_like(left)
+def feistel_tables_into(left: np.ndarray, right: np.ndarray, tables: list,
+                        looked_up: np.ndarray) -> None:
+  """:func:`_feistel` through :func:`round_tables`, on ``left`` and
+  ``right`` in place (``looked_up``: an array of their size to look up
+  into): a half-round is one lookup and one XOR, two NumPy calls."""
   for r, table in enumerate(tables):
     read, write = (right, left) if r % 2 == 0 else (left, right)
     np.take(table, read, out=looked_up, mode="clip")
     np.bitwise_xor(write, looked_up, out=write)
+
+
+def _feistel_tables(left: np.ndarray, right: np.ndarray, tables: list
+                    ) -> Tuple[np.ndarray, np.ndarray]:
+  """:func:`feistel_tables_into` on copies of the halves."""
+  left, right = left.copy(), right.copy()
+  feistel_tables_into(left, right, tables, np.empty_like(left))
   return left, right
 
 

@@ -196,19 +196,13 @@ def permute_tabulated(keys: list, chain_entry: np.ndarray,
   right = halves(low, offset & right_mask)
   looked_up = np.empty_like(left)
 
-  def network(left, right, looked_up):
-    for r, table in enumerate(tables):
-      read, write = (right, left) if r % 2 == 0 else (left, right)
-      np.take(table, read, out=looked_up, mode="clip")
-      np.bitwise_xor(write, looked_up, out=write)
-
   def joined(left, right):
     value = left & np.uint32(left_mask)
     value <<= np.uint32(low)
     value |= right & np.uint32(right_mask)
     return value
 
-  network(left, right, looked_up)
+  cs.feistel_tables_into(left, right, tables, looked_up)
   values = joined(left, right)
   # Cycle-walking: those outside [0, n) go round the permutation of
   # [0, 2**b) again; each lands inside with probability n / 2**b, above
@@ -216,7 +210,7 @@ def permute_tabulated(keys: list, chain_entry: np.ndarray,
   at = np.flatnonzero(values >= n)
   left, right = left[at], right[at]
   while at.size:
-    network(left, right, looked_up[:at.size])
+    cs.feistel_tables_into(left, right, tables, looked_up[:at.size])
     again = joined(left, right)
     values[at] = again
     outside = again >= n
