@@ -11,6 +11,7 @@ import jax_data
 from jax_data import counter_chains
 from jax_data import counter_streams as cs
 from jax_data.counter_chains import CounterStream
+from jax_data.streams import device_streams
 
 # Significance of the statistical tests: with fixed seeds each test is
 # deterministic; a correct generator fails one with this probability.
@@ -405,6 +406,70 @@ def test_the_device_loader_draws_the_host_loaders_stream(mode, tmp_path):
         np.where(expected_info.mask, expected["x"], 0))
   with pytest.raises(ValueError, match="stream='counter'"):
     init_fn(seed=5, shuffle=True)
+
+
+def test_vmapped_device_chains_of_one_kind_draw_only_their_stream(
+    monkeypatch):
+  """Under vmap, and vmap of vmap, device chains of one kind draw their own
+  stream alone (a switch on the batched kind would draw every kind and
+  select), and each lane gets its chain's batches; lanes of several kinds
+  still get each its own."""
+  drawn = []
+  device_batch = device_streams.device_batch
+
+  def spy(seed, batch, mb_size, n, mode):
+    jax.debug.callback(lambda: drawn.append(mode))
+    return device_batch(seed, batch, mb_size, n, mode)
+
+  monkeypatch.setattr(device_streams, "device_batch", spy)
+  n, mb = 101, 8
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      jax_data.DeviceNumpyDataLoader(x=np.arange(n)), 1, mb)
+
+  def draw(state):
+    state, (batch, info) = batch_fn(state, information=True)
+    return state, jnp.where(info.mask, batch["x"], -1)
+
+  one, lanes_of, nested_lanes_of = (jax.jit(draw), jax.jit(jax.vmap(draw)),
+                                    jax.jit(jax.vmap(jax.vmap(draw))))
+
+  def run(step, state, lane_axes=0):
+    batches = []
+    for _ in range(4):
+      state, batch = step(state)
+      batches.append(batch)
+    return np.stack(batches, axis=lane_axes)  # lanes first
+
+  def alone(state):
+    return run(one, state)
+
+  def vmapped(states, depth=1):
+    return run(lanes_of if depth == 1 else nested_lanes_of, states, depth)
+
+  modes = [{}, {"shuffle": True}, {"shuffle": True, "in_epochs": True}]
+  for mode, keywords in enumerate(modes):
+    seeds = [3, 0, 7, 11]
+    drawn.clear()
+    lanes = vmapped(init_fn(seed=seeds, stream="counter", **keywords))
+    assert set(drawn) == {mode}
+    nested = vmapped(jax.tree_util.tree_map(
+        lambda a: a.reshape((2, 2) + a.shape[1:]),
+        init_fn(seed=seeds, stream="counter", **keywords)), depth=2)
+    for lane, seed in enumerate(seeds):
+      want = alone(init_fn(seed=seed, stream="counter", **keywords))
+      np.testing.assert_array_equal(lanes[lane], want)
+      np.testing.assert_array_equal(nested[lane // 2, lane % 2], want)
+  drawn.clear()
+  keyed = vmapped(jax.tree_util.tree_map(
+      lambda *s: jnp.stack(s),
+      *[init_fn(key=k) for k in jax.random.split(jax.random.PRNGKey(2), 3)]))
+  assert not drawn  # jax.random chains alone
+  assert len({tuple(k.ravel()) for k in keyed}) == 3
+  mixed = [init_fn(key=jax.random.PRNGKey(5)),
+           init_fn(seed=9, stream="counter", shuffle=True, in_epochs=True)]
+  together = vmapped(jax.tree_util.tree_map(lambda *s: jnp.stack(s), *mixed))
+  for lane, state in enumerate(mixed):
+    np.testing.assert_array_equal(together[lane], alone(state))
 
 
 @pytest.mark.parametrize("n", [3, 5, 17, 1000, 4097, 65_537, 10**6,

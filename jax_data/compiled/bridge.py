@@ -64,13 +64,15 @@ def _varying(x) -> frozenset:
   return frozenset(jax.typeof(x).manual_axis_type.varying)
 
 
-def _broadcast(axis_size: int, batched: Sequence[bool], args: Sequence[Any]
+def broadcast(axis_size: int, batched: Sequence[bool], args: Sequence[Any]
                ) -> List[Any]:
+  """``args`` given a leading batch axis of ``axis_size`` where a
+  ``custom_vmap`` rule received them unbatched."""
   return [a if b else jnp.broadcast_to(a, (axis_size,) + jnp.shape(a))
           for a, b in zip(args, batched)]
 
 
-def _fold_lanes(fn: Callable[..., Any]) -> Callable[..., Any]:
+def fold_lanes(fn: Callable[..., Any]) -> Callable[..., Any]:
   """Wraps a function of lane-major arrays so that ``vmap`` folds into lanes.
 
   ``fn`` takes and returns flat lists of arrays with a leading lane axis. A
@@ -81,7 +83,7 @@ def _fold_lanes(fn: Callable[..., Any]) -> Callable[..., Any]:
 
   @wrapped.def_vmap
   def _rule(axis_size, in_batched, *args):
-    args = _broadcast(axis_size, in_batched, args)
+    args = broadcast(axis_size, in_batched, args)
     lanes = args[0].shape[1]
     flat = [a.reshape((axis_size * lanes,) + a.shape[2:]) for a in args]
     outs = wrapped(*flat)
@@ -189,8 +191,8 @@ class _Ops:
     self._mask_format = bridge.mask_format
     self._device_count = device_count
     self._participants = participants
-    self._fetch_many = _fold_lanes(self._fetch_lanes_flat)
-    self._refresh_many = _fold_lanes(self._refresh_lanes_flat)
+    self._fetch_many = fold_lanes(self._fetch_lanes_flat)
+    self._refresh_many = fold_lanes(self._refresh_lanes_flat)
     self.fetch = self._make_fetch()
     self.refresh = self._make_refresh()
 
@@ -296,7 +298,7 @@ class _Ops:
 
     @fetch.def_vmap
     def _rule(axis_size, in_batched, *args):
-      args = _broadcast(axis_size, in_batched, args)
+      args = broadcast(axis_size, in_batched, args)
       outs = self._fetch_many(*args)
       return outs, [True] * len(outs)
 
@@ -336,7 +338,7 @@ class _Ops:
 
     @refresh.def_vmap
     def _rule(axis_size, in_batched, *args):
-      args = _broadcast(axis_size, in_batched, args)
+      args = broadcast(axis_size, in_batched, args)
       outs = self._refresh_many(*args)
       return outs, [True] * len(outs)
 
