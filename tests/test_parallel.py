@@ -209,6 +209,30 @@ def test_shard_map_behaves_like_pmap(solo, pipelines):
              for d in range(4))
 
 
+@NEEDS_FOUR
+def test_device_loader_chains_under_pmap_and_shard_map_equal_solo():
+  """DeviceNumpyDataLoader chains of every kind (jax.random, then each
+  counter-based mode), one per device under pmap and two per device under
+  shard_map of vmap (devices whose lanes share a kind and devices whose
+  lanes do not): each gets the batches it gets alone."""
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      jax_data.DeviceNumpyDataLoader(x=np.arange(N)), CACHE, MB)
+  kinds = [init_fn(key=jax.random.PRNGKey(4))] + [
+      init_fn(seed=seed, stream="counter", **mode) for seed, mode in
+      enumerate(({}, {"shuffle": True}, {"shuffle": True, "in_epochs": True}))]
+  alone = jax.jit(_run(batch_fn))
+  solo = [np.asarray(alone(state)[1][0]) for state in kinds]
+  _, (x, _) = jax.pmap(_run(batch_fn))(_stack(kinds))
+  np.testing.assert_array_equal(x, np.stack(solo))
+  mesh = Mesh(np.array(jax.devices()), ("d",))
+  run = jax.jit(jax.shard_map(jax.vmap(_run(batch_fn)), mesh=mesh,
+                              in_specs=PartitionSpec("d"),
+                              out_specs=PartitionSpec("d")))
+  for order in ([0, 0, 1, 1, 2, 2, 3, 3], [0, 1, 2, 3, 3, 2, 1, 0]):
+    _, (x, _) = run(_stack([kinds[k] for k in order]))
+    np.testing.assert_array_equal(x, np.stack([solo[k] for k in order]))
+
+
 def test_jax_data_scan_under_shard_map_equals_lax_scan(pipelines):
   """Per-step outputs of ``jax_data.scan`` inside ``shard_map`` (one chain
   per device): the buffer they go into varies over the mesh as they do."""

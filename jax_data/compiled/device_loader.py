@@ -22,6 +22,7 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 
 from jax_data.compiled import bridge
+from jax_data.compiled import pass_loop
 from jax_data.compiled import pipeline as pl
 from jax_data.compiled import states
 from jax_data.errors import PipelineReleasedError
@@ -132,10 +133,12 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
 
 
 def _kinds(count: int, batch_size: int) -> List[Callable[..., Any]]:
-  """A chain's draw of ``(key, chunk, indices, mask)`` from its ``key`` and
-  ``chunk``, per kind (``-1 - state.chain``): ``jax.random``, then the
-  counter-based modes of :data:`~jax_data.streams.device_streams.
-  DEVICE_MODES`."""
+  """A chain's draw of ``[key, chunk, indices, mask]`` from its ``kind``,
+  ``key`` and ``chunk``, per kind (``-1 - state.chain``): ``jax.random``,
+  then the counter-based modes of :data:`~jax_data.streams.device_streams.
+  DEVICE_MODES`. Inside ``shard_map`` every output varies over the devices
+  that any input varies over, so that the kinds' outputs agree as a
+  switch's branches must."""
 
   def by_key(key, chunk):
     key, split = jax.random.split(key)
@@ -150,8 +153,15 @@ def _kinds(count: int, batch_size: int) -> List[Callable[..., Any]]:
       return key, chunk + 1, indices, mask
     return branch
 
+  def agreeing(draw):
+    def kind_of_draw(kind, key, chunk):
+      axes = pass_loop.varying_axes((kind, key, chunk))
+      return [pass_loop.cast_varying(out, axes) for out in draw(key, chunk)]
+    return kind_of_draw
+
   modes = range(len(device_streams.DEVICE_MODES))
-  return [by_key] + [counter(mode) for mode in modes]
+  return [agreeing(draw) for draw in
+          [by_key] + [counter(mode) for mode in modes]]
 
 
 def kind_draw(count: int, batch_size: int) -> Callable[..., List[Any]]:
@@ -169,14 +179,12 @@ def kind_draw(count: int, batch_size: int) -> Callable[..., List[Any]]:
   kinds = _kinds(count, batch_size)
 
   def each_lane(kind, key, chunk):
-    return lax.switch(kind, kinds, key, chunk)
+    return lax.switch(kind, kinds, kind, key, chunk)
 
   def lanes(kind, key, chunk):
-    one_kind = [lambda kind, key, chunk, draw=draw: jax.vmap(draw)(key, chunk)
-                for draw in kinds]
     shared = jnp.all(kind == kind[0])
     return list(lax.switch(jnp.where(shared, kind[0], len(kinds)),
-                           one_kind + [jax.vmap(each_lane)],
+                           [jax.vmap(draw) for draw in kinds + [each_lane]],
                            kind, key, chunk))
 
   many = bridge.fold_lanes(lanes)

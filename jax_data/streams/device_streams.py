@@ -18,7 +18,7 @@ from jax_data.streams.counter_streams import uniform
 DEVICE_MODES = ("independent", "shuffle", "epochs")
 
 
-def device_batch(seed: Any, batch: Any, mb_size: int, n: int, mode: Any
+def device_batch(seed: Any, batch: Any, mb_size: int, n: int, mode: int
                  ) -> Tuple[Any, Any]:
   """Indices (uint32, ``(mb_size,)``) and mask of batch ``batch`` of a
   counter-based stream, in ``jax.numpy`` with 32-bit integers only: what
@@ -30,11 +30,15 @@ def device_batch(seed: Any, batch: Any, mb_size: int, n: int, mode: Any
     batch: The batch number (traced int32 or uint32).
     mb_size: Observations per batch.
     n: Observations.
-    mode: Index into :data:`DEVICE_MODES` (traced int32).
+    mode: Index into :data:`DEVICE_MODES` (a Python int: only that
+      mode's stream is computed).
   """
   import jax.numpy as jnp
-  from jax import lax
 
+  if not (isinstance(mode, int) and 0 <= mode < len(DEVICE_MODES)):
+    raise ValueError(
+        f"mode must be an int index into DEVICE_MODES {DEVICE_MODES}, got "
+        f"mode={mode!r}")
   if not (mb_size < 2**16 and n < 2**32):
     raise ValueError(
         f"counter streams on the device need mb_size below 2**16 and fewer "
@@ -66,7 +70,7 @@ def device_batch(seed: Any, batch: Any, mb_size: int, n: int, mode: Any
                       jnp.where(valid, positions, 0), n, jnp)
     return jnp.where(valid, indices, jnp.uint32(0)), valid
 
-  return lax.switch(mode, [independent, shuffled, in_epochs], None)
+  return (independent, shuffled, in_epochs)[mode](None)
 
 
 def _times_plus(batch: Any, mb_size: int, steps: Any) -> Tuple[Any, Any]:
