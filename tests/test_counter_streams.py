@@ -408,6 +408,38 @@ def test_the_device_loader_draws_the_host_loaders_stream(mode, tmp_path):
     init_fn(seed=5, shuffle=True)
 
 
+@pytest.mark.parametrize("mode", [{}, {"shuffle": True, "in_epochs": True}])
+def test_a_sequence_of_seeds_on_the_device_draws_the_host_loaders_chains(
+    mode):
+  """init_fn(seed=range(C)) with no stream: the device loader's chains are
+  counter-based, as a host loader's are, and draw the same batches."""
+  x = np.arange(97)
+  batches = []
+  for loader in (jax_data.NumpyDataLoader(x=x),
+                 jax_data.DeviceNumpyDataLoader(x=x)):
+    init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+        loader, 4, 8)
+
+    def draw(state, batch_fn=batch_fn):
+      state, (batch, info) = batch_fn(state, information=True)
+      return state, jnp.where(info.mask, batch["x"], -1)
+
+    states, step, drawn = init_fn(seed=range(3), **mode), jax.jit(
+        jax.vmap(draw)), []
+    for _ in range(15):
+      states, batch = step(states)
+      drawn.append(np.asarray(batch))
+    batches.append(np.stack(drawn))
+    release_fn()
+  np.testing.assert_array_equal(batches[1], batches[0])
+  init_fn = jax_data.random_reference_data(
+      jax_data.DeviceNumpyDataLoader(x=x), 4, 8)[0]
+  with pytest.raises(ValueError, match="stream='counter'"):
+    init_fn(seed=3)  # one chain: a host loader's would be exact
+  with pytest.raises(ValueError, match="stream='exact'"):
+    init_fn(seed=range(3), stream="exact")
+
+
 def test_vmapped_device_chains_of_one_kind_draw_only_their_stream(
     monkeypatch):
   """Under vmap, and vmap of vmap, device chains of one kind draw their own

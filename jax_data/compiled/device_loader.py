@@ -238,9 +238,15 @@ class RandomPipeline(pl.RandomPipeline):
     """A chain's state; keywords go to ``init_random_data`` (``key``), or
     make a counter-based chain of a ``DeviceNumpyDataLoader``. A sequence
     of seeds gives the chains' states stacked for ``jax.vmap``, as for
-    host loaders."""
+    host loaders, and as there their stream is counter-based unless
+    ``stream`` says otherwise: ``init_fn(seed=range(C))`` draws the
+    batches a host loader's gives."""
     seeds = seed_list(kwargs.get("seed"))
     if seeds is not None:
+      stream = kwargs.get("stream", "auto")
+      if (isinstance(self._ref.loader, DeviceNumpyDataLoader)
+          and isinstance(stream, str) and stream == "auto"):
+        kwargs = {**kwargs, "stream": "counter"}
       made = [self.init_fn(**{**kwargs, "seed": seed}) for seed in seeds]
       return jax.tree_util.tree_map(lambda *s: jnp.stack(s), *made)
     loader = self._ref.loader
