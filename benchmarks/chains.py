@@ -17,6 +17,10 @@ call a ``lax.scan`` of ``steps`` steps:
   ``cache`` random batches on the device, again and again, as
   ``jax_data.scan`` scans its chunks (no host work: XLA slicing each
   step's batch out of the cache is what it adds to compute only);
+* jax_data on the device: ``DeviceNumpyDataLoader`` (the data on the
+  device, as for device-resident), each chain's counter-based stream drawn
+  in the step (``init_fn(seed=range(C), stream="counter")``); not a host
+  loader, so not in the targets' "best";
 * gather floor: NumPy gathering the rows of one refresh (C x cache x mb
   rows of x and y) into reused buffers, split over the usable cores, per
   step (a refresh serves ``cache`` steps);
@@ -52,6 +56,7 @@ JAX_DATA = "jax_data exact"
 COUNTER = "jax_data counter"
 EPOCHS = "jax_data counter, epochs"
 SMALL = "jax_data counter, 10 batches"
+ON_DEVICE = "jax_data on the device"
 FLOOR = "gather floor"
 CACHED = "compute over a cache"
 DATARAX = "Datarax MemorySource"
@@ -172,7 +177,9 @@ def _section(config: Config, results: list, processes: int) -> Section:
         datarax, datarax_ratio, format_timing(timings[EPOCHS], "us"),
         _spread(timing, EPOCHS, DEVICE),
         format_timing(timings[SMALL], "us"),
-        _spread(timing, SMALL, DEVICE)])
+        _spread(timing, SMALL, DEVICE),
+        format_timing(timings[ON_DEVICE], "us"),
+        _spread(timing, ON_DEVICE, DEVICE)])
     bests.append(f"{chains}: {format_ratio(best)}")
     device_ok.append(to_device <= 0.8)
     limit = 2.0 if chains <= 16 else 4.0
@@ -212,13 +219,18 @@ def _section(config: Config, results: list, processes: int) -> Section:
           f"{config.datarax_work:,}; its ratio is to the faster jax_data "
           f"column. {EPOCHS}: counter chains in shuffled epochs "
           f"(shuffle=True, in_epochs=True); {SMALL}: counter chains with "
-          "cached_batches_count=10; neither is in the targets' 'best'."),
+          "cached_batches_count=10; "
+          f"{ON_DEVICE}: DeviceNumpyDataLoader (the data on the device), "
+          "each chain's counter-based stream drawn in the step "
+          "(init_fn(seed=range(C), stream='counter')). None of the three "
+          "is in the targets' 'best'."),
       headers=["N", "C", COMPUTE, CACHED, DEVICE, JAX_DATA, COUNTER, FLOOR,
                "exact / compute", "counter / compute",
                "best / device", "best / (compute + floor)",
                "best / (cached + floor)", "peak RSS",
                "device caches", DATARAX, "Datarax / best jax_data",
-               EPOCHS, "epochs / device", SMALL, "10 batches / device"],
+               EPOCHS, "epochs / device", SMALL, "10 batches / device",
+               ON_DEVICE, "on the device / device"],
       rows=rows,
       targets=[
           Target("(g) jax_data / device-resident, every C", "<= 0.8x",
@@ -449,12 +461,17 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
       failed[DATARAX] = str(e).splitlines()[0][:120]
   releases = []
   small = {**request, "cache": min(10, request["cache"])}
-  for name, stream, init, asked in (
-      (JAX_DATA, "exact", {}, request), (COUNTER, "auto", {}, request),
-      (EPOCHS, "counter", {"shuffle": True, "in_epochs": True}, request),
-      (SMALL, "counter", {}, small)):
+  import jax_data
+  for name, stream, init, asked, loader in (
+      (JAX_DATA, "exact", {}, request, None),
+      (COUNTER, "auto", {}, request, None),
+      (EPOCHS, "counter", {"shuffle": True, "in_epochs": True}, request,
+       None),
+      (SMALL, "counter", {}, small, None),
+      (ON_DEVICE, "counter", {}, request,
+       jax_data.DeviceNumpyDataLoader(**data))):
     run_fn, carry, release_fn = _jax_data(asked, data, theta, keys,
-                                          step_size, stream, **init)
+                                          step_size, stream, loader, **init)
     contenders[name] = (run_fn, carry)
     steps[name] = request["steps"]
     releases.append(release_fn)
