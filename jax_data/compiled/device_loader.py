@@ -171,9 +171,9 @@ def kind_draw(count: int, batch_size: int) -> Callable[..., List[Any]]:
 
   A chain switches on its kind. Under ``vmap`` the kind is batched, and a
   switch on a batched index computes every kind for every lane and then
-  selects: 16 vmapped chains of independent counter streams took 5 to 10
-  times as long a step on a 2-core CPU, mostly in the shuffled kinds'
-  Feistel network. So a vmapped draw (nested vmaps folded into one lane
+  selects: 16 vmapped chains of independent counter streams took 137-249
+  µs a step instead of 20-27 on a 2-core CPU, mostly in the shuffled
+  kinds' Feistel network. So a vmapped draw (nested vmaps folded into one lane
   axis, as the bridge's fetches are) runs the one kind that all its lanes
   share; only lanes of several kinds select among every kind.
   """

@@ -47,11 +47,11 @@ def device_batch(seed: Any, batch: Any, mb_size: int, n: int, mode: int
   steps = jnp.arange(mb_size, dtype=jnp.uint32)
   everything = jnp.ones(mb_size, bool)
 
-  def independent(_):
+  def independent():
     return uniform(seed, _times_plus(batch, mb_size, steps), n,
                    jnp), everything
 
-  def shuffled(_):
+  def shuffled():
     # Position t = batch * mb + step, as epoch t // n and offset t % n
     # without 64-bit integers: batch = q * n + r, then r * mb = p * n + s.
     q, r = batch // jnp.uint32(n), batch % jnp.uint32(n)
@@ -61,7 +61,7 @@ def device_batch(seed: Any, batch: Any, mb_size: int, n: int, mode: int
     epoch = q * jnp.uint32(mb_size) + p + wraps.astype(jnp.uint32)
     return permute(seed, epoch, offset, n, jnp), everything
 
-  def in_epochs(_):
+  def in_epochs():
     per_epoch = -(-n // mb_size)
     epoch = batch // jnp.uint32(per_epoch)
     positions = (batch % jnp.uint32(per_epoch)) * jnp.uint32(mb_size) + steps
@@ -70,7 +70,7 @@ def device_batch(seed: Any, batch: Any, mb_size: int, n: int, mode: int
                       jnp.where(valid, positions, 0), n, jnp)
     return jnp.where(valid, indices, jnp.uint32(0)), valid
 
-  return (independent, shuffled, in_epochs)[mode](None)
+  return (independent, shuffled, in_epochs)[mode]()
 
 
 def _times_plus(batch: Any, mb_size: int, steps: Any) -> Tuple[Any, Any]:
