@@ -406,7 +406,7 @@ def test_the_same_chain_twice_in_one_request(limits, pipelines):
 
 
 def test_a_failing_record_fails_the_request_and_is_retried():
-  """A record that cannot be read fails the refresh of all chains read
+  """A record that cannot be read fails the request of the chains read
   with it, naming the record; once readable, the same request succeeds
   with the chains' exact streams."""
   n, cache, mb, chains = 50, 2, 5, 4
@@ -429,6 +429,44 @@ def test_a_failing_record_fails_the_request_and_is_retried():
     np.testing.assert_array_equal(
         np.asarray(batch["x"])[c],
         cs.stream_batches(c, 0, 1, mb, n, True, False)[0][0])
+  release_fn()
+
+
+def test_a_failing_record_is_named_by_its_chain_and_spares_the_others():
+  """A record that only one chain of a group draws fails that chain's
+  chunk alone: a request of all chains names that chain, and each other
+  chain gets its exact stream on its first request, also when the
+  group's failed chunk was read ahead."""
+  n, cache, mb, chains = 200, 2, 4, 6
+  streams = [cs.stream_batches(c, 0, 3 * cache, mb, n, False, False)[0]
+             for c in range(chains)]
+  owners = {}  # record -> the (chain, batch) pairs that draw it
+  for c, stream in enumerate(streams):
+    for b, row in enumerate(stream):
+      for record in row.tolist():
+        owners.setdefault(record, set()).add((c, b))
+  # A record drawn by one chain, in its third chunk only.
+  bad, failing = next((record, c) for record, drawn in sorted(owners.items())
+                      for c in {c for c, _ in drawn}
+                      if all(d == c and b >= 2 * cache for d, b in drawn))
+  source = _Virtual(n)
+  loader = jax_data.SourceDataLoader(source, workers=0)
+  pipeline = jax_data.random_reference_data(loader, cache, mb)
+  init_fn, batch_fn, release_fn = pipeline
+  state = init_fn(seed=range(chains))
+  step = jax.jit(jax.vmap(batch_fn))
+  source.fail_at = bad
+  for _ in range(2 * cache):  # chunks 0 and 1; chunk 2 is read ahead
+    state, _ = step(state)
+  assert pipeline.host.wait_idle()
+  one = jax.jit(batch_fn)
+  for c in set(range(chains)) - {failing}:
+    _, batch = one(jax.tree_util.tree_map(lambda a, c=c: a[c], state))
+    np.testing.assert_array_equal(np.asarray(batch["x"]),
+                                  streams[c][2 * cache])
+  with pytest.raises(Exception, match=f"chain {failing}, chunk 2: .*"
+                     f"record {bad}"):
+    jax.block_until_ready(step(state))
   release_fn()
 
 

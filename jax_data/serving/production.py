@@ -215,6 +215,9 @@ class Producer:
         self.layout.check_span(span, len(chunks))
       else:
         chunks = [self.layout.check(chunk) for chunk in chunks]
+    except Exception as e:  # pylint: disable=broad-except
+      self._produce_each(ready, into, e)
+      return
     except BaseException as e:  # every failure reaches the waiting requests
       for record, index, future in ready:
         settle(future, error=self._wrap(record, index, e))
@@ -224,6 +227,26 @@ class Producer:
       record.thin(self._limits.recent_snapshots)
       self._held.note(record)
       settle(future, chunk)
+
+  def _produce_each(self, ready: List[Job], into: Dict[int, Chunk],
+                    error: Exception) -> None:
+    """After a group's read failed with ``error``: each chain's chunk
+    produced alone (produce locks still held), so that the failure reaches
+    the chains whose rows fail, named by their own chain, and the others
+    get their chunks. One read for all chains does not say whose row
+    failed."""
+    for record, index, future in ready:
+      if self._released is not None or isinstance(
+          error, PipelineReleasedError):
+        settle(future, error=self._wrap(record, index, error))
+        continue
+      try:
+        chunk = self._produce_locked(record, index, into.get(id(future)))
+        self._held.note(record)
+      except BaseException as e:  # every failure reaches its request
+        settle(future, error=self._wrap(record, index, e))
+      else:
+        settle(future, chunk)
 
   def _wrap(self, record: ChainRecord, index: int, e: BaseException):
     _drop_frames(e)
