@@ -27,7 +27,9 @@ def _mesh(devices=4):
 
 @pytest.mark.parametrize("count, mb_size, cache, devices", [
     (1001, 16, 4, 4), (23, 5, 2, 4), (10, 2, 1, 4), (64, 4, 3, 4),
-    (17, 4, 2, 2), (9, 9, 1, 1)])
+    (17, 4, 2, 2), (9, 9, 1, 1),
+    # The last device's block only the last batch, partial.
+    (11, 3, 1, 4), (5, 3, 2, 2), (7, 2, 1, 4)])
 def test_a_split_pass_gives_the_results_of_one_pass(pipelines, count,
                                                     mb_size, cache, devices):
   x = np.random.default_rng(count).normal(size=count).astype(np.float32)
@@ -118,3 +120,12 @@ def test_bad_split_passes_are_named():
   release_fn()
   with pytest.raises(jax_data.PipelineReleasedError):
     mapper_fn(lambda b, c: (b["x"], c), None)
+  # Last, so that the checks above run without TensorFlow too.
+  tf = pytest.importorskip("tensorflow")
+  with pytest.raises(ValueError, match=r"passes split the data over devices"
+                     r", which needs a loader that reads rows by index "
+                     r"\(NumpyDataLoader, SourceDataLoader\); "
+                     r"TensorflowDataLoader"):
+    jax_data.full_data_mapper(jax_data.TensorflowDataLoader(
+        tf.data.Dataset.from_tensor_slices({"x": np.arange(10.0)}),
+        in_memory=True), 1, 2, mesh=_mesh(), batch_axis="data")

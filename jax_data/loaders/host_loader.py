@@ -273,8 +273,12 @@ class HostDataLoader(DataLoader):
     """Numbers a chain (:class:`ChainNumbering`) whose spec the loader
     accepts (:meth:`check_spec`) and opens its cursor with
     ``open_cursor(number, spec)``; nothing is numbered if that raises."""
+    # A device's share of a split pass (``OrderedChain.batches``) may be
+    # only the pass's last batch, partial: its padding fills the batch.
+    share = getattr(spec, "batches", None) is not None
     check_int("mb_size", batch_rows(spec, layout.mb_size), minimum=1,
-              maximum=spec.observations.count, what="the observation count")
+              maximum=None if share else spec.observations.count,
+              what="the observation count")
 
     def checked_open(number: int, spec: ChainSpec) -> ChainCursor:
       self.check_spec(spec)
@@ -282,12 +286,13 @@ class HostDataLoader(DataLoader):
       split = getattr(spec, "part", None) or getattr(spec, "batches", None)
       if split is not None and not cursor.serves_parts:
         cursor.close()
+        readers = ("NumpyDataLoader, SourceDataLoader" if share else
+                   "NumpyDataLoader, SourceDataLoader, TensorflowDataLoader("
+                   "in_memory=True) with stream='counter'")
         raise ValueError(
-            "global batches and passes split the data over devices, which "
-            "needs a "
-            "loader that reads rows by index (NumpyDataLoader, "
-            "SourceDataLoader, TensorflowDataLoader(in_memory=True) with "
-            f"stream='counter'); {type(self).__name__} serves this chain "
+            f"{'passes' if share else 'global batches'} split the data "
+            "over devices, which needs a loader that reads rows by index "
+            f"({readers}); {type(self).__name__} serves this chain "
             f"through a {type(cursor).__name__}")
       return cursor
 
