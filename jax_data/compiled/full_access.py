@@ -272,10 +272,16 @@ class FullPipeline(pl.Pipeline):
     """The state of a new ordered chain (no keywords)."""
     return self._chunks.init(**kwargs)
 
-  def _traced(self, fun: Callable, data_state: CacheState, carry: PyTree,
-              masking: bool, information: bool, device_count: int
-              ) -> Traced:
-    """``fun`` traced for one batch."""
+  def trace(self, fun: Callable, data_state: CacheState, carry: PyTree,
+            masking: bool, information: bool = False, device_count: int = 1
+            ) -> Traced:
+    """``fun`` traced for one batch of ``data_state`` (its carry made
+    varying like the state, as :meth:`run_traced` makes it).
+
+    Raises:
+      ValueError: with ``masking=False``, results that are not one per
+        observation."""
+    carry = varying_like(carry, data_state)
     shapes = (device_count, tuple(np.shape(leaf) for leaf in
                                   jax.tree_util.tree_leaves(data_state)))
     batch = self._batch_shapes.get(shapes)
@@ -290,8 +296,24 @@ class FullPipeline(pl.Pipeline):
     # Inside shard_map a batch varies over the mesh axes where the state's
     # chain does (each device its own chunks): traced as such a value.
     batch = varying_like(batch, data_state, example=True)
-    return Traced(fun, applier(fun, self._plan, masking, information),
-                   carry, *batch)
+    traced = Traced(fun, applier(fun, self._plan, masking, information),
+                    carry, *batch)
+    if not masking:
+      _check_per_observation(fun, traced.result_shapes, self._plan.mb_size)
+    return traced
+
+  def run_traced(self, traced: Traced, data_state: CacheState,
+                 carry: PyTree, consts: list, masking: bool,
+                 device_count: int = 1):
+    """The pass of a function :meth:`trace` traced, computing with
+    ``consts`` in place of the arrays it read then: ``(data_state,
+    (results, carry))``."""
+    carry = varying_like(carry, data_state)
+    compiled = self._shared(traced.key, lambda: jax.jit(
+        functools.partial(_pass, self._chunks.fetch_fn, self._plan, traced),
+        static_argnums=(4, 5)))
+    return compiled(self._chunks.owner, data_state, carry, consts, masking,
+                    device_count)
 
   def _shared(self, key: Any, make: Callable[[], Callable]) -> Callable:
     """The compiled pass of ``key``, kept while it is among the
@@ -317,16 +339,10 @@ class FullPipeline(pl.Pipeline):
     masking, information, device_count = (call.masking, call.information,
                                            call.device_count)
     self._chunks.check_open()
-    carry = varying_like(carry, data_state)
-    traced = self._traced(fun, data_state, carry, masking, information,
-                          device_count)
-    if not masking:
-      _check_per_observation(fun, traced.result_shapes, self._plan.mb_size)
-    compiled = self._shared(traced.key, lambda: jax.jit(
-        functools.partial(_pass, self._chunks.fetch_fn, self._plan, traced),
-        static_argnums=(4, 5)))
-    return compiled(self._chunks.owner, data_state, carry, traced.consts,
-                    masking, device_count)
+    traced = self.trace(fun, data_state, carry, masking, information,
+                        device_count)
+    return self.run_traced(traced, data_state, carry, traced.consts,
+                           masking, device_count)
 
   def release_fn(self) -> None:
     """Drops every reference the pipeline holds to the loader."""

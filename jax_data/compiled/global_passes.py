@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_data.compiled import pipeline as pl
 from jax_data.compiled.global_batches import MeshAxes
+from jax_data.compiled.pass_keys import Traced
 from jax_data.compiled.pass_loop import vectorised
 from jax_data.lifetime import Shared
 from jax_data.loaders.chains import OrderedChain
@@ -136,10 +137,29 @@ class GlobalMapperPipeline(pl.Pipeline):
             "and take the mask as its second argument")
       fun = vectorised(fun)
     self.check_open()
-    run = self._passes.get((fun, call.masking), lambda: jax.jit(
+    traced = self._trace(fun, carry, call.masking)
+    run = self._passes.get((traced.key, call.masking), lambda: jax.jit(
         functools.partial(_split_pass, self._full, self._axes,
-                          self._split, fun, call.masking, self._chains)))
-    return run(carry)
+                          self._split, traced, call.masking, self._chains)))
+    return run(carry, traced.consts)
+
+  def _trace(self, fun: Callable, carry: Any, masking: bool) -> Traced:
+    """``fun`` traced for one batch of a device's block, inside the
+    pass's ``shard_map`` (so with its batches' device-varying types): the
+    compiled passes are kept by what the function does, and compute with
+    the arrays it reads now, passed in, as ``FullPipeline.map_fn``'s are."""
+    traced = []
+
+    def local(carry):
+      state = self._full.template._replace(chain=jnp.asarray(self._chains)[
+          lax.axis_index(self._axes.batch_axis)])
+      traced.append(self._full.trace(fun, state, carry, masking))
+      return jnp.zeros((1,), jnp.int32)
+
+    jax.eval_shape(jax.shard_map(
+        local, mesh=self._axes.mesh, in_specs=P(),
+        out_specs=P(self._axes.batch_axis)), carry)
+    return traced[0]
 
   def release_fn(self) -> None:
     """Drops every reference the pipeline holds to the loader."""
@@ -147,17 +167,19 @@ class GlobalMapperPipeline(pl.Pipeline):
 
 
 def _split_pass(full: pl.Pipeline, axes: MeshAxes, split: PassSplit,
-                fun: Callable, masking: bool, chains: np.ndarray,
-                carry: Any):
-  """The pass: each device's block through ``full``'s pass, inside
-  ``shard_map``; its results gathered back to pass order."""
+                traced: Traced, masking: bool, chains: np.ndarray,
+                carry: Any, consts: list):
+  """The pass: each device's block through ``full``'s pass of ``traced``
+  (computing with ``consts``), inside ``shard_map``; its results gathered
+  back to pass order."""
   axis = axes.batch_axis
 
   def local(carry):
     # Each device's chain, and so its carry, goes its own way from here.
     state = full.template._replace(
         chain=jnp.asarray(chains)[lax.axis_index(axis)])
-    _, (results, carry) = full.map_fn(fun, state, carry, masking=masking)
+    _, (results, carry) = full.run_traced(traced, state, carry, consts,
+                                          masking)
     return results, jax.tree_util.tree_map(lambda c: c[None], carry)
 
   results, carries = jax.shard_map(
