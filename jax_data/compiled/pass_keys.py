@@ -3,9 +3,9 @@
 A full-data pipeline compiles one pass per function it maps. A pass must
 never compute with values of an earlier call, so it is keyed by what the
 traced function does (:class:`Traced`: its jaxpr, with the host callbacks it
-makes keyed by the functions they call, :func:`value_key`), not by the
-function object; the arrays it reads become arguments. :class:`Recent`
-keeps the most recently used passes.
+makes and its custom differentiation rules keyed by the functions they
+call, :func:`value_key`), not by the function object; the arrays it reads
+become arguments. :class:`Recent` keeps the most recently used passes.
 """
 
 from __future__ import annotations
@@ -87,19 +87,54 @@ def value_key(value: Any, depth: int = _DEPTH) -> Any:
   return _Same(value)
 
 
+# Parameters of ``custom_jvp_call`` and ``custom_vjp_call`` that hold the
+# rules, which JAX traces only when the pass is differentiated.
+_RULES = ("jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk", "bwd")
+
+
 def callbacks(jaxpr: Any) -> list:
-  """The keys of the host callbacks of ``jaxpr`` and of its inner jaxprs, in
-  order. A jaxpr's text shows a callback only by its address, and the
-  function it calls may read values captured when ``fun`` was traced."""
+  """The keys of the host callbacks of ``jaxpr`` and of its inner jaxprs,
+  and of its custom differentiation rules, in order. A jaxpr's text shows a
+  callback only by its address, and the function it calls may read values
+  captured when ``fun`` was traced; it names a custom rule only by its
+  name, and a rule closes over values of the trace (``jax.custom_vjp`` made
+  in ``fun``) that its gradient is computed with."""
   keys = []
   for eqn in jaxpr.eqns:
     if "callback" in eqn.params:
       callback = eqn.params["callback"]
       keys.append(value_key(getattr(callback, "callback_func", callback)))
+    for name in _RULES:
+      if name in eqn.params:
+        keys.append((name, tuple(rules(eqn.params[name]))))
     for param in eqn.params.values():
       for inner in jaxprs(param):
         keys.extend(callbacks(inner))
   return keys
+
+
+def rules(wrapped: Any, depth: int = 2 * _DEPTH) -> list:
+  """The keys of the functions a custom rule parameter wraps (the user's
+  jvp, fwd or bwd): found through JAX's wrappers (``.f``) and the closures
+  of JAX's own thunks, whose other contents (the trace, a memo) are new on
+  every trace and say nothing of the rule."""
+  if depth < 0:
+    return []
+  if hasattr(wrapped, "f") and hasattr(wrapped, "transforms"):
+    return rules(wrapped.f, depth - 1)
+  if isinstance(wrapped, functools.partial):
+    return rules(wrapped.func, depth - 1)
+  if not isinstance(wrapped, types.FunctionType):
+    return []
+  if not wrapped.__module__.startswith("jax._src.interpreters"):
+    return [value_key(wrapped)]
+  found = []
+  for cell in wrapped.__closure__ or ():
+    try:
+      found.extend(rules(cell.cell_contents, depth - 1))
+    except ValueError:  # an empty cell
+      pass
+  return found
 
 
 def jaxprs(param: Any) -> list:
