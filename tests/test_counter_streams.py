@@ -440,6 +440,36 @@ def test_a_sequence_of_seeds_on_the_device_draws_the_host_loaders_chains(
     init_fn(seed=range(3), stream="exact")
 
 
+@pytest.mark.parametrize("loader_class", [jax_data.NumpyDataLoader,
+                                          jax_data.DeviceNumpyDataLoader])
+def test_a_vmap_of_no_chains(loader_class):
+  """States of no chains (sliced from stacked ones) give empty batches."""
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      loader_class(x=np.arange(10.0)), 1, 3)
+  none = jax.tree_util.tree_map(lambda a: a[:0], init_fn(seed=range(2)))
+  states, batch = jax.jit(jax.vmap(batch_fn))(none)
+  assert batch["x"].shape == (0, 3) and states.chain.shape == (0,)
+  release_fn()
+
+
+def test_device_batches_beyond_the_counter_streams_words():
+  """mb_size of 2**16 or more: a jax.random chain of the device loader
+  draws its batches, and a counter-based one is refused by init_fn,
+  naming the size, before anything is traced."""
+  mb = 2**16
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      jax_data.DeviceNumpyDataLoader(x=np.arange(mb + 7)), 1, mb)
+  _, batch = jax.jit(batch_fn)(init_fn(key=jax.random.PRNGKey(1)))
+  x = np.asarray(batch["x"])
+  assert x.shape == (mb,) and x.min() >= 0 and x.max() < mb + 7
+  for kwargs in ({"seed": 1, "stream": "counter"}, {"seed": range(2)}):
+    with pytest.raises(ValueError, match=f"mb_size below 2\\*\\*16 .*"
+                       f"got mb_size={mb} and an observation count of "
+                       f"{mb + 7}"):
+      init_fn(**kwargs)
+  release_fn()
+
+
 def test_vmapped_device_chains_of_one_kind_draw_only_their_stream(
     monkeypatch):
   """Under vmap, and vmap of vmap, device chains of one kind draw their own

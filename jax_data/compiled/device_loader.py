@@ -160,7 +160,10 @@ def _kinds(count: int, batch_size: int) -> List[Callable[..., Any]]:
       return [pass_loop.cast_varying(out, axes) for out in draw(key, chunk)]
     return kind_of_draw
 
-  modes = range(len(device_streams.DEVICE_MODES))
+  # Sizes beyond the counter streams' words have jax.random chains only
+  # (init_fn refuses counter-based ones there).
+  modes = (range(len(device_streams.DEVICE_MODES))
+           if device_streams.sizes_fit(batch_size, count) else ())
   return [agreeing(draw) for draw in
           [by_key] + [counter(mode) for mode in modes]]
 
@@ -183,6 +186,8 @@ def kind_draw(count: int, batch_size: int) -> Callable[..., List[Any]]:
     return lax.switch(kind, kinds, kind, key, chunk)
 
   def lanes(kind, key, chunk):
+    if not kind.shape[0]:  # no lanes: any kind gives the empty outputs
+      return list(jax.vmap(kinds[0])(kind, key, chunk))
     shared = jnp.all(kind == kind[0])
     return list(lax.switch(jnp.where(shared, kind[0], len(kinds)),
                            [jax.vmap(draw) for draw in kinds + [each_lane]],
@@ -252,6 +257,7 @@ class RandomPipeline(pl.RandomPipeline):
       # all (1,024 states made one by one and stacked took 1.2 s).
       chains = [loader.counter_chain({**kwargs, "seed": seed})
                 for seed in seeds]
+      device_streams.check_sizes(self._mb_size, loader.observation_count)
       states = CacheState.start_chains(
           self.id, [-2 - mode for mode, _ in chains], self._mb_size, 0, None)
       return states._replace(key=jnp.asarray(
@@ -262,6 +268,7 @@ class RandomPipeline(pl.RandomPipeline):
     if isinstance(loader, DeviceNumpyDataLoader):
       counter = loader.counter_chain(kwargs)
       if counter is not None:
+        device_streams.check_sizes(self._mb_size, loader.observation_count)
         mode, seed = counter
         return CacheState.start(self.id, -2 - mode, self._mb_size,
                                 key=jnp.asarray(seed))

@@ -18,6 +18,21 @@ from jax_data.streams.counter_streams import uniform
 DEVICE_MODES = ("independent", "shuffle", "epochs")
 
 
+def sizes_fit(mb_size: int, n: int) -> bool:
+  """Whether :func:`device_batch` draws batches of ``mb_size`` of ``n``
+  observations (its 32-bit words hold them)."""
+  return mb_size < 2**16 and n < 2**32
+
+
+def check_sizes(mb_size: int, n: int) -> None:
+  """Raises ValueError, naming both, unless :func:`sizes_fit`."""
+  if not sizes_fit(mb_size, n):
+    raise ValueError(
+        f"counter streams on the device need mb_size below 2**16 and fewer "
+        f"than 2**32 observations, got mb_size={mb_size} and an observation "
+        f"count of {n}; draw with jax.random (init_fn(key=...)) instead")
+
+
 def device_batch(seed: Any, batch: Any, mb_size: int, n: int, mode: int
                  ) -> Tuple[Any, Any]:
   """Indices (uint32, ``(mb_size,)``) and mask of batch ``batch`` of a
@@ -39,10 +54,7 @@ def device_batch(seed: Any, batch: Any, mb_size: int, n: int, mode: int
     raise ValueError(
         f"mode must be an int index into DEVICE_MODES {DEVICE_MODES}, got "
         f"mode={mode!r}")
-  if not (mb_size < 2**16 and n < 2**32):
-    raise ValueError(
-        f"counter streams on the device need mb_size below 2**16 and fewer "
-        f"than 2**32 observations, got mb_size={mb_size}, n={n}")
+  check_sizes(mb_size, n)
   batch = jnp.asarray(batch).astype(jnp.uint32)
   steps = jnp.arange(mb_size, dtype=jnp.uint32)
   everything = jnp.ones(mb_size, bool)
