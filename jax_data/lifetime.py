@@ -208,6 +208,12 @@ class Shared:
         self._values.popitem(last=False)
       return value
 
+  def clear(self) -> None:
+    """Drops every value (a released pipeline's compiled passes, which may
+    hold a device loader's arrays as constants)."""
+    with self._lock:
+      self._values.clear()
+
   def __len__(self) -> int:
     with self._lock:
       return len(self._values)

@@ -3,6 +3,7 @@
 import functools
 import gc
 import math
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -298,6 +299,26 @@ def test_custom_rules_are_those_of_each_call():
       executables = len(client.live_executables())
   assert len(client.live_executables()) == executables
   release_fn()
+
+
+@pytest.mark.parametrize("kind", ["full_reference_data", "full_data_mapper"])
+def test_release_frees_a_device_loaders_arrays(kind):
+  """A pass over a device loader holds its arrays in the compiled code;
+  release_fn drops the pipeline's compiled passes, so dropping the loader
+  frees its arrays."""
+  loader = jax_data.DeviceNumpyDataLoader(x=np.arange(1000.0))
+  data = weakref.ref(loader.get_full_data()["x"])
+  fun = lambda b, c: (b["x"], c)
+  if kind == "full_reference_data":
+    init_fn, map_fn, release_fn = jax_data.full_reference_data(loader, 2, 10)
+    jax.block_until_ready(map_fn(fun, init_fn(), 0.0))
+  else:
+    mapper_fn, release_fn = jax_data.full_data_mapper(loader, 2, 10)
+    jax.block_until_ready(mapper_fn(fun, 0.0))
+  release_fn()
+  del loader
+  gc.collect()
+  assert data() is None
 
 
 def test_a_function_that_calls_back_compiles_once():

@@ -345,8 +345,10 @@ class FullPipeline(pl.Pipeline):
                            masking, device_count)
 
   def release_fn(self) -> None:
-    """Drops every reference the pipeline holds to the loader."""
+    """Drops every reference the pipeline holds to the loader, and its
+    compiled passes (a device loader's arrays are their constants)."""
     self._chunks.release()
+    self._compiled.clear()
 
 
 def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
@@ -452,3 +454,4 @@ class MapperPipeline(pl.Pipeline):
   def release_fn(self) -> None:
     """Drops every reference the pipeline holds to the loader."""
     self._full.release_fn()
+    self._batched.clear()

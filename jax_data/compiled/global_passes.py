@@ -164,6 +164,7 @@ class GlobalMapperPipeline(pl.Pipeline):
   def release_fn(self) -> None:
     """Drops every reference the pipeline holds to the loader."""
     self._full.release_fn()
+    self._passes.clear()
 
 
 def _split_pass(full: pl.Pipeline, axes: MeshAxes, split: PassSplit,
