@@ -211,6 +211,36 @@ def test_restore_into_other_data_of_the_same_size_is_refused():
   assert got[0].tolist() == expected[0].tolist()
 
 
+@pytest.mark.parametrize("kind", ["random", "full"])
+def test_a_device_loaders_checkpoint_is_refused_by_other_data(kind):
+  """As for host loaders: the checkpoint of a device loader's pipeline is
+  refused by a pipeline over other data of the same size, and restores
+  into the same data; one saved before device loaders had a digest
+  (``data`` None) still restores."""
+  def pipeline(x):
+    loader = jax_data.DeviceNumpyDataLoader(x=x)
+    if kind == "random":
+      made = jax_data.random_reference_data(loader, 1, 3)
+      return made, made[0](seed=4, stream="counter")
+    made = jax_data.full_reference_data(loader, 2, 3)
+    return made, made[0]()
+
+  x = np.arange(20.0)
+  saved_by, state = pipeline(x)
+  tree = jax_data.state_to_pytree(saved_by, state)
+  other, _ = pipeline(x * 100 + 7)
+  with pytest.raises(ValueError, match="data is '[0-9a-f]+' in the "
+                     "checkpoint but '[0-9a-f]+' here"):
+    jax_data.state_from_pytree(other, tree)
+  same, _ = pipeline(x.copy())
+  jax_data.state_from_pytree(same, tree)
+  host = json.loads(np.asarray(tree["host"], np.uint8).tobytes().decode())
+  host["fingerprint"]["data"] = None
+  older = {**tree, "host": np.frombuffer(json.dumps(host).encode(),
+                                         np.uint8)}
+  jax_data.state_from_pytree(other, older)
+
+
 def test_data_digest_reads_a_fixed_sample_of_rows(tmp_path):
   class Counting:
     def __init__(self, array):

@@ -26,6 +26,8 @@ from jax_data.compiled import pass_loop
 from jax_data.compiled import pipeline as pl
 from jax_data.compiled import states
 from jax_data.errors import PipelineReleasedError
+from jax_data.loaders.gather import digest_rows
+from jax_data.loaders.gather import sample_rows
 from jax_data.loaders.loader import DataLoader
 from jax_data.loaders.loader import DeviceDataLoader
 from jax_data.loaders.numpy_loader import ArrayData
@@ -63,6 +65,22 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
     self._format = observation_format_of(arrays)
     self._arrays = {k: jnp.asarray(v, dtype=self._format[k].dtype)
                     for k, v in arrays.items()}
+    self._digest: Optional[str] = None
+
+  def content_digest(self) -> str:
+    """A digest of the row count and a fixed sample of rows, as
+    ``NumpyDataLoader.content_digest``: a checkpoint is refused by the
+    pipelines of other data of the same size."""
+    if self._digest is None:
+      rows = sample_rows(self._count)
+      # The sample's rows copied to the host at once, one leaf each.
+      taken = [np.asarray(jnp.take(a, jnp.asarray(rows), axis=0))
+               for a in self._arrays.values()]
+      where = {int(row): i for i, row in enumerate(rows)}
+      self._digest = digest_rows(
+          self._count, lambda row: [t[where[row]] for t in taken],
+          [f.dtype for f in self._format.values()])
+    return self._digest
 
   def init_random_data(self, **kwargs: Any) -> jax.Array:
     """A chain's PRNG key: keyword ``key`` (default ``PRNGKey(0)``)."""
@@ -293,6 +311,9 @@ class RandomPipeline(pl.RandomPipeline):
   def check_open(self) -> None:
     self._ref.check_open()
 
+  def data_digest(self) -> Optional[str]:
+    return _digest_of(self._ref.loader)
+
   def release_fn(self) -> None:
     """Drops the pipeline's reference to the loader."""
     self._ref.release()
@@ -343,5 +364,14 @@ class FullChunks:
   def check_open(self) -> None:
     self._ref.check_open()
 
+  def data_digest(self) -> Optional[str]:
+    """The loader's ``content_digest``, if it has one."""
+    return _digest_of(self._ref.loader)
+
   def release(self) -> None:
     self._ref.release()
+
+
+def _digest_of(loader: DataLoader) -> Optional[str]:
+  digest = getattr(loader, "content_digest", None)
+  return None if digest is None else digest()

@@ -272,6 +272,11 @@ class FullPipeline(pl.Pipeline):
     """The state of a new ordered chain (no keywords)."""
     return self._chunks.init(**kwargs)
 
+  def data_digest(self) -> Optional[str]:
+    if self.host is None:  # a device loader's passes
+      return self._chunks.data_digest()
+    return super().data_digest()
+
   def trace(self, fun: Callable, data_state: CacheState, carry: PyTree,
             masking: bool, information: bool = False, device_count: int = 1
             ) -> Traced:

@@ -88,9 +88,13 @@ class Pipeline(collections.abc.Sequence):
   def fingerprint(self) -> Dict[str, Any]:
     """What a checkpoint of this pipeline must match (see
     :func:`fingerprint`); the data's digest is computed on first use."""
-    if self._digest is None and self.host is not None:
-      self._digest = self.host.loader.content_digest()
+    if self._digest is None:
+      self._digest = self.data_digest()
     return fingerprint(self.kind, *self._shape, self._digest)
+
+  def data_digest(self) -> Optional[str]:
+    """The digest of the loader's data (``content_digest``), or None."""
+    return None if self.host is None else self.host.loader.content_digest()
 
   def saved_lanes(self, state: Any
                   ) -> Tuple[Tuple[int, ...], Dict[str, np.ndarray]]:
