@@ -85,6 +85,40 @@ def orbax_restore(argv):
   return 0
 
 
+def orbax_restore_global(argv):
+  """Another job, two devices per process: the chains that an Orbax step
+  (saved by the first job's processes, each its own) holds, restored into
+  a pipeline of global batches whose chain axis lies within each process
+  and batch axis across them; draws the global batches."""
+  count, out_path, directory = int(argv[4]), argv[5], argv[7]
+  jax, _, _ = join(argv)
+  import numpy as np
+  import orbax.checkpoint as ocp
+  from jax.experimental import multihost_utils
+  from jax.sharding import Mesh
+
+  import jax_data
+  # Axis 0 (chains): a process's two devices; axis 1 (rows): the processes.
+  devices = np.array(jax.devices()).reshape(-1, 2).T
+  grid = jax_data.random_reference_data(
+      jax_data.NumpyDataLoader(index=np.arange(count)), 3, 8,
+      mesh=Mesh(devices, ("chains", "rows")), batch_axis="rows",
+      chain_axis="chains")
+  with ocp.CheckpointManager(directory) as manager:
+    state = manager.restore(1, args=ocp.args.Composite(
+        data=jax_data.DataRestore(grid))).data
+  drawn = []
+  for _ in range(4):
+    state, batch = grid[1](state)
+    drawn.append(np.asarray(multihost_utils.process_allgather(
+        batch["index"], tiled=True)))
+  np.savez(out_path, drawn=np.stack(drawn))
+  grid[2]()
+  multihost_utils.sync_global_devices("drawn")
+  jax.distributed.shutdown()
+  return 0
+
+
 def pmap_chains(argv):
   """Another job, two devices per process: a chain per local device under
   pmap; the refresh's devices meet on their own process's host."""
@@ -350,6 +384,8 @@ if __name__ == "__main__":
   try:
     mode = sys.argv[6:7]
     status = (orbax_restore(sys.argv) if mode == ["orbax-restore"] else
+              orbax_restore_global(sys.argv)
+              if mode == ["orbax-restore-global"] else
               pmap_chains(sys.argv) if mode == ["pmap"] else
               global_batches(sys.argv) if mode == ["global"] else
               main(sys.argv))

@@ -277,9 +277,10 @@ def test_process_shard_defaults_to_this_single_process():
 
 def _restore_on_other_topologies(tmp_path, outs):
   """The Orbax step that the 2 workers saved (2 chains each) restores in
-  this one process (all 4 chains, in process order) and in a job of 4
-  processes of 2 CPU devices each (one chain each); every chain draws what
-  its worker drew after the save."""
+  this one process (all 4 chains, in process order), in a job of 4
+  processes of 2 CPU devices each (one chain each), and in a job of 2
+  such processes with global batches (all 4 chains in each); every chain
+  draws what its worker drew after the save."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   drawn = np.concatenate([o["orbax_drawn"] for o in outs], axis=1)
   pipeline = jax_data.random_reference_data(
@@ -304,6 +305,17 @@ def _restore_on_other_topologies(tmp_path, outs):
     out = dict(np.load(out))
     assert int(out["local_device_count"]) == 2, report
     np.testing.assert_array_equal(out["drawn"][:, 0], drawn[:, i],
+                                  err_msg=report)
+
+  # A pipeline of global batches (the same chains in every process, each
+  # batch's rows split over the processes) restores every saved chain
+  # whole in every process, not each process its own.
+  results, report = _run_workers(
+      tmp_path, N, extra=("orbax-restore-global", str(tmp_path / "orbax")),
+      name="restore-global", devices=2)
+  assert all(rc == 0 for rc, _, _ in results), report
+  for _, _, out in results:
+    np.testing.assert_array_equal(dict(np.load(out))["drawn"], drawn,
                                   err_msg=report)
 
 

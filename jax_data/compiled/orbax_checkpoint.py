@@ -33,7 +33,9 @@ writes asynchronously: the sampler may go on at once. Each process of a
 ``jax.distributed`` job writes the chains of its own states, in a file of
 its own, and reads them back; a job of another number of processes (one
 process, or more) restores each process's even share of all saved chains
-instead: a chain is its seed and position, never a process. A restore
+instead: a chain is its seed and position, never a process. A pipeline of
+global batches, whose state is the same chains in every process, restores
+all saved chains in every process. A restore
 checks what :func:`jax_data.restore_checkpoint` checks (the format
 version, the fingerprint of the data, the batch and cache sizes) and
 raises :class:`jax_data.CheckpointError` naming what
@@ -56,6 +58,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jax_data.compiled import checkpoint
+from jax_data.compiled import pipeline as pl
 from jax_data.errors import CheckpointError
 from jax_data.types import CacheState
 
@@ -105,7 +108,10 @@ class DataCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     chains. Saved by another number: each process restores its even share
     of all saved chains, in process order (or ``args.lanes`` of them); the
     global state of a pipeline with global batches (every process saved
-    the same chains) is restored whole in every process.
+    the same chains) is restored whole in every process. A pipeline with
+    global batches, whose state is the same chains in every process,
+    restores all saved chains (or ``args.lanes`` of them) in every
+    process.
 
     Raises:
       CheckpointError: no position was saved there, or the chains do not
@@ -124,13 +130,17 @@ class DataCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         saved.setdefault(int(match.group(2)), {})[int(match.group(1))] = path
     if not saved:
       raise CheckpointError(f"{directory} holds no jax_data data position")
-    if count in saved and index in saved[count]:
+    # A pipeline of global batches holds the same chains in every process.
+    whole = pl.of(args.pipeline).global_state
+    if count in saved and index in saved[count] and not whole:
       tree, lanes = _read(saved[count][index]), args.lanes
     else:
       if len(saved) > 1:
-        raise CheckpointError(
-            f"{directory} holds the positions of jobs of {sorted(saved)} "
-            "processes; restore it with one of these process counts")
+        if count not in saved:
+          raise CheckpointError(
+              f"{directory} holds the positions of jobs of {sorted(saved)} "
+              "processes; restore it with one of these process counts")
+        saved = {count: saved[count]}
       [(writers, paths)] = saved.items()
       if sorted(paths) != list(range(writers)):
         raise CheckpointError(
@@ -144,6 +154,8 @@ class DataCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         return checkpoint.state_from_pytree(args.pipeline, tree, lanes)
       tree = checkpoint.concatenate_trees(
           [tree] + [_read(paths[i]) for i in range(1, writers)])
+      if whole:  # every process's chains, in every process
+        return checkpoint.state_from_pytree(args.pipeline, tree, lanes)
       if lanes is None:
         total = len(json.loads(tree["host"].tobytes())["chains"])
         if total % count:
