@@ -338,8 +338,11 @@ class GlobalPipeline(pl.RandomPipeline):
           f"global pipeline {'with' if chained else 'without'} chain_axis: "
           "it restores " + (
               f"chains whose number the {self._axes.chain_devices} devices "
-              "of the chain axis divide" if chained else "one chain") +
-          "; pick them with lanes=[...]")
+              "of the chain axis divide" if chained else "one chain") + (
+                  "; pick them with lanes=[...]" if count >= (
+                      self._axes.chain_devices if chained else 1) else
+                  "; it holds fewer chains: restore it onto a mesh with "
+                  "fewer devices along the chain axis"))
     arrays = {name: value.reshape(lanes + value.shape[value.ndim - (
         1 if name == "key" else 0):]) for name, value in arrays.items()}
     registered: List[int] = []
