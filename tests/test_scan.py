@@ -1,6 +1,7 @@
 """jax_data.scan: the batches and states of a batch_fn loop, faster."""
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -173,6 +174,65 @@ def test_steps_that_close_over_per_chain_values_or_name_the_chain_axis(
       _step, 0, s, batch_fn=batch_fn, length=7))(s)[0][0] for s in states]
   _same(sums, np.full(chains, sum(int(e) for e in each)))
   _same(index, np.repeat(np.arange(chains)[:, None], 7, axis=1))
+
+
+def _reference(batch_fn, f, init, state, length):
+  """The loop jax_data.scan stands for: a lax.scan that calls batch_fn."""
+  def body(carry, _):
+    carry, state = carry
+    state, batch = batch_fn(state)
+    carry, y = f(carry, batch)
+    return (carry, state), y
+  return lax.scan(body, (init, state), None, length=length)
+
+
+def _summed(carry, batch):
+  total = lax.psum(jnp.sum(batch["x"]), "c")
+  return carry + total, total
+
+
+def test_steps_in_lockstep_over_chains_at_different_positions(pipeline):
+  """Chains at different positions reach chunk boundaries at different
+  steps. A step that adds up the chains (``lax.psum`` over the vmap's
+  axis) adds their batches of the same step, and a step with an
+  ``io_callback`` runs under vmap: both as in the loop of batch_fn."""
+  init_fn, batch_fn, _ = pipeline
+  stacked = init_fn(seed=range(3))
+  advance = jax.jit(jax.vmap(batch_fn))
+
+  def both(length):
+    return [jax.jit(jax.vmap(loop, axis_name="c")) for loop in (
+        lambda s: jax_data.scan(_summed, 0, s, batch_fn=batch_fn,
+                                length=length),
+        lambda s: _reference(batch_fn, _summed, 0, s, length))]
+
+  for skips in ([0, 1, 3], [2, 0, 4]):  # lanes' positions, by steps taken
+    states = stacked
+    for step in range(max(skips)):
+      ahead, _ = advance(states)
+      takes = np.asarray(skips) > step
+      states = jax.tree_util.tree_map(
+          lambda a, b, takes=takes: jnp.where(takes.reshape(
+              (-1,) + (1,) * (a.ndim - 1)), a, b), ahead, states)
+    for length in (4, 13):
+      scanned, looped = both(length)
+      _same(scanned(states), looped(states))
+
+  seen = []
+
+  def logged(c, b):
+    jax.experimental.io_callback(seen.append, None, jnp.sum(b["x"]),
+                                 ordered=False)
+    return c + jnp.sum(b["x"]), b["x"]
+
+  got = jax.jit(jax.vmap(lambda s: jax_data.scan(
+      logged, 0, s, batch_fn=batch_fn, length=7)))(stacked)
+  want = jax.jit(jax.vmap(lambda s: _reference(
+      batch_fn, logged, 0, s, 7)))(stacked)
+  _same(got, want)
+  # Each of the two loops logged every lane's 7 steps, the same sums.
+  logs = [int(v) for v in seen]
+  assert len(logs) == 42 and sorted(logs[:21]) == sorted(logs[21:])
 
 
 def test_differentiation_through_scan_as_documented(pipeline):

@@ -291,7 +291,9 @@ class GlobalPipeline(pl.RandomPipeline):
     return scan_lib.chunked_scan(
         f, init, state, xs, length, information, 1, fetch=fetch,
         refresh=refresh, observation_count=self._count,
-        mb_size=self._mb_size)
+        mb_size=self._mb_size, plain=lambda: super(
+            GlobalPipeline, self).scan_batches(f, init, state, xs, length,
+                                               information, device_count))
 
   def saved_lanes(self, state: Any
                   ) -> Tuple[Tuple[int, ...], Dict[str, np.ndarray]]:

@@ -39,7 +39,7 @@ def unbatched_at_one(fn: Callable[..., Any], *args: Any) -> Any:
   (1,)
   """
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-  if _names_axes([closed.jaxpr]):
+  if names_axes([closed.jaxpr]):
     return fn(*args)
   flat = jax.tree_util.tree_leaves(args)
   consts = list(closed.consts)
@@ -68,7 +68,7 @@ def unbatched_at_one(fn: Callable[..., Any], *args: Any) -> Any:
                                       outs)
 
 
-def _names_axes(jaxprs: Iterable[Any]) -> bool:
+def names_axes(jaxprs: Iterable[Any]) -> bool:
   """Whether an equation of ``jaxprs`` (or of the jaxprs inside them)
   names a mapped axis: a parameter ``axes`` or ``axis_name`` that holds
   something other than positional (int) axes."""
@@ -79,6 +79,6 @@ def _names_axes(jaxprs: Iterable[Any]) -> bool:
         values = value if isinstance(value, (tuple, list)) else (value,)
         if any(v is not None and not isinstance(v, int) for v in values):
           return True
-      if _names_axes(jex.jaxprs_in_params(eqn.params)):
+      if names_axes(jex.jaxprs_in_params(eqn.params)):
         return True
   return False

@@ -187,7 +187,9 @@ class RandomPipeline(pl.RandomPipeline):
         f, init, state, xs, length, information, device_count,
         fetch=functools.partial(self.fetch, device_count=device_count),
         refresh=functools.partial(self.refresh, device_count=device_count),
-        observation_count=self._count, mb_size=self._mb_size)
+        observation_count=self._count, mb_size=self._mb_size,
+        plain=lambda: super(RandomPipeline, self).scan_batches(
+            f, init, state, xs, length, information, device_count))
 
   def fetch(self, state: CacheState, chunk: jax.Array,
             device_count: int = 1):

@@ -24,6 +24,7 @@ from jax.custom_batching import custom_vmap
 
 from jax_data.compiled import pipeline as pl
 from jax_data.compiled import states
+from jax_data.compiled.one_lane import names_axes
 from jax_data.compiled.one_lane import unbatched_at_one
 from jax_data.compiled.pass_loop import varying_axes
 from jax_data.types import CacheState
@@ -94,6 +95,9 @@ def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
   runs, without the batch axis (:mod:`jax_data.compiled.one_lane`: XLA's
   CPU program for a vmap of one took 1.26x the chain's time alone), unless
   ``f`` names a mapped axis (``lax.psum`` over the vmap's ``axis_name``).
+  A step with a collective over a named axis, or an effect other than
+  ``jax.debug``'s, runs as that ``lax.scan`` over ``batch_fn``, every lane
+  at the same step (:func:`in_lockstep`).
 
   Raises:
     TypeError, ValueError: bad arguments, named with their values.
@@ -160,9 +164,21 @@ def _any_lane_rule(axis_size, in_batched, x):
   return (any_lane(jnp.any(x)) if in_batched[0] else x), False
 
 
+def in_lockstep(closed: Any) -> bool:
+  """Whether the steps of ``f`` (its ``closed`` jaxpr for one step) must run
+  in the same loop iterations for every lane, as in a ``lax.scan`` that
+  calls ``batch_fn``: a collective over a named axis (``lax.psum`` over a
+  vmap's ``axis_name``, or over devices) adds the lanes' values of one
+  step, and an effect other than ``jax.debug``'s (an ``io_callback``) JAX
+  refuses inside the ``lax.cond`` that a vmapped :func:`chunked_scan` runs
+  its steps in."""
+  return names_axes([closed.jaxpr]) or any(
+      type(effect).__name__ != "DebugEffect" for effect in closed.effects)
+
+
 def chunked_scan(f, init, state: CacheState, xs, length: int,
                  information: bool, device_count: int, *, fetch, refresh,
-                 observation_count: int, mb_size: int):
+                 observation_count: int, mb_size: int, plain):
   """The scan of :func:`scan` over a pipeline with a device cache.
 
   The steps fall in three parts: the rest of the chunk the state is inside
@@ -180,6 +196,13 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
     refresh: ``refresh(state) -> state`` whose cache holds
       ``state.chunk``.
     observation_count, mb_size: For ``MiniBatchInformation``.
+    plain: ``plain() -> ((carry, state), ys)``: the loop of a ``lax.scan``
+      that calls ``batch_fn``, for steps that run in lockstep
+      (:func:`in_lockstep`). The chunked loops split each lane's steps at
+      its own chunk boundaries, so lanes at different positions run
+      different steps in one iteration, and lanes with none left run
+      ``f`` on stale batches whose results are dropped: a step that adds
+      up the lanes got the sum of misaligned steps.
   """
   cache_size = jnp.shape(state.mask)[0]
 
@@ -197,7 +220,10 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
   x0 = jax.tree_util.tree_map(  # also for xs of no rows
       lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
       xs)
-  _, y_format = jax.eval_shape(f, init, item(batch0, mask0, x0))
+  closed, (_, y_format) = jax.make_jaxpr(f, return_shape=True)(
+      init, item(batch0, mask0, x0))
+  if in_lockstep(closed):
+    return plain()
   # Inside shard_map the outputs vary over the mesh axes the inputs vary
   # over: so must the buffer they are written into, a loop carry.
   axes = tuple(sorted(varying_axes((init, state, xs))))
