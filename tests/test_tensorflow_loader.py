@@ -908,3 +908,48 @@ def test_a_pipeline_empty_on_a_later_pass_says_so():
   with pytest.raises(RuntimeError, match="is empty on this pass: it yielded "
                      "no elements"):
     loader.get_batches(loader.register_random_pipeline(1, 4))
+
+
+@pytest.mark.parametrize("kind", ["random", "full"])
+def test_release_ends_a_request_that_reads_its_own_chunk(kind):
+  """A request reads the chunk that nothing produced ahead (the first)
+  itself; when the pipeline stalls on an element, release_fn from another
+  thread ends the request at once with PipelineReleasedError, as it ends
+  requests that wait for a chunk being produced."""
+  stalled, go_on = threading.Event(), threading.Event()
+
+  def slow(x):
+    if int(x) == 3:
+      stalled.set()
+      go_on.wait(30)
+    return x
+
+  data = tf.data.Dataset.from_tensor_slices({"x": np.arange(30)}).map(
+      lambda e: {"x": tf.ensure_shape(
+          tf.py_function(slow, [e["x"]], tf.int64), [])})
+  loader = TensorflowDataLoader(data, shuffle_cache=4)
+  if kind == "random":
+    init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+        loader, 1, 10)
+    request = lambda: jax.jit(batch_fn)(init_fn(seed=0))
+  else:
+    init_fn, map_fn, release_fn = jax_data.full_reference_data(loader, 1, 10)
+    request = lambda: map_fn(lambda b, c: (b["x"], c), init_fn(), None)
+  errors = []
+
+  def run():
+    try:
+      jax.block_until_ready(request())
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  try:
+    assert stalled.wait(30)
+    release_fn()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert errors and "released" in str(errors[0]), errors
+  finally:
+    go_on.set()  # the pipeline's read ends, in the reader's thread

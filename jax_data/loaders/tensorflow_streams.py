@@ -30,6 +30,7 @@ from jax_data.loaders.chains import Position
 from jax_data.loaders.chains import RandomChain
 from jax_data.loaders.tensorflow_rows import IteratorCloser
 from jax_data.loaders.tensorflow_rows import MemoryRows
+from jax_data.loaders.tensorflow_rows import Reader
 from jax_data.loaders.tensorflow_rows import Reading
 from jax_data.loaders.tensorflow_rows import Rows
 from jax_data.loaders.tensorflow_rows import in_order
@@ -105,6 +106,14 @@ class ShuffleCursor(ChainCursor):
 
   def close(self) -> None:
     self.trim()
+    reader = getattr(self._source, "reader", None)  # rows in memory: none
+    if reader is not None:
+      reader.close()
+
+  def cancel(self) -> None:
+    reader = getattr(self._source, "reader", None)
+    if reader is not None:
+      reader.cancel()
 
   def held_bytes(self) -> int:
     return self._source.held_bytes() + self._shuffle.held_bytes()
@@ -192,6 +201,7 @@ class OrderedPipelineCursor(_OrderedCursor):
     self._pass = data.concatenate(data.take(padding)) if padding else data
     self._iterator: Optional[Iterator] = None
     self._next_batch: Optional[int] = None  # where the iterator stands
+    self._reader = Reader()
 
   def trim(self) -> None:
     """Drops the pipeline iterator (in the background)."""
@@ -200,6 +210,10 @@ class OrderedPipelineCursor(_OrderedCursor):
 
   def close(self) -> None:
     self.trim()
+    self._reader.close()
+
+  def cancel(self) -> None:
+    self._reader.cancel()
 
   def _rows(self, batch: int, flat: np.ndarray, out: Rows) -> Rows:
     del flat, out  # a tf.data batch is fresh memory: served as it is
@@ -211,7 +225,7 @@ class OrderedPipelineCursor(_OrderedCursor):
           batch * self._layout.mb_size).batch(size, drop_remainder=True))
     # Until a draw succeeds the iterator's position is unknown.
     self._next_batch = None
-    rows = self._reading.next_rows(self._iterator, fresh)
+    rows = self._reading.next_rows(self._iterator, fresh, self._reader)
     self._next_batch = (batch + self._layout.cache_size
                         ) % self.batches_per_pass
     return rows
