@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import Mesh
 
 import jax_data
 from jax_data import DeviceNumpyDataLoader
@@ -218,14 +219,24 @@ class _Model:
     return -0.5 * (batch["x"] - self.w) ** 2, carry
 
 
-def test_values_a_function_reads_are_those_of_each_call():
+@pytest.mark.parametrize("split", [False, True],
+                         ids=["one_pass", "split_over_a_mesh"])
+def test_values_a_function_reads_are_those_of_each_call(split):
   """A function mapped again sees the values it reads now (globals,
   attributes, closures), not those of its first call, and a change of value
-  compiles nothing new."""
+  compiles nothing new; also in a pass split over a mesh
+  (test_global_passes.py)."""
   global _SCALE
   x = np.arange(10.0, dtype=np.float32)
   loader = jax_data.NumpyDataLoader(x=x)
-  mapper_fn, release_mapper = jax_data.full_data_mapper(loader, 2, 4)
+  if split:
+    if jax.device_count() < 4:  # a GPU machine: its one GPU
+      pytest.skip("needs 4 devices (conftest.py forces 4 CPU devices)")
+    mapper_fn, release_mapper = jax_data.full_data_mapper(
+        loader, 1, 2, mesh=Mesh(np.array(jax.devices()[:4]), ("data",)),
+        batch_axis="data")
+  else:
+    mapper_fn, release_mapper = jax_data.full_data_mapper(loader, 2, 4)
   init_fn, map_fn, release_full = jax_data.full_reference_data(loader, 2, 4)
   model = _Model(1.0)
   client = jax.devices()[0].client

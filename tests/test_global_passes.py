@@ -6,8 +6,6 @@ observation for observation (or batch for batch), and each observation is
 visited once over all devices. Several processes: tests/test_distributed.py.
 """
 
-import gc
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,52 +77,6 @@ def test_a_gradient_over_all_data_inside_jit():
   np.testing.assert_allclose(grad, np.sum(x.astype(np.float64) - 0.5),
                              rtol=1e-5)
   release_fn()
-
-
-_SCALE = jnp.float32(1.0)
-
-
-def _scaled_sum(batch, mask, carry):
-  return jnp.sum(jnp.where(mask, _SCALE * batch["x"], 0.0)), carry
-
-
-class _Model:
-
-  def __init__(self, w):
-    self.w = jnp.float32(w)
-
-  def loglik(self, batch, carry):
-    return -0.5 * (batch["x"] - self.w) ** 2, carry
-
-
-def test_values_a_function_reads_are_those_of_each_call():
-  """As without a mesh (test_full_access.py): a function mapped again
-  sees the values it reads now (globals, attributes, closures), not those
-  of its first call, and a change of value compiles nothing new."""
-  global _SCALE
-  x = np.arange(10.0, dtype=np.float32)
-  split_fn, release_fn = jax_data.full_data_mapper(
-      NumpyDataLoader(x=x), 1, 2, mesh=_mesh(), batch_axis="data")
-  model = _Model(1.0)
-  client = jax.devices()[0].client
-  executables = None
-  try:
-    for value in (1.0, 2.0, 3.5):
-      _SCALE, model.w = jnp.float32(value), jnp.float32(value)
-      sums, _ = split_fn(_scaled_sum, None, masking=True)
-      assert float(sums.sum()) == 45.0 * value
-      loglik, _ = split_fn(model.loglik, None)
-      np.testing.assert_allclose(loglik, -0.5 * (x - value) ** 2)
-      within = jax.jit(lambda w: split_fn(
-          lambda b, c: (b["x"] * w, c), None)[0])(jnp.float32(value))
-      np.testing.assert_allclose(within, x * value)
-      gc.collect()
-      if executables is None:
-        executables = len(client.live_executables())
-    assert len(client.live_executables()) == executables
-  finally:
-    _SCALE = jnp.float32(1.0)
-    release_fn()
 
 
 def test_the_split_covers_every_batch_once():

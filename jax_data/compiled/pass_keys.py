@@ -126,7 +126,7 @@ def rules(wrapped: Any, depth: int = 2 * _DEPTH) -> list:
     return rules(wrapped.func, depth - 1)
   if not isinstance(wrapped, types.FunctionType):
     return []
-  if not wrapped.__module__.startswith("jax._src.interpreters"):
+  if not (wrapped.__module__ or "").startswith("jax._src.interpreters"):
     return [value_key(wrapped)]
   found = []
   for cell in wrapped.__closure__ or ():
