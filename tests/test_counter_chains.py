@@ -432,6 +432,28 @@ def test_a_failing_record_fails_the_request_and_is_retried():
   release_fn()
 
 
+@pytest.mark.parametrize("mode", [{"shuffle": True},
+                                  {"shuffle": True, "in_epochs": True}])
+def test_an_exact_shuffle_larger_than_memory_is_refused_at_init(mode):
+  """An exact shuffled chain over 1e12 records would draw an 8 TB
+  permutation at its first batch: ``init_fn`` refuses it, naming the
+  stream and the count, and the counter-based stream of the same records
+  serves its exact batches."""
+  loader = jax_data.SourceDataLoader(_Virtual(10**12), workers=0)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      loader, 2, 3)
+  with pytest.raises(ValueError, match=r"stream='exact'.*1,000,000,000,000 "
+                     r"observations.*stream='counter'"):
+    init_fn(seed=4, stream="exact", **mode)
+  _, batch = jax.jit(batch_fn)(init_fn(seed=4, stream="counter", **mode))
+  expected = cs.stream_batches(4, 0, 1, 3, 10**12, True,
+                               mode.get("in_epochs", False))[0][0]
+  # int64 records arrive as JAX's int32 (x64 off): compare them so.
+  np.testing.assert_array_equal(np.asarray(batch["x"]),
+                                expected.astype(np.int32))
+  release_fn()
+
+
 def test_a_failing_record_is_named_by_its_chain_and_spares_the_others():
   """A record that only one chain of a group draws fails that chain's
   chunk alone: a request of all chains names that chain, and each other

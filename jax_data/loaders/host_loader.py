@@ -24,6 +24,7 @@ while compiled code waits.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from typing import Any
 from typing import Callable
@@ -225,6 +226,8 @@ class HostDataLoader(DataLoader):
     if in_epochs and not shuffle:
       raise ValueError("in_epochs=True needs shuffle=True, got shuffle=False")
     stream = _stream_kind(stream, observations, self.auto_counter_above)
+    if shuffle and stream == "exact":
+      _check_permutation_fits(observations.count)
     return RandomChain(
         None if seed is None else check_int(
             "seed", seed, minimum=0,
@@ -396,6 +399,23 @@ def _stream_kind(stream: Any, observations: ObservationRange,
     return ("counter" if auto_counter_above is not None
             and observations.count > auto_counter_above else "exact")
   return stream
+
+
+def _check_permutation_fits(count: int) -> None:
+  """Raises if a permutation of ``count`` observations (8 bytes each, what
+  an exact shuffled chain draws at its first batch) is larger than the
+  machine's memory, rather than failing at that batch."""
+  try:
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (AttributeError, OSError, ValueError):  # not a POSIX system
+    return
+  if 8 * count > memory > 0:
+    raise ValueError(
+        f"stream='exact' with shuffle=True draws a permutation of 8 bytes "
+        f"per observation, {8 * count / 2**30:,.0f} GiB for {count:,} "
+        f"observations, more than this machine's "
+        f"{memory / 2**30:,.1f} GiB of memory; stream='counter' shuffles "
+        "in O(1) memory")
 
 
 def chain_specs(loader: HostDataLoader, seeds: Sequence[Any],
