@@ -454,6 +454,28 @@ def test_an_exact_shuffle_larger_than_memory_is_refused_at_init(mode):
   release_fn()
 
 
+def test_a_chunk_counter_past_int32_says_it_wrapped():
+  """A chain at its last int32 chunk is served that chunk's exact batches;
+  the step past it wraps the counter, and the request says so rather than
+  blaming a hand-built state alone."""
+  n, cache, mb = 100, 2, 4
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      jax_data.NumpyDataLoader(x=np.arange(n)), cache, mb)
+  last = 2**31 - 1
+  state = init_fn(seed=5, stream="counter")._replace(
+      chunk=jnp.int32(last), position=jnp.int32(cache - 1))
+  step = jax.jit(batch_fn)
+  state, batch = step(state)
+  np.testing.assert_array_equal(
+      np.asarray(batch["x"]),
+      cs.stream_batches(5, last * cache + cache - 1, 1, mb, n, False,
+                        False)[0][0])
+  with pytest.raises(Exception, match=r"chunk=-2147483648 of chain .*"
+                     r"wrapped, past 2\*\*31 - 1 chunks"):
+    jax.block_until_ready(step(state))
+  release_fn()
+
+
 def test_a_failing_record_is_named_by_its_chain_and_spares_the_others():
   """A record that only one chain of a group draws fails that chain's
   chunk alone: a request of all chains names that chain, and each other

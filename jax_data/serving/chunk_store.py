@@ -263,7 +263,10 @@ class ChainStore:
       if index < 0:
         raise ValueError(
             f"chunk={index} of chain {chain} requested: a state's chunk "
-            "counter is never negative; was the state built by hand?")
+            "counter is an int32 that only grows, so it is negative only "
+            "in a state built by hand or once it has wrapped, past "
+            "2**31 - 1 chunks of cached_batches_count batches each; a "
+            "chain goes on past that from a new init_fn state")
       with self._lock:
         stored = not (in_place and record.regenerates
                       and index not in record.chunks)
