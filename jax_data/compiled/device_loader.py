@@ -110,10 +110,13 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
     check_keywords("a counter-based chain of DeviceNumpyDataLoader", kwargs,
                    ("seed", "shuffle", "in_epochs", "stream"))
     if kwargs.get("stream") != "counter":
+      given = ", ".join(f"{name}={value!r}"
+                        for name, value in sorted(kwargs.items()))
       raise ValueError(
           "DeviceNumpyDataLoader draws counter-based streams "
           "(init_fn(seed=..., shuffle=..., stream='counter')) or jax.random "
-          f"ones (init_fn(key=...)), got stream={kwargs.get('stream')!r}")
+          f"ones (init_fn(key=...)), got init_fn({given}); seed, shuffle "
+          "and in_epochs need stream='counter'")
     seed = check_int("seed", kwargs.get("seed", 0), minimum=0,
                      maximum=2**64 - 1)
     shuffle = check_bool("shuffle", kwargs.get("shuffle", False))

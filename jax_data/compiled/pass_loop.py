@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+from typing import Any
 from typing import Callable
 from typing import Optional
 from typing import Tuple
@@ -73,6 +74,19 @@ class PassPlan:
     self.full_chunks, self.tail = divmod(self.batches, self.cache_size)
     self.chunks = self.full_chunks + (1 if self.tail else 0)
 
+  def valid(self, chunk: jax.Array, shape: Tuple[int, ...]) -> Any:
+    """Which places of chunk ``chunk`` of a pass (a mask of ``shape``,
+    ``(cache_size, mb_size)``) hold observations: all but the fillers of
+    the pass's last batch. A loader's mask says the same; a loader written
+    the predecessor's way may return None for it, as the predecessor
+    masked by position."""
+    filled = self.count - (self.batches - 1) * self.mb_size
+    if filled == self.mb_size:
+      return True
+    batch = chunk * self.cache_size + jnp.arange(shape[0])[:, None]
+    return ~((batch == self.batches - 1)
+             & (jnp.arange(shape[1])[None, :] >= filled))
+
 
 def applier(fun: Callable, plan: PassPlan, masking: bool,
              information: bool) -> Callable:
@@ -112,9 +126,12 @@ def map_pass(fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]],
                 or not vmappable(map_chunk, carry, fetch_chunk)
                 else map_chunk)
 
-  def outer(carry, chunk):
+  def fetch(chunk):
     batches, mask = fetch_chunk(chunk)
-    return over_chunk(carry, batches, mask)
+    return batches, mask & plan.valid(chunk, mask.shape)
+
+  def outer(carry, chunk):
+    return over_chunk(carry, *fetch(chunk))
 
   carry, results = lax.scan(outer, carry,
                             jnp.arange(plan.full_chunks, dtype=jnp.int32))
@@ -125,7 +142,7 @@ def map_pass(fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]],
     # XLA may run this request before the loop's (it does not depend on
     # them); the host copes with any order.
     chunk = jnp.int32(plan.full_chunks)
-    batches, mask = fetch_chunk(chunk)
+    batches, mask = fetch(chunk)
     head = lambda x: x[:plan.tail]
     carry, tail = over_chunk(carry, jax.tree_util.tree_map(head, batches),
                              head(mask))

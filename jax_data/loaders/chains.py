@@ -34,6 +34,10 @@ from jax_data.validation import check_bool
 from jax_data.validation import check_int
 from jax_data.validation import check_keywords
 
+#: A loader's own keywords of a chain, beyond jax_data's: ``(name, value)``
+#: pairs sorted by name.
+Options = Tuple[Tuple[str, Any], ...]
+
 #: The kinds of index streams of a random chain.
 #: A random chain's index stream: the predecessor's exact streams
 #: (``spec/SAMPLING.md``) or counter-based ones (:mod:`jax_data.
@@ -74,6 +78,9 @@ class RandomChain:
       (:mod:`jax_data.streams.counter_streams`), O(1) in memory and in seeking.
     part: None: the chain's batches whole; else the part of each batch it
       keeps: it draws the whole chain's indices and reads only its rows.
+    options: The keywords a loader takes beyond jax_data's own (those its
+      ``random_keywords`` add), as ``(name, value)`` pairs sorted by name;
+      ``dict(spec.options)`` in its ``open_chain``.
   """
   seed: Optional[int]
   observations: ObservationRange
@@ -81,6 +88,7 @@ class RandomChain:
   in_epochs: bool = False
   stream: Stream = "exact"
   part: Optional[BatchPart] = None
+  options: Options = ()
 
 
 def batch_rows(spec: ChainSpec, mb_size: int) -> int:
@@ -100,9 +108,12 @@ class OrderedChain:
     batches: None: a pass is the batches the observations fill; else this
       many, the rest all masked (one device's share of a pass split over a
       mesh axis, :mod:`jax_data.compiled.global_passes`).
+    options: The keywords a loader takes beyond jax_data's own (those its
+      ``ordered_keywords`` add), as ``(name, value)`` pairs sorted by name.
   """
   observations: ObservationRange
   batches: Optional[int] = None
+  options: Options = ()
 
 
 ChainSpec = Union[RandomChain, OrderedChain]
@@ -115,6 +126,10 @@ def spec_to_json(spec: ChainSpec) -> Dict[str, Any]:
   for name in ("part", "batches"):  # the format of plain chains
     if name in fields and fields[name] is None:
       del fields[name]
+  if spec.options:
+    fields["options"] = dict(spec.options)
+  else:
+    del fields["options"]
   return {"kind": type(spec).__name__, **fields}
 
 
@@ -134,11 +149,16 @@ def spec_from_json(data: Mapping[str, Any]) -> ChainSpec:
             fields.pop("observations"), (0, 1, 0, 1)))
     check_int("shard_index", index, maximum=shards - 1)
     observations = ObservationRange(start, count, index, shards)
+    options = fields.pop("options", {})
+    if not isinstance(options, Mapping) or not all(
+        isinstance(name, str) for name in options):
+      raise ValueError(f"options must map names to values, got {options!r}")
+    options = tuple(sorted(options.items()))
     if kind is OrderedChain:
       check_keywords("an ordered chain's spec", fields, ("batches",))
       batches = fields.get("batches")
       return OrderedChain(observations, None if batches is None else
-                          check_int("batches", batches, minimum=1))
+                          check_int("batches", batches, minimum=1), options)
     check_keywords("a random chain's spec", fields,
                    ("seed", "shuffle", "in_epochs", "stream", "part"))
     shuffle = check_bool("shuffle", fields.get("shuffle", False))
@@ -156,7 +176,8 @@ def spec_from_json(data: Mapping[str, Any]) -> ChainSpec:
       part = BatchPart(check_int("part index", part["index"], minimum=0,
                                  maximum=count - 1), count)
     return RandomChain(check_int("seed", fields.get("seed"), minimum=0),
-                       observations, shuffle, in_epochs, stream, part)
+                       observations, shuffle, in_epochs, stream, part,
+                       options)
   except (KeyError, TypeError, ValueError) as e:
     raise ValueError(f"not a chain spec: {data!r} ({type(e).__name__}: {e})"
                      ) from e
@@ -326,6 +347,11 @@ def spanned(chunks: Sequence[Chunk]) -> Optional[Span]:
   return span
 
 
+class SeekRefused(ValueError):
+  """Raised by :meth:`ChainCursor.seek` of a cursor that cannot reach the
+  position, before it moved: it still stands where it stood."""
+
+
 class ChainCursor(abc.ABC):
   """A chain of a host loader, positioned before one of its chunks.
 
@@ -369,6 +395,7 @@ class ChainCursor(abc.ABC):
     Raises:
       ValueError: the position belongs to a chain of another kind or shape;
         the message says what differs.
+      SeekRefused: the cursor cannot go there, and did not move.
     """
 
   def close(self) -> None:  # noqa: B027 (optional, unlike the others)

@@ -112,6 +112,12 @@ class StoreLimits:
   page_locked: bool = True
 
 
+# The keywords of a chain that jax_data itself reads; a loader's others
+# travel in the spec's ``options``.
+_OWN_KEYWORDS = frozenset(("seed", "shuffle", "in_epochs", "shard_index",
+                           "shard_count", "stream"))
+
+
 class ChainNumbering:
   """Numbers a loader's chains, from 0, in the order they are added
   (thread-safe)."""
@@ -134,6 +140,11 @@ class ChainNumbering:
       self._count += 1
     return number, spec, cursor
 
+  @property
+  def count(self) -> int:
+    """How many chains were numbered."""
+    return self._count
+
 
 class HostDataLoader(DataLoader):
   """Data on the host, served to compiled code in chunks of batches.
@@ -147,7 +158,9 @@ class HostDataLoader(DataLoader):
 
   Subclasses implement ``static_information``, ``observation_format`` and
   :meth:`open_chain`, and set :attr:`random_keywords` to the options their
-  random chains take.
+  random chains take; those beyond jax_data's own reach ``open_chain`` in
+  the spec's ``options`` (and a loader written the predecessor's way as
+  ``register_random_pipeline`` keywords).
   """
 
   #: Keywords a random chain of this loader takes.
@@ -218,8 +231,10 @@ class HostDataLoader(DataLoader):
                    allowed)
     observations = self.observation_range(
         ordered, keywords.get("shard_index"), keywords.get("shard_count"))
+    options = tuple(sorted((name, value) for name, value in keywords.items()
+                           if name not in _OWN_KEYWORDS))
     if ordered:
-      return OrderedChain(observations)
+      return OrderedChain(observations, options=options)
     seed = keywords.get("seed")
     shuffle = check_bool("shuffle", keywords.get("shuffle", False))
     in_epochs = check_bool("in_epochs", keywords.get("in_epochs", False))
@@ -232,7 +247,7 @@ class HostDataLoader(DataLoader):
         None if seed is None else check_int(
             "seed", seed, minimum=0,
             maximum=None if stream == "exact" else 2**64 - 1),
-        observations, shuffle, in_epochs, stream)
+        observations, shuffle, in_epochs, stream, options=options)
 
   def observation_range(self, ordered: bool, shard_index: Any,
                         shard_count: Any) -> ObservationRange:
@@ -266,9 +281,10 @@ class HostDataLoader(DataLoader):
       ValueError: the batch size exceeds the chain's observations, or the
         loader cannot serve the spec.
     """
+    given = spec  # a loader of the predecessor's gets the seed given only
     return self.number_chain(
-        spec, layout, lambda number, spec: self._host_cursor(number, spec,
-                                                             layout))
+        spec, layout, lambda number, spec: self._host_cursor(
+            number, spec, layout, given))
 
   def number_chain(self, spec: ChainSpec, layout: ChunkLayout,
                    open_cursor: Callable[[int, ChainSpec], ChainCursor]
@@ -301,13 +317,23 @@ class HostDataLoader(DataLoader):
 
     return self._parts()[0].number(spec, checked_open)
 
-  def _host_cursor(self, number: int, spec: ChainSpec, layout: ChunkLayout
-                   ) -> ChainCursor:
+  def chains_numbered(self) -> int:
+    """How many chains this loader numbered, by pipelines' ``init_fn``
+    and by :meth:`register_random_pipeline` and
+    :meth:`register_ordered_pipeline`."""
+    return self._parts()[0].count
+
+  def _host_cursor(self, number: int, spec: ChainSpec, layout: ChunkLayout,
+                   given: ChainSpec) -> ChainCursor:
     cls = type(self)
     if cls.get_batches is HostDataLoader.get_batches:
       return self.open_chain(spec, layout)
     if cls.open_chain is HostDataLoader.open_chain:  # the predecessor's API
-      return LegacyCursor.registered(self, spec, layout)
+      # Registered with the keywords the user gave: its own default seed,
+      # as the predecessor registered it, where none was given.
+      return LegacyCursor.registered(
+          self, given, layout,
+          saves=cls.save_state is not HostDataLoader.save_state)
     # A subclass of a loader of ours that overrides get_batches: its chain
     # is one of the loader's own, under the same number.
     self._parts()[1].adopt(number, OwnChain(self.open_chain(spec, layout),

@@ -32,6 +32,7 @@ from jax_data.loaders.chains import Chunk
 from jax_data.loaders.chains import ChunkLayout
 from jax_data.loaders.chains import OrderedChain
 from jax_data.loaders.chains import Position
+from jax_data.loaders.chains import SeekRefused
 from jax_data.types import PyTree
 from jax_data.validation import check_int
 from jax_data.validation import check_saved_state
@@ -39,20 +40,26 @@ from jax_data.validation import check_sizes
 
 
 def _keywords(spec: ChainSpec, count: int) -> dict:
-  """The registration keywords that ask the loader for ``spec``."""
+  """The registration keywords that ask the loader for ``spec``: those
+  the user gave (no seed where none was), the loader's own options too."""
   observations = spec.observations
-  keywords = {}
+  keywords = dict(spec.options)
   if observations.count != count:  # a shard: find its index and count
-    keywords = {"shard_index": observations.shard_index,
-                "shard_count": observations.shard_count}
+    keywords.update(shard_index=observations.shard_index,
+                    shard_count=observations.shard_count)
   if isinstance(spec, OrderedChain):
     return keywords
-  keywords["seed"] = spec.seed
+  if spec.seed is not None:
+    keywords["seed"] = spec.seed
   if spec.shuffle:
     keywords["shuffle"] = True
   if spec.in_epochs:
     keywords["in_epochs"] = True
   return keywords
+
+
+# The key of a position that a loader without save_state cannot return to.
+_UNSAVED = "unsaved"
 
 
 class LegacyCursor(ChainCursor):
@@ -69,22 +76,24 @@ class LegacyCursor(ChainCursor):
   """
 
   def __init__(self, loader: Any, chain: int,
-               layout: ChunkLayout):
+               layout: ChunkLayout, saves: bool = True):
     self._loader = loader
     self._chain = chain
     self._layout = layout
+    self._saves = saves
 
   @classmethod
   def registered(cls, loader: Any, spec: ChainSpec,
-                 layout: ChunkLayout) -> "LegacyCursor":
+                 layout: ChunkLayout, saves: bool) -> "LegacyCursor":
     """Registers a chain for ``spec`` with the loader's own
-    ``register_*_pipeline`` and serves it."""
+    ``register_*_pipeline`` and serves it; ``saves``: the loader has its
+    own ``save_state`` (the predecessor's loaders need not)."""
     count = loader.observation_count
     register = (loader.register_ordered_pipeline
                 if isinstance(spec, OrderedChain)
                 else loader.register_random_pipeline)
     return cls(loader, register(layout.cache_size, layout.mb_size,
-                                **_keywords(spec, count)), layout)
+                                **_keywords(spec, count)), layout, saves)
 
   def produce(self, index: int, out: Chunk) -> Chunk:
     del out, index
@@ -120,9 +129,24 @@ class LegacyCursor(ChainCursor):
     return checked
 
   def position(self) -> Position:
-    return self._loader.save_state(self._chain)
+    """The loader's ``save_state``; where it has none, or it raises
+    ``NotImplementedError`` (the predecessor's loaders could), a position
+    that :meth:`seek` refuses, saying why: the chain serves its chunks in
+    order, and only going back needs it."""
+    if not self._saves:
+      return {_UNSAVED: f"{type(self._loader).__name__} has no save_state"}
+    try:
+      return self._loader.save_state(self._chain)
+    except NotImplementedError as e:
+      return {_UNSAVED: f"its save_state raised NotImplementedError({e})"}
 
   def seek(self, position: Position) -> None:
+    if isinstance(position, dict) and _UNSAVED in position:
+      raise SeekRefused(
+          f"chain {self._chain} of {self._loader!r} cannot go back to an "
+          f"earlier chunk: {position[_UNSAVED]}. A loader written the "
+          "predecessor's way needs save_state and load_state for a state "
+          "used twice, a replay (jax.checkpoint) and checkpoints")
     self._loader.load_state(self._chain, position)
 
   def close(self) -> None:
@@ -162,6 +186,10 @@ class LoaderSeam(Protocol):
                    ) -> Tuple[int, ChainSpec, ChainCursor]:
     """Numbers a chain and opens its cursor (``open_cursor(number,
     spec)``)."""
+
+  def chains_numbered(self) -> int:
+    """How many chains were numbered, by pipelines and by these
+    methods."""
 
 
 class PredecessorAdapter:
@@ -216,8 +244,17 @@ class PredecessorAdapter:
     with self._lock:
       chain = self._chains.get(chain_id)
       if chain is None:
-        state = ("was released" if chain_id in self._chains else
-                 f"does not exist ({len(self._chains)} chains registered)")
+        if chain_id in self._chains:
+          state = "was released"
+        elif chain_id < self._loader.chains_numbered():
+          state = (
+              "is a pipeline's chain (made by init_fn), whose position "
+              "lives in the pipeline's state: save that state "
+              "(jax_data.save_checkpoint or state_to_pytree) and draw "
+              "with batch_fn")
+        else:
+          state = (f"does not exist ({self._loader.chains_numbered()} "
+                   "chains numbered)")
         raise ValueError(f"chain_id={chain_id} of {self._loader!r} {state}")
     return chain
 

@@ -10,6 +10,7 @@ it on the host and serve it in chunks.
 from __future__ import annotations
 
 import abc
+import operator
 from typing import Any
 from typing import Dict
 from typing import Optional
@@ -24,7 +25,20 @@ from jax_data.validation import check_int
 
 
 class DataLoader(metaclass=abc.ABCMeta):
-  """Describes a dataset: its size and the format of one observation."""
+  """Describes a dataset: its size and the format of one observation.
+
+  A subclass written the predecessor's way names the format ``_format``:
+  ``observation_format`` is then that property.
+  """
+
+  def __init_subclass__(cls, **kwargs: Any):
+    super().__init_subclass__(**kwargs)
+    # Before ABCMeta counts the abstract methods, which it does after this.
+    if "_format" in cls.__dict__ and getattr(
+        cls.observation_format, "__isabstractmethod__", False):
+      cls.observation_format = property(  # type: ignore[method-assign]
+          lambda self: self._format,
+          doc="The predecessor's ``_format``.")
 
   @property
   @abc.abstractmethod
@@ -35,8 +49,17 @@ class DataLoader(metaclass=abc.ABCMeta):
   def observation_count(self) -> Optional[int]:
     """N, the number of observations (``static_information``'s); None
     where the loader does not know it (a ``tf.data`` pipeline of unknown
-    length)."""
-    return self.static_information["observation_count"]
+    length). An integer of any kind the loader states (NumPy's, a JAX
+    scalar as the predecessor's loaders gave) is a Python ``int`` here."""
+    count = self.static_information["observation_count"]
+    if count is None or type(count) is int:  # noqa: E721 (the fast path)
+      return count
+    try:
+      return operator.index(count)
+    except TypeError:
+      raise TypeError(
+          f"{type(self).__name__}.static_information['observation_count'] "
+          f"must be an integer or None, got {count!r}") from None
 
   @property
   @abc.abstractmethod

@@ -34,6 +34,7 @@ from jax_data.errors import HostLoaderError
 from jax_data.errors import PipelineReleasedError
 from jax_data.loaders.chains import Chunk
 from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.chains import SeekRefused
 from jax_data.loaders.chains import spanned
 from jax_data.loaders.gather import BufferPool
 from jax_data.loaders.host_loader import StoreLimits
@@ -290,8 +291,12 @@ class Producer:
             f"{self.name}, chain {record.number}: chunk {index} was "
             f"requested again after chunk {record.next_index - 1}; "
             f"replaying from chunk {base}", stacklevel=2)
-      record.next_index = None
-      cursor.seek(record.snapshots[base])
+      standing, record.next_index = record.next_index, None
+      try:
+        cursor.seek(record.snapshots[base])
+      except SeekRefused:  # it stands where it stood
+        record.next_index = standing
+        raise
       record.next_index = base
     while True:
       current = record.next_index

@@ -1,0 +1,206 @@
+"""Loaders written the predecessor's way (JaxSGMC's ``HostDataLoader``
+contract: ``_format``, ``register_*_pipeline``, ``get_batches`` returning a
+mask or None, optional ``save_state``/``load_state``) serve pipelines as
+they are."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_data
+from jax_data.loaders.chains import ObservationRange
+from jax_data.loaders.chains import OrderedChain
+from jax_data.loaders.chains import RandomChain
+from jax_data.loaders.chains import spec_from_json
+from jax_data.loaders.chains import spec_to_json
+
+N = 10
+
+
+class Predecessor(jax_data.HostDataLoader):
+  """Batches in order (random chains too), wrapping round with no padding
+  and a None mask; records the keywords of each registration."""
+
+  def __init__(self, count=N):
+    self._count = count
+    self.chains = []  # [cache_size, mb_size, keywords, position]
+
+  @property
+  def _format(self):
+    return {"base": jax.ShapeDtypeStruct((), jnp.int32)}
+
+  @property
+  def static_information(self):
+    return {"observation_count": self._count}
+
+  def register_random_pipeline(self, cache_size=1, mb_size=None, **kwargs):
+    self.chains.append([cache_size, mb_size, kwargs, 0])
+    return len(self.chains) - 1
+
+  register_ordered_pipeline = register_random_pipeline
+
+  def get_batches(self, chain_id):
+    cache, mb, keywords, position = self.chains[chain_id]
+    rows = (position + np.arange(cache * mb)) % N
+    self.chains[chain_id][3] = position + cache * mb
+    scale = 100 if keywords.get("augment") else 1
+    return {"base": (scale * rows).reshape(cache, mb).astype(np.int32)}, None
+
+
+class Saving(Predecessor):
+
+  def save_state(self, chain_id):
+    return {"position": self.chains[chain_id][3]}
+
+  def load_state(self, chain_id, data):
+    self.chains[chain_id][3] = data["position"]
+
+
+class Unsaving(Predecessor):
+  """As the predecessor's HDF5 loader: no checkpoints."""
+
+  def save_state(self, chain_id):
+    raise NotImplementedError("Saving of the DataLoader state is not "
+                              "supported.")
+
+  def load_state(self, chain_id, data):
+    raise NotImplementedError("Loading is not supported.")
+
+
+def test_the_predecessors_format_property_is_the_observation_format():
+  loader = Saving()
+  assert loader.observation_format == loader._format
+  assert isinstance(jax_data.NumpyDataLoader(x=np.arange(3)),
+                    jax_data.HostDataLoader)
+  with pytest.raises(TypeError, match="abstract"):
+    type("Formless", (jax_data.HostDataLoader,), {
+        "static_information": {"observation_count": 3}})()
+
+
+def test_registrations_get_the_keywords_given():
+  """No seed where none was given (the loader's own default, as the
+  predecessor registered it); a seed given and the loader's own declared
+  options reach it, and its batches."""
+
+  class WithOption(Saving):
+    random_keywords = jax_data.HostDataLoader.random_keywords + ("augment",)
+
+  loader = WithOption()
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 2,
+                                                                 3)
+  _, plain = batch_fn(init_fn())
+  _, augmented = batch_fn(init_fn(seed=7, augment=True))
+  assert [keywords for _, _, keywords, _ in loader.chains] == [
+      {}, {"augment": True, "seed": 7}]
+  np.testing.assert_array_equal(plain["base"], [0, 1, 2])
+  np.testing.assert_array_equal(augmented["base"], [0, 100, 200])
+  release_fn()
+
+
+def test_options_travel_in_the_spec_and_its_json():
+  """A loader's own keywords are in the spec its open_chain gets, and in
+  the spec a checkpoint writes; specs without them write as before."""
+  observations = ObservationRange(0, 5)
+  for spec in (RandomChain(3, observations, options=(("augment", True),)),
+               OrderedChain(observations, options=(("crop", 4),)),
+               RandomChain(3, observations)):
+    saved = spec_to_json(spec)
+    assert ("options" in saved) == bool(spec.options)
+    assert spec_from_json(saved) == spec
+  with pytest.raises(ValueError, match="options must map names"):
+    spec_from_json({**spec_to_json(RandomChain(3, observations)),
+                    "options": [1, 2]})
+
+
+@pytest.mark.parametrize("information", [False, True])
+def test_a_none_mask_of_an_ordered_chain_is_taken_by_position(information):
+  """The guide's masked sum of squares over a loader whose last batch wraps
+  round unpadded with a None mask: 285, as the predecessor masked by
+  position; a split into chunks with a partial last one too."""
+
+  def masked(batch, mask, carry):
+    return jnp.sum(mask * batch["base"]**2), carry
+
+  def informed(batch, mask, carry):
+    batch, info = batch
+    return jnp.sum(info.mask * batch["base"]**2), carry
+
+  fun = informed if information else masked
+  for cache, mb in ((3, 4), (2, 3), (1, 7)):
+    init_fn, map_fn, release_fn = jax_data.full_reference_data(
+        Saving(), cache, mb)
+    _, (sums, _) = map_fn(fun, init_fn(), None, masking=True,
+                          information=information)
+    assert int(jnp.sum(sums)) == 285, (cache, mb)
+    release_fn()
+  mapper_fn, release_fn = jax_data.full_data_mapper(Saving(), 3, 4)
+  sums, _ = mapper_fn(masked, None, masking=True)
+  assert int(jnp.sum(sums)) == 285
+  release_fn()
+
+
+@pytest.mark.parametrize("loader_class", [Predecessor, Unsaving])
+def test_a_loader_without_save_state_serves_in_order(loader_class):
+  """Random batches in order need no save_state; going back (a state used
+  again after the chain moved on) says what is missing, and the chain
+  still serves its next chunk."""
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      loader_class(), 2, 3, verify_calls=False)
+  step = jax.jit(batch_fn)
+  state = first = init_fn()
+  for k in range(40):  # past the chunks a chain keeps
+    state, batch = step(state)
+    assert np.asarray(batch["base"]).tolist() == [
+        (3 * k + i) % N for i in range(3)]
+  with pytest.raises(Exception, match="cannot go back to an earlier chunk"):
+    jax.block_until_ready(step(first))
+  _, batch = step(state)
+  assert np.asarray(batch["base"]).tolist() == [(120 + i) % N
+                                                for i in range(3)]
+  release_fn()
+
+
+def test_the_predecessors_methods_name_a_pipelines_chain():
+  """``save_state`` of a chain that a pipeline made says where its
+  position lives instead of that it does not exist."""
+  loader = jax_data.NumpyDataLoader(x=np.arange(N))
+  init_fn, _, release_fn = jax_data.random_reference_data(loader, 2, 3)
+  init_fn(seed=1)
+  with pytest.raises(ValueError, match="chain_id=0 .* is a pipeline's "
+                     "chain .*save_checkpoint"):
+    loader.save_state(0)
+  with pytest.raises(ValueError, match=r"chain_id=5 .* does not exist \(1 "
+                     "chains numbered\\)"):
+    loader.get_batches(5)
+  release_fn()
+
+
+@pytest.mark.parametrize("count", [np.int64(N), jnp.int32(N)])
+def test_an_observation_count_of_any_integer_kind_works(count):
+  """A count stated as a NumPy or JAX integer (the predecessor's TF loader
+  gave ``jnp.int32``) is a Python int, and full-data passes run; a count
+  that is no integer is named."""
+  loader = Saving(count)
+  assert type(loader.observation_count) is int
+  init_fn, map_fn, release_fn = jax_data.full_reference_data(loader, 2, 5)
+  _, (values, _) = map_fn(lambda batch, carry: (batch["base"], carry),
+                          init_fn(), None)
+  np.testing.assert_array_equal(values, np.arange(N))
+  release_fn()
+  with pytest.raises(TypeError, match=r"static_information\['observation_"
+                     r"count'\] must be an integer or None, got 2.5"):
+    Saving(2.5).observation_count  # noqa: B018 (the property raises)
+
+
+def test_the_guides_full_pass_over_a_predecessor_loader():
+  """``full_data_mapper`` of a function of two arguments over the
+  predecessor-style loader gives one result per observation."""
+  mapper_fn, release_fn = jax_data.full_data_mapper(Saving(), 2, 4)
+  squares, _ = mapper_fn(
+      functools.partial(lambda p, batch, carry: (batch["base"]**p, carry), 2),
+      None)
+  np.testing.assert_array_equal(squares, np.arange(N)**2)
+  release_fn()
