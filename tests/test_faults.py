@@ -20,17 +20,21 @@ from jax_data import NumpyDataLoader
 
 
 class FlakyLoader(NumpyDataLoader):
-  """Fails on the ``fail_at``-th chunk of chain ``fail_chain``."""
+  """Fails on the ``fail_at``-th chunk of chain ``fail_chain`` (counting
+  every call, a chunk tried again too), and with ``persistent`` on every
+  one after."""
 
-  def __init__(self, fail_chain, fail_at, **arrays):
+  def __init__(self, fail_chain, fail_at, persistent=False, **arrays):
     super().__init__(**arrays)
     self.fail_chain, self.fail_at = fail_chain, fail_at
+    self.persistent = persistent
     self.served = {}
 
   def get_batches(self, chain_id):
     count = self.served.get(chain_id, 0)
     self.served[chain_id] = count + 1
-    if chain_id == self.fail_chain and count == self.fail_at:
+    if chain_id == self.fail_chain and (
+        count == self.fail_at or self.persistent and count > self.fail_at):
       raise RuntimeError("disk read failed")
     return super().get_batches(chain_id)
 
@@ -40,8 +44,42 @@ def _scan(batch_fn, steps):
                                     length=steps))
 
 
+class DownLoader(NumpyDataLoader):
+  """Fails every chunk while ``down`` is set."""
+
+  down = True
+
+  def get_batches(self, chain_id):
+    if self.down:
+      raise OSError("transient disk error")
+    return super().get_batches(chain_id)
+
+
+def test_chunks_that_failed_ahead_are_tried_again_when_asked_for(pipelines):
+  """Chunks produced ahead while the loader was failing, before anyone
+  asked for them, are produced again when asked for once it recovered:
+  every later step gets its exact batch, and none raises a stale error."""
+  loader = DownLoader(x=np.arange(40))
+  pipeline = pipelines.random_reference_data(loader, 2, 4)
+  init_fn, batch_fn, _ = pipeline
+  step = jax.jit(batch_fn)
+  state = init_fn(seed=0)
+  with pytest.raises(Exception, match="chunk 0: OSError: transient"):
+    jax.block_until_ready(step(state))
+  assert pipeline.host.wait_idle()  # the chunks ahead failed too
+  loader.down = False
+  init_plain, batch_plain, _ = pipelines.random_reference_data(
+      NumpyDataLoader(x=np.arange(40)), 2, 4)
+  plain = init_plain(seed=0)
+  for k in range(8):
+    state, batch = step(state)
+    plain, expected = batch_plain(plain)
+    np.testing.assert_array_equal(batch["x"], expected["x"], err_msg=str(k))
+
+
 def test_failure_names_loader_chain_and_error_and_other_chains_work(pipelines):
-  loader = FlakyLoader(fail_chain=1, fail_at=2, x=np.arange(20))
+  loader = FlakyLoader(fail_chain=1, fail_at=2, persistent=True,
+                       x=np.arange(20))
   init_fn, batch_fn, _ = pipelines.random_reference_data(loader, 2, 3)
   healthy, failing = init_fn(seed=0), init_fn(seed=1)
   run = _scan(batch_fn, 10)
@@ -54,6 +92,7 @@ def test_failure_names_loader_chain_and_error_and_other_chains_work(pipelines):
   # recovers (a later request tries again).
   _, batches = run(healthy)
   assert batches["x"].shape == (10, 3)
+  loader.fail_chain = None
   _, again = run(failing)
   assert again["x"].shape == (10, 3)
 
@@ -129,7 +168,8 @@ _FOUR_DEVICES = textwrap.dedent("""
     import jax_data
     from tests.test_faults import FlakyLoader
 
-    loader = FlakyLoader(fail_chain=2, fail_at=1, x=np.arange(50.0))
+    loader = FlakyLoader(fail_chain=2, fail_at=1, persistent=True,
+                         x=np.arange(50.0))
     init_fn, batch_fn, _ = jax_data.random_reference_data(
         loader, 2, 3, callback=CALLBACK)
     states = jax.tree_util.tree_map(lambda *x: jnp.stack(x),
@@ -261,7 +301,8 @@ _EXIT_IN_FLIGHT = textwrap.dedent("""
     import jax_data
     from tests.test_faults import FlakyLoader
 
-    loader = FlakyLoader(fail_chain=0, fail_at=1, x=np.arange(1000.0))
+    loader = FlakyLoader(fail_chain=0, fail_at=1, persistent=True,
+                         x=np.arange(1000.0))
     init_fn, batch_fn, release_fn = jax_data.random_reference_data(
         loader, 2, 8, callback=CALLBACK)
     stack = lambda states: jax.tree_util.tree_map(

@@ -197,10 +197,16 @@ class Shelf:
   def claim(self, record: ChainRecord, index: int, device_count: int
             ) -> Tuple[concurrent.futures.Future, bool]:
     """The future of chunk ``index`` for a request, and whether the caller
-    must produce it (it was not stored)."""
+    must produce it (it was not stored, or failed before any request)."""
     record.devices = max(record.devices, device_count)
     record.requested = index
     entry = record.chunks.get(index)
+    if (entry is not None and entry.pending is None and entry.future.done()
+        and entry.future.exception() is not None):
+      # Failed while produced ahead, before any request: asked for now,
+      # it is tried again (the loader may have recovered since).
+      self.drop(record, index)
+      entry = None
     if entry is not None:
       entry.pending = (device_count if entry.pending is None
                        else entry.pending) - 1
