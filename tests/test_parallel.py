@@ -2,6 +2,7 @@
 
 import re
 import threading
+import time
 import warnings
 
 import jax
@@ -322,7 +323,8 @@ def test_devices_that_do_not_meet_stop_waiting_with_a_warning(pipelines):
       NumpyDataLoader(x=np.arange(N)), CACHE, MB)
   init_fn, _, _ = pipeline
   host = pipeline.host
-  host.rendezvous = Rendezvous(host.name, timeout=0.2)
+  host.rendezvous = Rendezvous(host.name, host.loader.chains_numbered,
+                               timeout=0.2)
   chain = init_fn().chain
   args = (np.array([pipeline.id]), np.array([chain]), np.array([0]),
           np.array([True]))
@@ -390,7 +392,8 @@ def test_requests_for_different_chunks_stop_the_rendezvous_at_once(
       NumpyDataLoader(x=np.arange(N)), CACHE, MB)
   init_fn, batch_fn, _ = pipeline
   host = pipeline.host
-  host.rendezvous = Rendezvous(host.name, timeout=20)
+  host.rendezvous = Rendezvous(host.name, host.loader.chains_numbered,
+                               timeout=20)
   chains = [int(init_fn(seed=s).chain) for s in range(2)]
   served = {}
 
@@ -414,6 +417,73 @@ def test_requests_for_different_chunks_stop_the_rendezvous_at_once(
     np.testing.assert_array_equal(
         served[device][0][0],
         np.asarray(host.chunk(chains[device], device).leaves[0]))
+
+
+def _meet_in_threads(rendezvous, requests, participants=None):
+  """Each ``(chains, delay, error)``: a request, one of ``participants``
+  (default: all these), that comes for chunk 0 of ``chains``, produces for
+  ``delay`` seconds, fails with ``error`` (or not) and meets; what each
+  meet returned, and its seconds."""
+  results = [None] * len(requests)
+
+  def request(i, chains, delay, error):
+    ticket = rendezvous.come(0, participants or len(requests), chains)
+    start = time.monotonic()
+    time.sleep(delay)
+    results[i] = (rendezvous.meet(ticket, error), time.monotonic() - start)
+
+  threads = [threading.Thread(target=request, args=(i, *r))
+             for i, r in enumerate(requests)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(30)
+  return results
+
+
+def test_a_stopped_rendezvous_protects_chains_made_later():
+  """After devices stopped waiting for each other (a timeout), requests of
+  the chains made until then go through at once, and chains made later
+  meet again: one device's failure reaches the other (which would
+  otherwise wait in a collective, and XLA abort the process)."""
+  numbered = [2]
+  rendezvous = Rendezvous("L", lambda: numbered[0], timeout=0.2)
+  with pytest.warns(UserWarning, match="1 of the 2 devices .* chunk 0 "
+                    "within 0.2 s.* chains made from now on: they wait"):
+    alone = rendezvous.meet(rendezvous.come(0, 2, [0]), None)
+  assert alone is None
+  assert rendezvous.come(0, 2, [1]) is None  # made before the stop
+  numbered[0] = 4
+  failure = OSError("chain 2's disk")
+  results = _meet_in_threads(rendezvous, [([2], 0.0, failure),
+                                          ([3], 0.0, None)])
+  assert [error for error, _ in results] == [failure, failure]
+
+
+def test_devices_wait_for_a_slow_chunk_once_all_came():
+  """A chunk that takes longer than the timeout to produce on one device
+  is waited for once every device came: no stop, no warning, and its
+  failure reaches the others."""
+  rendezvous = Rendezvous("L", lambda: 2, timeout=0.2)
+  failure = OSError("slow and failing")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    results = _meet_in_threads(rendezvous, [([0], 0.8, failure),
+                                            ([1], 0.0, None)])
+  assert [error for error, _ in results] == [failure, failure]
+  assert results[1][1] >= 0.7  # it waited for the slow one
+
+
+def test_release_wakes_devices_waiting_for_each_other():
+  """A request waiting for a device that has not come gets the release's
+  error at once, not after the timeout; later ones do not wait."""
+  rendezvous = Rendezvous("L", lambda: 2, timeout=20)
+  released = RuntimeError("released")
+  threading.Timer(0.3, rendezvous.release, args=(released,)).start()
+  (error, seconds), = _meet_in_threads(rendezvous, [([0], 0.0, None)],
+                                       participants=2)
+  assert error is released and seconds < 10
+  assert rendezvous.come(0, 2, [1]) is None
 
 
 @NEEDS_FOUR

@@ -178,7 +178,12 @@ class Host:
     self.requests += 1
     store = self._parts.store()
     store.note_lanes(sum(need))
-    lanes, error = [], None
+    lanes, error, ticket = [], None, None
+    if participants > 1 and any(need):
+      # Announced before producing: the others wait however long it takes.
+      ticket = self.rendezvous.come(
+          min(c for c, wanted in zip(chunks, need) if wanted), participants,
+          [chain for chain, wanted in zip(chains, need) if wanted])
     try:
       for pipeline, wanted in zip(pipelines, need):
         if wanted and pipeline != self.id:
@@ -207,12 +212,14 @@ class Host:
         check()
     except Exception as e:  # pylint: disable=broad-except
       error = e
+    except BaseException:
+      if ticket is not None:
+        self.rendezvous.withdraw(ticket)
+      raise
     if defer is None:  # else the caller trims after its copy
       store.trim_later()
-    if participants > 1 and any(need):
-      error = self.rendezvous.meet(
-          min(c for c, wanted in zip(chunks, need) if wanted), participants,
-          error)
+    if ticket is not None:
+      error = self.rendezvous.meet(ticket, error)
     if error is not None:
       raise error
     return lanes
@@ -313,9 +320,13 @@ class Host:
     prefetch thread; idempotent, and it does not wait for a chunk being
     produced. Requests still waiting for a chunk get
     :class:`PipelineReleasedError` at once."""
-    self._parts.release(PipelineReleasedError(
+    error = PipelineReleasedError(
         f"this pipeline over {self.name} was released by its release_fn "
-        "while compiled code waited for a chunk"))
+        "while compiled code waited for a chunk")
+    self._parts.release(error)
+    rendezvous = self._parts.made_rendezvous
+    if rendezvous is not None:  # devices waiting for each other
+      rendezvous.release(error)
     self._copier.close()
     self._zeros = None
 
@@ -389,7 +400,8 @@ class _Parts:
     if rendezvous is None:
       with self._lock:
         if self.made_rendezvous is None:
-          self.made_rendezvous = Rendezvous(self._name)
+          self.made_rendezvous = Rendezvous(
+              self._name, self.loader.chains_numbered)
         rendezvous = self.made_rendezvous
     return rendezvous
 

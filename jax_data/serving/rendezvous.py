@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import warnings
+from typing import Callable
 from typing import Dict
 from typing import Optional
+from typing import Sequence
 from typing import Tuple
 
 # Seconds the devices of one refresh wait for each other.
@@ -20,8 +23,11 @@ ROUND_TIMEOUT = 10.0
 @dataclasses.dataclass
 class _Round:
   """The requests of one refresh made by several devices."""
+  index: int  # the chunk they ask for
   expected: int
-  arrived: int = 0
+  came: int = 0  # requests that announced themselves (producing, or here)
+  arrived: int = 0  # of them, those done producing and waiting here
+  chains: set = dataclasses.field(default_factory=set)
   error: Optional[BaseException] = None
   done: bool = False
 
@@ -31,47 +37,59 @@ class Rendezvous:
 
   The devices of one ``pmap`` or ``shard_map`` run the same steps, each
   making one request at a time, so with states at the same chunk and
-  position they ask for the same chunk together. Two requests waiting here
-  for different chunks mean their states are at different positions (they
-  refresh at different steps and can never meet): the rendezvous then stops
-  at once, serves every device its own chunk, and warns naming the chunks.
-  If the devices do not all come within ``timeout`` seconds, while no other
-  chunk is asked for (the others refresh at other steps, past a collective
-  that waits for this one), it stops the same way. Stopped, it lets every
-  request through without waiting, for good.
+  position they ask for the same chunk together. A request announces
+  itself (:meth:`come`) before it produces its chunks and waits for the
+  others (:meth:`meet`) after; once every device has come, they wait for
+  each other however long the slowest one's chunk takes.
+
+  Two requests here for different chunks mean their states are at
+  different positions (they refresh at different steps and can never
+  meet): the rendezvous then stops waiting for those chains at once,
+  serves every device its own chunk, and warns naming the chunks. If the
+  devices do not all come within ``timeout`` seconds, while no other chunk
+  is asked for (the others refresh at other steps, past a collective that
+  waits for this one), it stops the same way for the chains that came.
+  Requests of the chains numbered by then go through without waiting;
+  chains made later (``init_fn``, a restore) wait again. Released
+  (:meth:`release`), it wakes every waiting request with the release's
+  error.
 
   Args:
     name: Named in the warning (the loader's repr).
-    timeout: Seconds to wait for the other devices.
+    numbered: How many chains the loader has numbered (the next chain's
+      number).
+    timeout: Seconds to wait for the other devices to come.
   """
 
-  def __init__(self, name: str, timeout: float = ROUND_TIMEOUT):
+  def __init__(self, name: str, numbered: Callable[[], int],
+               timeout: float = ROUND_TIMEOUT):
     self._name = name
+    self._numbered = numbered
     self._timeout = timeout
     self._rounds: Dict[Tuple[int, int], _Round] = {}
     self._changed = threading.Condition()
-    self._enabled = True
+    self._waits_from = 0  # chains numbered below do not wait
+    self._released: Optional[BaseException] = None
 
-  def meet(self, index: int, participants: int,
-           error: Optional[BaseException]) -> Optional[BaseException]:
-    """Waits for the other ``participants - 1`` requests for chunk
-    ``index``; returns the failure of any of them (or ``error``)."""
+  def come(self, index: int, participants: int, chains: Sequence[int]
+           ) -> Optional[_Round]:
+    """Announces a request for chunk ``index`` of ``chains``, one of
+    ``participants``, before it produces the chunks; its round, to
+    :meth:`meet` after (also if producing failed), or None if it is not
+    to wait (its chains were stopped, or the rendezvous released)."""
     with self._changed:
-      if not self._enabled:
-        return error
+      if self._released is not None or min(chains) < self._waits_from:
+        return None
       key = (index, participants)
-      current = self._rounds.setdefault(key, _Round(participants))
-      current.arrived += 1
-      current.error = current.error or error
-      if current.arrived >= current.expected:
-        current.done = True
-        del self._rounds[key]
-        self._changed.notify_all()
-        return current.error
-      apart = sorted((i, r.arrived) for (i, p), r in self._rounds.items()
+      current = self._rounds.setdefault(key, _Round(index, participants))
+      current.came += 1
+      current.chains.update(chains)
+      self._changed.notify_all()  # a waiter may stop timing now
+      apart = sorted((i, r.came) for (i, p), r in self._rounds.items()
                      if p == participants)
       if len(apart) > 1:
         self._stop(
+            [r for (_, p), r in self._rounds.items() if p == participants],
             f"the {participants} devices of one pmap/shard_map asked for "
             "different chunks at once: "
             + ", ".join(f"chunk {i} by {n} device{'s' * (n > 1)}"
@@ -80,35 +98,90 @@ class Rendezvous:
             "chains that took different numbers of steps, or one device's "
             "state advanced alone), so they refresh apart and cannot wait "
             "for each other.")
+        return None
+      return current
+
+  def meet(self, current: Optional[_Round], error: Optional[BaseException]
+           ) -> Optional[BaseException]:
+    """Waits, after producing, for the other requests of the round of
+    :meth:`come` (None: no waiting); returns the failure of any of them
+    (or ``error``), or the release's error if released meanwhile."""
+    if current is None:
+      return error
+    with self._changed:
+      if current.done:  # stopped meanwhile
+        return self._released or error
+      current.arrived += 1
+      current.error = current.error or error
+      if current.arrived >= current.expected:
+        self._finish(current)
         return current.error
+      deadline = time.monotonic() + self._timeout
       try:
-        met = self._changed.wait_for(lambda: current.done, self._timeout)
+        while not current.done:
+          if current.came >= current.expected:
+            self._changed.wait()  # all came: the others are producing
+            continue
+          left = deadline - time.monotonic()
+          if left <= 0:
+            self._stop(
+                [current],
+                f"{current.came} of the {current.expected} devices of one "
+                f"pmap/shard_map asked for chunk {current.index} within "
+                f"{self._timeout:g} s, and the others for no chunk: their "
+                "states are at other positions (they refresh their caches "
+                "at other steps, and may wait in a collective for this "
+                "one), or they are held up elsewhere.")
+            break
+          self._changed.wait(left)
       except BaseException:
         current.arrived -= 1  # interrupted: it no longer waits
-        if not current.arrived and self._rounds.get(key) is current:
-          del self._rounds[key]
+        current.came -= 1
+        if not current.came:
+          self._finish(current)
         raise
-      if not met:
-        self._stop(
-            f"{current.arrived} of the {participants} devices of one "
-            f"pmap/shard_map asked for chunk {index} within "
-            f"{self._timeout:g} s, and the others for no chunk: their "
-            "states are at other positions (they refresh their caches at "
-            "other steps, and may wait in a collective for this one), or "
-            "they are held up elsewhere.")
-      return current.error
+      return self._released or current.error
 
-  def _stop(self, what: str) -> None:
-    """Stops waiting for good: releases every waiting request and warns
-    once (called holding the lock)."""
-    self._enabled = False
-    for waiting in self._rounds.values():
-      waiting.done = True
-    self._rounds.clear()
+  def withdraw(self, current: Optional[_Round]) -> None:
+    """Takes back a :meth:`come` whose request ends without :meth:`meet`
+    (interrupted while producing): the others do not wait for it."""
+    if current is None:
+      return
+    with self._changed:
+      if not current.done:
+        current.came -= 1
+        current.expected -= 1
+        if current.arrived >= current.expected:
+          self._finish(current)
+
+  def release(self, error: BaseException) -> None:
+    """Wakes every waiting request, which gets ``error``; later requests
+    do not wait."""
+    with self._changed:
+      self._released = error
+      for waiting in list(self._rounds.values()):
+        self._finish(waiting)
+
+  def _finish(self, current: _Round) -> None:
+    """Ends a round: its requests stop waiting (holding the lock)."""
+    current.done = True
+    for key, other in list(self._rounds.items()):
+      if other is current:
+        del self._rounds[key]
     self._changed.notify_all()
+
+  def _stop(self, rounds: Sequence[_Round], what: str) -> None:
+    """Stops waiting for the chains numbered so far: releases the waiting
+    requests of ``rounds`` and warns (holding the lock)."""
+    self._waits_from = max(self._waits_from, self._numbered(),
+                           1 + max(max(r.chains) for r in rounds))
+    for waiting in rounds:
+      self._finish(waiting)
     warnings.warn(
-        f"{self._name}: {what} Each device gets its own chunk, but devices "
-        "no longer wait for each other, so a loader failure on one device "
-        "may leave the others waiting in a collective. To keep that "
-        "protection, give every device a state at the same chunk and "
-        "position (init_fn's states, stepped together).", stacklevel=4)
+        f"{self._name}: {what} Each device gets its own chunk, but the "
+        "devices of the chains made so far no longer wait for each other, "
+        "so a loader failure on one device may leave the others waiting in "
+        "a collective. To keep that protection, give every device a state "
+        "at the same chunk and position (init_fn's states, stepped "
+        "together) of chains made from now on: they wait again.",
+        stacklevel=4)
