@@ -67,6 +67,19 @@ def test_large_domains_on_the_host():
     assert len(np.unique(drawn)) > 9_990  # collisions are rare at this n
 
 
+def test_domains_just_above_a_power_of_two_hold_every_index():
+  """The bijection's domain is the power of two at or above n, computed in
+  integers: for n just above 2**49 .. 2**60, where a float log2 rounds
+  down, the last indices are in range (they cycle-walked forever)."""
+  for n in (2**49 + 1, 2**50 + 1, 2**50 + 2, 2**53 + 1, 2**60 + 1,
+            2**60 + 2_900, 5, 2**32, 2**32 + 1):
+    assert 2**cs.domain_bits(n) >= n > 2**(cs.domain_bits(n) - 1) or n < 5
+    offsets = np.arange(n - 3, n)
+    perm = cs.permute(4, 1, offsets, n)
+    assert perm.min() >= 0 and perm.max() < n
+    assert len(np.unique(perm)) == 3
+
+
 @pytest.mark.parametrize("epochs", [1, 2, 8, 9, 40])
 def test_an_epoch_per_offset_permutes_as_each_epoch_alone(epochs):
   """The host permutes a chunk epoch by epoch with keys hashed in Python

@@ -53,7 +53,9 @@ TAG_UNIFORM_HI = 0x13198A2E
 def domain_bits(n: int) -> int:
   """``b``: the bits of the bijection's domain ``[0, 2**b)``, the smallest
   power of two at or above ``n``, and at least 4 elements."""
-  return max(2, math.ceil(math.log2(n)) if n > 1 else 0)
+  # Integer arithmetic: float log2 rounds n = 2**50 + 1 (and many above
+  # 2**49) down to a whole number, a domain too small for n.
+  return max(2, (n - 1).bit_length())
 
 
 def _words(value: int) -> Tuple[int, int]:
