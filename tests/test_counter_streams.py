@@ -421,6 +421,24 @@ def test_the_device_loader_draws_the_host_loaders_stream(mode, tmp_path):
     init_fn(seed=5, shuffle=True)
 
 
+def test_device_chains_without_a_seed_are_numbered_as_host_chains():
+  """Counter-based device chains made without a seed take 0, 1, 2, ...
+  in the order they are made, as a host loader's chains take their
+  number: two such chains draw different streams (they drew the same,
+  perfectly correlated), each its host counterpart's."""
+  x = np.arange(1000)
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      jax_data.DeviceNumpyDataLoader(x=x), 2, 8)
+  host_init, host_batch, _ = jax_data.random_reference_data(
+      jax_data.NumpyDataLoader(x=x), 2, 8)
+  mode = dict(shuffle=True, stream="counter")
+  drawn = [np.asarray(jax.jit(batch_fn)(init_fn(**mode))[1]["x"])
+           for _ in range(2)]
+  assert not np.array_equal(drawn[0], drawn[1])
+  for got in drawn:
+    np.testing.assert_array_equal(got, host_batch(host_init(**mode))[1]["x"])
+
+
 @pytest.mark.parametrize("mode", [{}, {"shuffle": True, "in_epochs": True}])
 def test_a_sequence_of_seeds_on_the_device_draws_the_host_loaders_chains(
     mode):

@@ -8,6 +8,7 @@ so its pipelines make no host calls: random batches are drawn with
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 from typing import Callable
 from typing import Dict
@@ -60,6 +61,9 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
   """
 
   def __init__(self, copy: bool = True, **reference_data: Any):
+    # The default seeds of counter-based chains: 0, 1, 2, ... in the order
+    # they are made, as a host loader's chains default to their number.
+    self._seeds = itertools.count()
     arrays, self._count = prepare_arrays(type(self).__name__, copy,
                                          reference_data)
     self._format = observation_format_of(arrays)
@@ -100,7 +104,8 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
 
   def counter_chain(self, kwargs: Dict[str, Any]
                     ) -> Optional[Tuple[int, np.ndarray]]:
-    """For ``init_fn`` keywords of a counter-based chain (``seed``,
+    """For ``init_fn`` keywords of a counter-based chain (``seed``, by
+    default the number of such chains made before on this loader,
     ``shuffle``, ``in_epochs``, ``stream="counter"``): its mode (an index
     into :data:`~jax_data.streams.device_streams.DEVICE_MODES`) and its seed's
     words (``uint32``, low and high); None for a ``jax.random`` chain
@@ -117,8 +122,8 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
           "(init_fn(seed=..., shuffle=..., stream='counter')) or jax.random "
           f"ones (init_fn(key=...)), got init_fn({given}); seed, shuffle "
           "and in_epochs need stream='counter'")
-    seed = check_int("seed", kwargs.get("seed", 0), minimum=0,
-                     maximum=2**64 - 1)
+    seed = (next(self._seeds) if kwargs.get("seed") is None else
+            check_int("seed", kwargs["seed"], minimum=0, maximum=2**64 - 1))
     shuffle = check_bool("shuffle", kwargs.get("shuffle", False))
     in_epochs = check_bool("in_epochs", kwargs.get("in_epochs", False))
     if in_epochs and not shuffle:
