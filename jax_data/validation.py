@@ -7,6 +7,7 @@ argument, its value and what was expected.
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import Any
 from typing import Iterable
 from typing import List
@@ -20,15 +21,31 @@ import numpy as np
 
 def check_int(name: str, value: Any, minimum: Optional[int] = None,
               maximum: Optional[int] = None, what: str = "") -> int:
-  """Returns ``value`` as an int, or raises naming ``name`` and ``value``."""
+  """Returns ``value`` as an int, or raises naming ``name`` and ``value``.
+  A 0-d integer array (NumPy's, a concrete JAX one) is an integer."""
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"{name} must be an integer, got {name}={value!r}")
+    if not _integer_scalar(value):
+      raise TypeError(f"{name} must be an integer, got {name}={value!r}")
+    try:
+      value = operator.index(value)
+    except Exception:  # a traced value  # pylint: disable=broad-except
+      raise TypeError(f"{name} must be a concrete integer, got "
+                      f"{name}={value!r}") from None
   value = int(value)
   if minimum is not None and value < minimum:
     raise ValueError(_range_message(name, value, minimum, maximum, what))
   if maximum is not None and value > maximum:
     raise ValueError(_range_message(name, value, minimum, maximum, what))
   return value
+
+
+def _integer_scalar(value: Any) -> bool:
+  """Whether ``value`` is a 0-d array of an integer dtype."""
+  try:
+    return (getattr(value, "shape", None) == ()
+            and np.dtype(value.dtype).kind in "iu")
+  except TypeError:  # a dtype NumPy does not know
+    return False
 
 
 def _range_message(name, value, minimum, maximum, what):

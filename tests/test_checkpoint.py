@@ -289,14 +289,19 @@ def test_a_failed_restore_leaves_no_chain_registered():
   assert other.host.chains() == []
 
 
-def test_an_array_flag_is_saved_as_a_bool():
+@pytest.mark.parametrize("seed", [2, jnp.int32(2), np.array(2)])
+def test_an_array_flag_is_saved_as_a_bool(seed):
+  """Flags and a seed given as 0-d arrays are Python values in the
+  chain's spec and its checkpoint."""
   pipeline = _pipeline()
   init_fn, batch_fn, _ = pipeline
-  state = init_fn(seed=2, shuffle=jnp.array(True), in_epochs=np.bool_(True))
+  state = init_fn(seed=seed, shuffle=jnp.array(True),
+                  in_epochs=np.bool_(True))
   state, _ = _run(batch_fn, 6)(state)
   tree = jax_data.state_to_pytree(pipeline, state)
   spec = json.loads(tree["host"].tobytes())["chains"][0]["spec"]
   assert spec["shuffle"] is True and spec["in_epochs"] is True
+  assert spec["seed"] == 2 and type(spec["seed"]) is int
   fresh = _pipeline()
   _, expected = _run(batch_fn, 8)(state)
   _, got = _run(fresh[1], 8)(jax_data.state_from_pytree(fresh, tree))

@@ -31,6 +31,7 @@ from typing import Union
 import numpy as np
 
 from jax_data.compiled import pipeline as pl
+from jax_data.compiled.states import WRAPPED
 from jax_data.errors import CheckpointError
 from jax_data.types import CacheState
 from jax_data.validation import check_int
@@ -222,7 +223,7 @@ def _read_tree(tree: Any, pipeline: pl.Pipeline
   if (arrays["chunk"] < 0).any():
     raise CheckpointError(
         f"the checkpoint's chunks {arrays['chunk'].tolist()} must not be "
-        "negative")
+        f"negative; {WRAPPED}")
   return host, arrays
 
 

@@ -62,6 +62,12 @@ def check_identity(field: Any, pipeline: int, where: str) -> None:
         "init_fn")
 
 
+#: What a negative chunk counter of a state made by batch_fn means.
+WRAPPED = ("a chain's int32 chunk counter goes negative only past "
+           "2**31 - 1 chunks of cached_batches_count batches, where it "
+           "wraps; a chain goes on past that from a new init_fn state")
+
+
 def _check_counters(state: CacheState, cache_size: int, where: str) -> None:
   """Raises if known counters of a state are out of range (a state built by
   hand, or from a crafted checkpoint)."""
@@ -80,7 +86,8 @@ def _check_counters(state: CacheState, cache_size: int, where: str) -> None:
       raise ValueError(
           f"{where} got a state with {name}={value.tolist()}, which must be "
           f"{bound}; use the states of this pipeline's init_fn, batch_fn or "
-          "restore_checkpoint")
+          "restore_checkpoint"
+          + (f" ({WRAPPED})" if name == "chunk" else ""))
 
 
 def batch_at(batches: PyTree, mask: jax.Array, position: jax.Array):

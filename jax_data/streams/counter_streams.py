@@ -29,7 +29,6 @@ integers, which only the host has.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 from typing import Optional
 from typing import Tuple
