@@ -72,12 +72,19 @@ def check_bool(name: str, value: Any) -> bool:
   return bool(value)
 
 
+def native_dtype(dtype: Any) -> np.dtype:
+  """``dtype`` in the machine's byte order (a big-endian ``>f4`` of a file
+  written elsewhere becomes ``float32``)."""
+  dtype = np.dtype(dtype)
+  return dtype if dtype.isnative else dtype.newbyteorder("=")
+
+
 def is_jax_dtype(dtype: Any) -> bool:
-  """Whether arrays of ``dtype`` can become JAX arrays: booleans and
-  numbers, those of ``ml_dtypes`` too (bfloat16, float8, int4); not
-  objects, strings, records, dates or raw bytes."""
+  """Whether arrays of ``dtype`` can become JAX arrays (in the machine's
+  byte order): booleans and numbers, those of ``ml_dtypes`` too (bfloat16,
+  float8, int4); not objects, strings, records, dates or raw bytes."""
   try:
-    jax.dtypes.result_type(jax.dtypes.canonicalize_dtype(dtype))
+    jax.dtypes.result_type(jax.dtypes.canonicalize_dtype(native_dtype(dtype)))
   except TypeError:
     return False
   return True

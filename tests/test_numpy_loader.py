@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_data
 from jax_data import DeviceNumpyDataLoader
 from jax_data import NumpyDataLoader
 from jax_data import gather
@@ -265,3 +266,67 @@ def test_a_split_does_not_wait_for_a_helper_that_never_starts():
   release.set()
   held.result()
   gatherer.close()
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_big_endian_arrays_are_served_in_the_machines_byte_order(
+    tmp_path, copy):
+  """Arrays stored big-endian (a file written elsewhere: an ndarray, a
+  memmap, an HDF5 dataset) are served as the same numbers in the machine's
+  order, copied or read in place."""
+  x = np.arange(20.0, dtype=np.float32).reshape(10, 2)
+  big = x.astype(">f4")
+  np.save(tmp_path / "x.npy", big)
+  arrays = [big, np.load(tmp_path / "x.npy", mmap_mode="r")]
+  h5py = pytest.importorskip("h5py")
+  with h5py.File(tmp_path / "x.h5", "w") as f:
+    f.create_dataset("x", data=big)
+  with h5py.File(tmp_path / "x.h5", "r") as f:
+    for array in arrays + [f["x"]]:
+      for loader_class in (NumpyDataLoader, DeviceNumpyDataLoader):
+        loader = loader_class(copy=copy, x=array)
+        assert loader.observation_format["x"].dtype == np.float32
+        mapper_fn, release_fn = jax_data.full_data_mapper(loader, 2, 3)
+        values, _ = mapper_fn(lambda batch, carry: (batch["x"], carry), None)
+        np.testing.assert_array_equal(values, x)
+        release_fn()
+
+
+def test_hdf5_scalars_groups_and_framework_tensors(tmp_path):
+  """A 0-d HDF5 dataset is refused for its missing observation axis with
+  copy=False too (it was an IndexError); a group is named as one, not as
+  an array of its key names; a tensor of another framework (its dtype not
+  NumPy's) is converted, not taken for an array on disk."""
+  h5py = pytest.importorskip("h5py")
+  with h5py.File(tmp_path / "s.h5", "w") as f:
+    f.create_dataset("scalar", data=1.5)
+    f.create_dataset("group/x", data=np.arange(3.0))
+  with h5py.File(tmp_path / "s.h5", "r") as f:
+    for copy in (True, False):
+      with pytest.raises(ValueError, match="first axis of observations"):
+        NumpyDataLoader(copy=copy, s=f["scalar"])
+      with pytest.raises(TypeError, match=r"array 'g' is a Group of arrays, "
+                         "not an array"):
+        NumpyDataLoader(copy=copy, g=f["group"])
+
+  class Tensor:
+    """Shape, a framework's dtype, indexing and __array__."""
+    dtype = "framework.float32"
+
+    def __init__(self, value):
+      self._value = value
+      self.shape = value.shape
+
+    def __getitem__(self, index):
+      return Tensor(self._value[index])
+
+    def __array__(self, dtype=None, copy=None):
+      return self._value
+
+  x = np.arange(6.0, dtype=np.float32).reshape(3, 2)
+  for copy in (True, False):
+    loader = NumpyDataLoader(copy=copy, x=Tensor(x))
+    mapper_fn, release_fn = jax_data.full_data_mapper(loader, 1, 3)
+    values, _ = mapper_fn(lambda batch, carry: (batch["x"], carry), None)
+    np.testing.assert_array_equal(values, x)
+    release_fn()

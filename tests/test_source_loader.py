@@ -760,3 +760,41 @@ def test_a_batch_with_an_odd_record_names_it(odd, message):
   mapper_fn, _ = jax_data.full_data_mapper(loader, 2, 10)
   with pytest.raises(Exception, match=message):
     jax.block_until_ready(mapper_fn(lambda b, c: (b["label"], c), None))
+
+
+# -- formats the review found refused or unchecked ---------------------------
+
+
+class _Mixed:
+  """Records of int64, record 5 of int32; ``batched`` reads through
+  ``__getitems__``."""
+
+  def __init__(self, batched):
+    if batched:
+      self.__getitems__ = lambda indices: [self[i] for i in indices]
+
+  def __len__(self):
+    return 8
+
+  def __getitem__(self, i):
+    return {"x": np.int32(i) if i == 5 else np.int64(i)}
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["plain", "batched"])
+def test_a_record_of_another_dtype_is_named_on_either_read(batched):
+  """A record whose leaf has a smaller dtype than record 0's is named,
+  also where the records are read in one batch (np.array would promote it
+  silently)."""
+  loader = SourceDataLoader(_Mixed(batched), workers=0)
+  mapper_fn, release_fn = jax_data.full_data_mapper(loader, 1, 8)
+  with pytest.raises(Exception, match=r"record 5 has \['x'\] of dtype "
+                     r"int32 and shape \[\], but record 0 has int64"):
+    mapper_fn(lambda batch, carry: (batch["x"], carry), None)
+  release_fn()
+
+
+def test_records_in_the_other_byte_order_are_named():
+  records = [{"x": row} for row in np.arange(8.0).reshape(4, 2).astype(">f4")]
+  with pytest.raises(TypeError, match=r"record 0 has \['x'\] of dtype >f4, "
+                     "in the other byte order.*transform="):
+    SourceDataLoader(records, workers=0)

@@ -264,7 +264,8 @@ def map_hdf5(dataset: Any) -> Optional[np.memmap]:
   try:
     if (dataset.chunks is not None or dataset.compression is not None
         or dataset.file.driver not in ("sec2", "stdio")
-        or dataset.dtype.kind not in "biufc" or dataset.size == 0):
+        or dataset.dtype.kind not in "biufc" or dataset.size == 0
+        or len(dataset.shape) == 0):  # a scalar: refused by the caller
       return None
     offset = dataset.id.get_offset()
     if offset is None:

@@ -31,20 +31,27 @@ from jax_data.loaders.indexed import IndexedCursor
 from jax_data.types import PyTree
 from jax_data.validation import check_bool
 from jax_data.validation import is_jax_dtype
+from jax_data.validation import native_dtype
 
 
 def is_lazy_array(value: Any) -> bool:
   """Whether ``value`` is an array on disk read by slicing, as an h5py or
-  zarr dataset: it has ``shape``, ``dtype`` and ``__getitem__`` but is not
-  a NumPy or JAX array."""
+  zarr dataset: it has ``shape``, a NumPy ``dtype`` and ``__getitem__``
+  but is not a NumPy or JAX array (a TensorFlow or PyTorch tensor, whose
+  dtype is its framework's, is converted with ``np.asarray``)."""
   return (not isinstance(value, (np.ndarray, jax.Array))
-          and all(hasattr(value, a) for a in ("shape", "dtype",
-                                              "__getitem__")))
+          and isinstance(getattr(value, "dtype", None), np.dtype)
+          and all(hasattr(value, a) for a in ("shape", "__getitem__")))
 
 
 def _as_host_array(name: str, value: Any, copy: bool) -> np.ndarray:
   """One keyword argument as a NumPy array, checked and with JAX's dtype;
   with ``copy=False`` memmaps and lazy arrays (h5py) stay on disk."""
+  if hasattr(value, "keys") and not hasattr(value, "shape"):
+    raise TypeError(
+        f"array {name!r} is a {type(value).__name__} of arrays, not an "
+        f"array; pass its arrays as keywords (**{{k: {name}[k] for k in "
+        f"{name}}}), got {name}={value!r}")
   if isinstance(value, np.memmap) and not copy:
     array = value  # stays on disk; rows are read per chunk
   elif is_lazy_array(value) and not copy:
@@ -70,7 +77,7 @@ def _as_host_array(name: str, value: Any, copy: bool) -> np.ndarray:
     raise ValueError(
         f"array {name!r} must have a first axis of observations, got a "
         f"scalar {name}={value!r}")
-  target = jax.dtypes.canonicalize_dtype(array.dtype)
+  target = jax.dtypes.canonicalize_dtype(native_dtype(array.dtype))
   if copy and array.dtype != target:
     array = array.astype(target)
   return array
@@ -98,8 +105,8 @@ def prepare_arrays(loader: str, copy: Any, arrays: Dict[str, Any]
 
 
 def observation_format_of(arrays: Dict[str, np.ndarray]) -> Dict[str, Any]:
-  return {k: jax.ShapeDtypeStruct(v.shape[1:],
-                                  jax.dtypes.canonicalize_dtype(v.dtype))
+  return {k: jax.ShapeDtypeStruct(
+      v.shape[1:], jax.dtypes.canonicalize_dtype(native_dtype(v.dtype)))
           for k, v in arrays.items()}
 
 
