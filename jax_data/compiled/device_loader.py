@@ -264,7 +264,9 @@ class RandomPipeline(pl.RandomPipeline):
     count = loader.observation_count
     super().__init__(None, CacheState.start(pl.new_id(), -1, mb_size),
                      loader, 0, mb_size, count)
-    self.functions = (self.init_fn, self.batch_fn, self.release_fn)
+    # By name: bound methods kept here would make a cycle that keeps a
+    # released, dropped pipeline (and its device cache) until a collection.
+    self.function_names = ("init_fn", "batch_fn", "release_fn")
 
   def init_fn(self, **kwargs: Any) -> CacheState:
     """A chain's state; keywords go to ``init_random_data`` (``key``), or

@@ -266,7 +266,9 @@ class FullPipeline(pl.Pipeline):
     self._compiled = Shared(self.max_compiled)
     # One batch and its mask as fetched, by device_count and state shapes.
     self._batch_shapes: Dict[Any, Tuple[PyTree, jax.ShapeDtypeStruct]] = {}
-    self.functions = (self.init_fn, self.map_fn, self.release_fn)
+    # By name: bound methods kept here would make a cycle that keeps a
+    # released, dropped pipeline (and its device cache) until a collection.
+    self.function_names = ("init_fn", "map_fn", "release_fn")
 
   def init_fn(self, **kwargs: Any) -> CacheState:
     """The state of a new ordered chain (no keywords)."""
@@ -431,7 +433,9 @@ class MapperPipeline(pl.Pipeline):
     self._state = full.init_fn()
     self._batched = Shared(full.max_compiled)
     super().__init__(full.host, full.template, loader, *full.sizes)
-    self.functions = (self.mapper_fn, self.release_fn)
+    # By name: bound methods kept here would make a cycle that keeps a
+    # released, dropped pipeline (and its device cache) until a collection.
+    self.function_names = ("mapper_fn", "release_fn")
 
   def mapper_fn(self, fun: Callable, carry: PyTree, masking: bool = False,
                 information: bool = False, batched: bool = True,

@@ -154,7 +154,9 @@ class GlobalPipeline(pl.RandomPipeline):
     self._numbers = itertools.count()
     self._parts: Dict[Tuple[int, int], int] = {}  # (global chain, part)
     self._step = _global_step(local.advance, axes)
-    self.functions = (self.init_fn, self.batch_fn, self.release_fn)
+    # By name: bound methods kept here would make a cycle that keeps a
+    # released, dropped pipeline (and its device cache) until a collection.
+    self.function_names = ("init_fn", "batch_fn", "release_fn")
 
   @property
   def axes(self) -> MeshAxes:

@@ -113,7 +113,9 @@ class GlobalMapperPipeline(pl.Pipeline):
          for d, device in enumerate(axes.mesh.devices.reshape(-1))],
         np.int32)
     self._passes = Shared(full.max_compiled)
-    self.functions = (self.mapper_fn, self.release_fn)
+    # By name: bound methods kept here would make a cycle that keeps a
+    # released, dropped pipeline (and its device cache) until a collection.
+    self.function_names = ("mapper_fn", "release_fn")
 
   def mapper_fn(self, fun: Callable, carry: Any, masking: bool = False,
                 information: bool = False, batched: bool = True,

@@ -68,7 +68,8 @@ class Pipeline(collections.abc.Sequence):
   """
 
   kind: ClassVar[str]
-  functions: Tuple[Callable[..., Any], ...]
+  #: The names of its functions, in order (a subclass sets them).
+  function_names: Tuple[str, ...]
   #: Whether a state is one global state of a ``jax.distributed`` job,
   #: the same chains in every process (global batches), rather than each
   #: process's own chains.
@@ -148,6 +149,12 @@ class Pipeline(collections.abc.Sequence):
     """Raises :class:`~jax_data.PipelineReleasedError` once released."""
     if self.host is not None:
       self.host.check_open()
+
+  @property
+  def functions(self) -> Tuple[Callable[..., Any], ...]:
+    """Its functions (``init_fn, batch_fn, release_fn`` or others), bound
+    anew at each access."""
+    return tuple(getattr(self, name) for name in self.function_names)
 
   def __getitem__(self, index):
     return self.functions[index]

@@ -121,7 +121,9 @@ class RandomPipeline(pl.RandomPipeline):
     super().__init__(host, template, loader, cache_size, mb_size,
                      self._count)
     self._owner = np.int32(self.id)
-    self.functions = (self.init_fn, self.batch_fn, self.release_fn)
+    # By name: bound methods kept here would make a cycle that keeps a
+    # released, dropped pipeline (and its device cache) until a collection.
+    self.function_names = ("init_fn", "batch_fn", "release_fn")
 
   @functools.cached_property
   def _bridge(self) -> Bridge:
