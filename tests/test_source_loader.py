@@ -501,6 +501,112 @@ def test_a_record_that_always_ends_its_worker_is_named():
                  ) == list(range(30))
 
 
+class Sleepy(Numbered):
+  """Records sleep ``delay`` seconds once the file ``after`` exists."""
+
+  def __init__(self, after, delay, n=40):
+    super().__init__(n)
+    self.after, self.delay = after, delay
+
+  def __getitem__(self, i):
+    if os.path.exists(self.after):
+      time.sleep(self.delay)
+    return super().__getitem__(i)
+
+
+_EXIT_WHILE_READING = textwrap.dedent("""
+    import sys, time
+    import jax
+    import jax_data
+    from tests.test_source_loader import Sleepy
+
+    if __name__ == "__main__":
+      flag = sys.argv[1]
+      loader = jax_data.SourceDataLoader(Sleepy(flag, 600.0), workers=2,
+                                         processes=True)
+      init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 1, 4)
+      step = jax.jit(batch_fn)
+      state, batch = step(init_fn(seed=0))
+      jax.block_until_ready(batch)
+      time.sleep(1)  # the next chunk produced ahead, quickly
+      open(flag, "w").close()  # from now on a record takes 10 minutes
+      state, batch = step(state)  # the chunk after is read ahead, slowly
+      jax.block_until_ready(batch)
+      time.sleep(1)
+      print("exiting", flush=True)  # no release_fn
+    """)
+
+
+def test_exit_does_not_wait_for_worker_processes_reading(tmp_path):
+  """The interpreter exits while worker processes read records that take
+  10 minutes: they are ended (concurrent.futures joined them before any
+  atexit hook, for as long as the records took)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  script = tmp_path / "exit_while_reading.py"
+  script.write_text(_EXIT_WHILE_READING)
+  done = subprocess.run(
+      [sys.executable, str(script), str(tmp_path / "slow")], cwd=root,
+      env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True,
+      timeout=180)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "exiting" in done.stdout
+
+
+_KILLED_PARENT = textwrap.dedent("""
+    import os, time
+    import jax
+    import jax_data
+    from tests.test_source_loader import Numbered
+
+    if __name__ == "__main__":
+      loader = jax_data.SourceDataLoader(Numbered(40), workers=2,
+                                         processes=True)
+      init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 2, 4)
+      jax.block_until_ready(jax.jit(batch_fn)(init_fn(seed=0))[1])
+      print(os.getpid(), flush=True)
+      time.sleep(600)
+    """)
+
+
+def test_worker_processes_end_with_a_parent_killed_by_a_signal(tmp_path):
+  """A parent killed (SIGKILL, as a scheduler may) leaves no worker
+  process behind: each ends once its parent is gone (an idle one waited
+  for work forever, holding its copy of the source)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  script = tmp_path / "killed_parent.py"
+  script.write_text(_KILLED_PARENT)
+  parent = subprocess.Popen(
+      [sys.executable, str(script)], cwd=root, stdout=subprocess.PIPE,
+      env=dict(os.environ, PYTHONPATH=root), text=True)
+  try:
+    pid = int(parent.stdout.readline())
+    children = [int(line.split()[0]) for line in subprocess.run(
+        ["ps", "-eo", "pid,ppid"], capture_output=True, text=True
+    ).stdout.splitlines()[1:] if int(line.split()[1]) == pid]
+    assert children
+  finally:
+    parent.kill()
+    parent.wait(30)
+  deadline = time.monotonic() + 60
+  while time.monotonic() < deadline:
+    alive = [child for child in children if _alive(child)]
+    if not alive:
+      break
+    time.sleep(0.2)
+  for child in alive:
+    os.kill(child, signal.SIGKILL)
+  assert not alive, f"worker processes {alive} outlived their parent"
+
+
+def _alive(pid):
+  """Whether process ``pid`` runs (a zombie does not)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
 def test_worker_processes_ignore_ctrl_c():
   """SIGINT to the process group reaches the workers too: the parent
   decides what it interrupts, the workers keep serving."""

@@ -11,16 +11,19 @@ a pipeline is released.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import concurrent.futures.process
 import io
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
 import sys
 import threading
 import types
+import weakref
 from typing import Any
 from typing import Callable
 from typing import Dict
@@ -36,6 +39,29 @@ from jax_data.loaders.source_records import RecordFormat
 from jax_data.loaders.source_records import RecordReader
 
 USE_THREADS = "or use processes=False (worker threads)"
+
+# The loaders' pools of worker processes, ended at the interpreter's exit
+# before concurrent.futures joins them (see _end_pools_at_exit).
+_LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+_EXITING = threading.Event()
+
+
+def _end_pools_at_exit() -> None:
+  """Ends every worker process at the interpreter's exit, and starts no
+  new ones. concurrent.futures joins its pools' threads from
+  ``threading._register_atexit``, before any ``atexit`` hook, so a worker
+  still reading a record (or stuck in one) held up the exit; registered
+  after it, this runs first."""
+  _EXITING.set()
+  for pool in list(_LIVE_POOLS):
+    pool.end()
+
+
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:  # CPython 3.9+
+  _register(_end_pools_at_exit)
+else:  # pragma: no cover
+  atexit.register(_end_pools_at_exit)
 
 
 class _MainReferences(pickle.Pickler):
@@ -116,6 +142,10 @@ def start_worker(pickled: bytes, first: RecordFormat) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   if hasattr(signal, "pthread_sigmask"):  # blocked until now: see submit
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+  parent = multiprocessing.parent_process()
+  if parent is not None:  # a parent killed by a signal ends its workers
+    threading.Thread(target=_exit_with, args=(parent.sentinel,),
+                     name="jax_data-parent", daemon=True).start()
   try:
     source, transform = pickle.loads(pickled)
   except Exception as e:  # pylint: disable=broad-except
@@ -127,6 +157,14 @@ def start_worker(pickled: bytes, first: RecordFormat) -> None:
     return
   _WORKER["reader"] = RecordReader(source, transform, "SourceDataLoader",
                                    first)
+
+
+def _exit_with(sentinel: int) -> None:
+  """Ends this worker process once its parent has ended (an idle worker
+  would otherwise wait for work forever, holding its copy of the
+  source)."""
+  multiprocessing.connection.wait([sentinel])
+  os._exit(0)
 
 
 def read_block(indices: np.ndarray) -> List[np.ndarray]:
@@ -236,6 +274,16 @@ class WorkerPool:
     self._lock = threading.Lock()
     self._pool: Optional[concurrent.futures.Executor] = None
     self._open = 0
+    if self.processes:
+      _LIVE_POOLS.add(self)
+
+  def end(self) -> None:
+    """Ends the worker processes at once (the interpreter exits); reads
+    in progress fail, and none starts another."""
+    with self._lock:
+      pool, self._pool = self._pool, None
+    if pool is not None and self.processes:
+      terminate(pool)
 
   @property
   def threads(self) -> Optional[concurrent.futures.Executor]:
@@ -312,7 +360,7 @@ class WorkerPool:
     with self._lock:
       if broken is not None and self._pool is broken:
         self._pool = None
-      if self._pool is None and self._open > 0:
+      if self._pool is None and self._open > 0 and not _EXITING.is_set():
         self._pool = concurrent.futures.ProcessPoolExecutor(
             self.workers, mp_context=multiprocessing.get_context("spawn"),
             initializer=start_worker, initargs=(self._pickled, self._first))
