@@ -910,6 +910,36 @@ def test_a_pipeline_empty_on_a_later_pass_says_so():
     loader.get_batches(loader.register_random_pipeline(1, 4))
 
 
+def _reader_threads():
+  return sum(t.name == "jax_data-tf-read" for t in threading.enumerate())
+
+
+def test_chains_made_and_left_keep_no_reader_thread(monkeypatch):
+  """Each chain reads its pipeline in a thread of its own; a chain left
+  (a new one per epoch), or a pipeline dropped without release_fn, keeps
+  none once idle: 40 chains made one after another kept 40 threads until
+  release_fn, or forever."""
+  from jax_data.loaders import tensorflow_rows
+  monkeypatch.setattr(tensorflow_rows, "_IDLE_S", 0.2)
+  before = _reader_threads()
+  data = tf.data.Dataset.from_tensor_slices({"x": np.arange(50)})
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      TensorflowDataLoader(data, shuffle_cache=10), 2, 4)
+  step = jax.jit(batch_fn)
+  for seed in range(40):
+    jax.block_until_ready(step(init_fn(seed=seed)))
+  deadline = time.monotonic() + 30
+  while _reader_threads() > before and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert _reader_threads() == before
+  # A chain goes on after its thread ended: it starts another.
+  state, _ = step(init_fn(seed=3))
+  time.sleep(0.5)
+  for _ in range(6):  # its next chunks
+    state, batch = step(state)
+  assert batch["x"].shape == (4,)
+
+
 @pytest.mark.parametrize("kind", ["random", "full"])
 def test_release_ends_a_request_that_reads_its_own_chunk(kind):
   """A request reads the chunk that nothing produced ahead (the first)

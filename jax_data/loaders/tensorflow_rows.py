@@ -88,36 +88,43 @@ class Reading:
 
 # How often a read that waits for its element looks at its stop event.
 _STOP_POLL_S = 0.05
+# Seconds a reader's thread waits for another read before it ends.
+_IDLE_S = 2.0
 _RELEASED = ("this pipeline was released by its release_fn while a chunk "
              "was read from its tf.data pipeline")
 
 
 class Reader:
   """Reads the elements of a chain's iterators in a daemon thread of its
-  own (started on first use, ended by :meth:`close`), so that a read can be
-  given up on: :meth:`cancel` (a release) makes a read that waits for its
-  element, and every later one, raise :class:`~jax_data.
-  PipelineReleasedError` at once. A pipeline's ``next`` cannot be
-  interrupted; the thread finishes its read, and being a daemon does not
-  hold up the interpreter's exit. One chain's 2,000-step call (20 reads
-  of 6,400 rows) took 1-3 % longer than with reads in the caller's thread;
-  with a thread started per read, 3-20 %."""
+  own (started on first use, ended by :meth:`close` or after
+  ``_IDLE_S`` seconds without a read), so that a read can be given up on:
+  :meth:`cancel` (a release) makes a read that waits for its element, and
+  every later one, raise :class:`~jax_data.PipelineReleasedError` at once.
+  A pipeline's ``next`` cannot be interrupted; the thread finishes its
+  read, and being a daemon does not hold up the interpreter's exit. One
+  chain's 2,000-step call (20 reads of 6,400 rows) took 1-3 % longer than
+  with reads in the caller's thread; with a thread started per read,
+  3-20 %. Idle threads end, so that chains made and left (a new chain per
+  epoch, a pipeline dropped without release_fn) keep none."""
 
   def __init__(self):
-    self._jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-    self._thread: Optional[threading.Thread] = None
+    self._lock = threading.Lock()
+    # The running thread's queue of reads, or None.
+    self._jobs: "Optional[queue.SimpleQueue[Any]]" = None
     self._stop = threading.Event()
 
   def next(self, iterator: Iterator) -> Any:
     """``next(iterator)``, read in the reader's thread."""
     if self._stop.is_set():
       raise PipelineReleasedError(_RELEASED)
-    if self._thread is None:
-      self._thread = threading.Thread(target=_read_jobs, args=(self._jobs,),
-                                      name="jax_data-tf-read", daemon=True)
-      self._thread.start()
     done, outcome = threading.Event(), []
-    self._jobs.put((iterator, done, outcome))
+    with self._lock:
+      if self._jobs is None:
+        self._jobs = queue.SimpleQueue()
+        threading.Thread(target=self._read_jobs, args=(self._jobs,),
+                         name="jax_data-tf-read", daemon=True).start()
+      self._jobs.put((iterator, done, outcome))
+    del iterator
     while not done.wait(_STOP_POLL_S):
       if self._stop.is_set():
         raise PipelineReleasedError(_RELEASED)
@@ -131,23 +138,31 @@ class Reader:
 
   def close(self) -> None:
     """Ends the thread once it has finished its reads."""
-    if self._thread is not None:
-      self._jobs.put(None)
-      self._thread = None
+    with self._lock:
+      jobs, self._jobs = self._jobs, None
+    if jobs is not None:
+      jobs.put(None)
 
-
-def _read_jobs(jobs: "queue.SimpleQueue[Any]") -> None:
-  while True:
-    job = jobs.get()
-    if job is None:
-      return
-    iterator, done, outcome = job
-    try:
-      outcome.append((True, next(iterator)))
-    except BaseException as e:  # pylint: disable=broad-except
-      outcome.append((False, e))
-    finally:
-      del iterator, job
+  def _read_jobs(self, jobs: "queue.SimpleQueue[Any]") -> None:
+    while True:
+      try:
+        job = jobs.get(timeout=_IDLE_S)
+      except queue.Empty:
+        with self._lock:  # no read can be queued meanwhile
+          if jobs.empty():
+            if self._jobs is jobs:
+              self._jobs = None
+            return
+        continue
+      if job is None:
+        return
+      iterator, done, outcome = job
+      try:
+        outcome.append((True, next(iterator)))
+      except BaseException as e:  # pylint: disable=broad-except
+        outcome.append((False, e))
+      finally:
+        del iterator, job
       done.set()
 
 
