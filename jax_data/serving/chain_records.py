@@ -156,6 +156,12 @@ class ChainRecord:
       return base, self.snapshots[base]
 
 
+# Bytes a stored chunk costs besides its arrays (its future, entry, chunk
+# and array objects: 2.4 KB of Python objects measured, more in RSS), so
+# that chunks of a few bytes do not fill the store by the million.
+CHUNK_OVERHEAD = 4096
+
+
 class Shelf:
   """The stored chunks of a pipeline's chains, within per-chain and byte
   bounds (used with the store's lock held, but for :meth:`ahead` and
@@ -300,7 +306,7 @@ class Shelf:
     the largest request if that is more. Chunks still being produced stay;
     a dropped chunk is produced again if asked for. A chain left with no
     chunk is noted :attr:`idle`, to trim its cursor's caches."""
-    limit = max(self._limits.store_bytes // self._nbytes,
+    limit = max(self._limits.store_bytes // (self._nbytes + CHUNK_OVERHEAD),
                 (self.keep + self._limits.ahead) * self.lanes)
     if len(self._stored) <= limit:
       return
