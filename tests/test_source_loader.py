@@ -607,6 +607,38 @@ def _alive(pid):
     return False
 
 
+def test_a_record_that_ends_its_worker_is_blamed_on_its_own_read():
+  """Two pipelines read through one loader's workers at once, and only
+  one of them meets the record that ends its worker: the other's reads,
+  retried alone in a pool of their own, succeed (a shared retry pool that
+  the first broke named the other's innocent records)."""
+  loader = SourceDataLoader(Numbered(n=400, die_at=13), workers=2,
+                            processes=True)
+  whole, release_whole = jax_data.full_data_mapper(loader, 1, 50)
+  half, release_half = jax_data.full_data_mapper(
+      loader, 1, 50, shard_index=1, shard_count=2)  # records 200 .. 399
+  errors = []
+
+  def second_half():
+    for _ in range(3):
+      try:
+        values, _ = half(lambda b, c: (b["x"], c), None)
+        assert np.asarray(values).tolist() == list(range(200, 400))
+      except Exception as e:  # pylint: disable=broad-except
+        errors.append(e)
+
+  thread = threading.Thread(target=second_half)
+  thread.start()
+  for _ in range(3):
+    with pytest.raises(Exception, match=r"ended abruptly while reading "
+                       r"records \[[0-9, ]*\b13\b"):
+      whole(lambda b, c: (b["x"], c), None)
+  thread.join(120)
+  assert not errors, errors
+  release_whole()
+  release_half()
+
+
 def test_worker_processes_ignore_ctrl_c():
   """SIGINT to the process group reaches the workers too: the parent
   decides what it interrupts, the workers keep serving."""

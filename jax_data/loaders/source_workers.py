@@ -273,6 +273,7 @@ class WorkerPool:
     self._describe = describe
     self._lock = threading.Lock()
     self._pool: Optional[concurrent.futures.Executor] = None
+    self._own: set = set()  # pools of one read's own (see read)
     self._open = 0
     if self.processes:
       _LIVE_POOLS.add(self)
@@ -282,8 +283,10 @@ class WorkerPool:
     in progress fail, and none starts another."""
     with self._lock:
       pool, self._pool = self._pool, None
-    if pool is not None and self.processes:
-      terminate(pool)
+      own, self._own = list(self._own), set()
+    for ended in own + ([pool] if pool is not None and self.processes
+                        else []):
+      terminate(ended)
 
   @property
   def threads(self) -> Optional[concurrent.futures.Executor]:
@@ -333,21 +336,25 @@ class WorkerPool:
       raise
     lost = [i for i, future in enumerate(futures) if broke(future)]
     if lost:
-      pool = self._process_pool(broken=pool)
+      self._process_pool(broken=pool)  # a new one for the other reads
     for i in lost:
-      futures[i] = submit(pool, read_block, unique[parts[i]])
+      # Read alone in a pool of this read's own: a block of another read
+      # that ends a worker cannot break it and be blamed on this block.
+      alone = self._own_pool()
       try:
+        futures[i] = submit(alone, read_block, unique[parts[i]])
         wait(futures[i:i + 1], stop, cancel=False)
-      except PipelineReleasedError:
-        self._retire(pool)
-        raise
+      finally:
+        self._end_own(alone)
       if broke(futures[i]):
-        self._retire(pool)
+        records = unique[parts[i]].tolist()
+        named = (records if len(records) <= 8 else
+                 f"{records[:8]}... ({len(records)} records)")
         raise RecordError(
             f"{self._describe}: worker processes ended abruptly while "
-            f"reading records {unique[parts[i]].tolist()}, also when a new "
-            "worker read them alone: reading one of them ends its process "
-            "(os._exit, a crash in native code, memory exhausted?)"
+            f"reading records {named}, also when a new worker read them "
+            "alone: reading one of them ends its process (os._exit, a "
+            "crash in native code, memory exhausted?)"
         ) from futures[i].exception()
     for part, future in zip(parts, futures):
       for leaf, block in zip(out, future.result()):
@@ -370,6 +377,23 @@ class WorkerPool:
     if pool is None:  # every chain closed
       raise stopped()
     return pool
+
+  def _own_pool(self) -> concurrent.futures.Executor:
+    """A pool of one worker process for one read's use alone, ended by
+    :meth:`_end_own` (or at the interpreter's exit)."""
+    with self._lock:
+      if _EXITING.is_set() or self._open == 0:
+        raise stopped()
+      pool = concurrent.futures.ProcessPoolExecutor(
+          1, mp_context=multiprocessing.get_context("spawn"),
+          initializer=start_worker, initargs=(self._pickled, self._first))
+      self._own.add(pool)
+    return pool
+
+  def _end_own(self, pool: concurrent.futures.Executor) -> None:
+    with self._lock:
+      self._own.discard(pool)
+    terminate(pool)
 
   def _retire(self, pool: concurrent.futures.Executor) -> None:
     """Ends ``pool``; the next read starts another."""
