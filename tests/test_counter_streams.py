@@ -78,6 +78,9 @@ def test_domains_just_above_a_power_of_two_hold_every_index():
     perm = cs.permute(4, 1, offsets, n)
     assert perm.min() >= 0 and perm.max() < n
     assert len(np.unique(perm)) == 3
+    if n < 2**63:  # n as a NumPy integer too
+      np.testing.assert_array_equal(cs.permute(4, 1, offsets, np.int64(n)),
+                                    perm)
 
 
 @pytest.mark.parametrize("epochs", [1, 2, 8, 9, 40])
@@ -422,21 +425,26 @@ def test_the_device_loader_draws_the_host_loaders_stream(mode, tmp_path):
 
 
 def test_device_chains_without_a_seed_are_numbered_as_host_chains():
-  """Counter-based device chains made without a seed take 0, 1, 2, ...
-  in the order they are made, as a host loader's chains take their
-  number: two such chains draw different streams (they drew the same,
-  perfectly correlated), each its host counterpart's."""
+  """Counter-based device chains made without a seed take the number of
+  chains made before them, as a host loader's chains take their number
+  (one given seed 0 counts too; a refused init_fn does not): such chains
+  draw different streams (they drew the same, perfectly correlated), each
+  its host counterpart's."""
   x = np.arange(1000)
   init_fn, batch_fn, _ = jax_data.random_reference_data(
       jax_data.DeviceNumpyDataLoader(x=x), 2, 8)
   host_init, host_batch, _ = jax_data.random_reference_data(
       jax_data.NumpyDataLoader(x=x), 2, 8)
   mode = dict(shuffle=True, stream="counter")
-  drawn = [np.asarray(jax.jit(batch_fn)(init_fn(**mode))[1]["x"])
-           for _ in range(2)]
+  with pytest.raises(ValueError, match="in_epochs=True needs shuffle"):
+    init_fn(in_epochs=True, stream="counter")  # made nothing: no number
+  drawn = [np.asarray(jax.jit(batch_fn)(init_fn(**kwargs))[1]["x"])
+           for kwargs in (dict(mode, seed=0), mode, mode)]
   assert not np.array_equal(drawn[0], drawn[1])
-  for got in drawn:
-    np.testing.assert_array_equal(got, host_batch(host_init(**mode))[1]["x"])
+  assert not np.array_equal(drawn[1], drawn[2])
+  for got, kwargs in zip(drawn, (dict(mode, seed=0), mode, mode)):
+    np.testing.assert_array_equal(got,
+                                  host_batch(host_init(**kwargs))[1]["x"])
 
 
 @pytest.mark.parametrize("mode", [{}, {"shuffle": True, "in_epochs": True}])

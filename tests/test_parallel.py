@@ -474,6 +474,22 @@ def test_devices_wait_for_a_slow_chunk_once_all_came():
   assert results[1][1] >= 0.7  # it waited for the slow one
 
 
+def test_a_request_that_leaves_is_not_waited_for():
+  """A request that came and then ends without meeting (interrupted while
+  producing or waiting) lowers its round's count: the others meet as soon
+  as they are all there, with no timeout, no warning, no stop."""
+  rendezvous = Rendezvous("L", lambda: 3, timeout=20)
+  leaving = rendezvous.come(0, 3, [2])
+  threading.Timer(0.3, rendezvous.withdraw, args=(leaving,)).start()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    results = _meet_in_threads(rendezvous, [([0], 0.0, None),
+                                            ([1], 0.0, None)],
+                               participants=3)
+  assert all(error is None and seconds < 10 for error, seconds in results)
+  assert rendezvous.come(1, 3, [0]) is not None  # still protected
+
+
 def test_release_wakes_devices_waiting_for_each_other():
   """A request waiting for a device that has not come gets the release's
   error at once, not after the timeout; later ones do not wait."""

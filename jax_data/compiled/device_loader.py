@@ -8,7 +8,7 @@ so its pipelines make no host calls: random batches are drawn with
 
 from __future__ import annotations
 
-import itertools
+import threading
 from typing import Any
 from typing import Callable
 from typing import Dict
@@ -61,9 +61,10 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
   """
 
   def __init__(self, copy: bool = True, **reference_data: Any):
-    # The default seeds of counter-based chains: 0, 1, 2, ... in the order
-    # they are made, as a host loader's chains default to their number.
-    self._seeds = itertools.count()
+    # Counter-based chains made (seeded or not): the next one's default
+    # seed, as a host loader's chains default to their number.
+    self._made = 0
+    self._made_lock = threading.Lock()
     arrays, self._count = prepare_arrays(type(self).__name__, copy,
                                          reference_data)
     self._format = observation_format_of(arrays)
@@ -102,11 +103,20 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
           f"got key with shape {key.shape} and dtype {key.dtype}")
     return key
 
+  def made_chains(self, count: int) -> int:
+    """Notes ``count`` counter-based chains made (every check passed);
+    the number made before them."""
+    with self._made_lock:
+      before = self._made
+      self._made += count
+    return before
+
   def counter_chain(self, kwargs: Dict[str, Any]
                     ) -> Optional[Tuple[int, np.ndarray]]:
     """For ``init_fn`` keywords of a counter-based chain (``seed``, by
-    default the number of such chains made before on this loader,
-    ``shuffle``, ``in_epochs``, ``stream="counter"``): its mode (an index
+    default the number of such chains made before on this loader: see
+    :meth:`made_chains`; ``shuffle``, ``in_epochs``, ``stream="counter"``),
+    checked: its mode (an index
     into :data:`~jax_data.streams.device_streams.DEVICE_MODES`) and its seed's
     words (``uint32``, low and high); None for a ``jax.random`` chain
     (``key``, or no keyword)."""
@@ -122,7 +132,7 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
           "(init_fn(seed=..., shuffle=..., stream='counter')) or jax.random "
           f"ones (init_fn(key=...)), got init_fn({given}); seed, shuffle "
           "and in_epochs need stream='counter'")
-    seed = (next(self._seeds) if kwargs.get("seed") is None else
+    seed = (self._made if kwargs.get("seed") is None else
             check_int("seed", kwargs["seed"], minimum=0, maximum=2**64 - 1))
     shuffle = check_bool("shuffle", kwargs.get("shuffle", False))
     in_epochs = check_bool("in_epochs", kwargs.get("in_epochs", False))
@@ -286,6 +296,7 @@ class RandomPipeline(pl.RandomPipeline):
       chains = [loader.counter_chain({**kwargs, "seed": seed})
                 for seed in seeds]
       device_streams.check_sizes(self._mb_size, loader.observation_count)
+      loader.made_chains(len(chains))
       states = CacheState.start_chains(
           self.id, [-2 - mode for mode, _ in chains], self._mb_size, 0, None)
       return states._replace(key=jnp.asarray(
@@ -297,6 +308,11 @@ class RandomPipeline(pl.RandomPipeline):
       counter = loader.counter_chain(kwargs)
       if counter is not None:
         device_streams.check_sizes(self._mb_size, loader.observation_count)
+        if kwargs.get("seed") is None:  # its number, unless taken meanwhile
+          counter = loader.counter_chain(
+              {**kwargs, "seed": loader.made_chains(1)})
+        else:
+          loader.made_chains(1)
         mode, seed = counter
         return CacheState.start(self.id, -2 - mode, self._mb_size,
                                 key=jnp.asarray(seed))

@@ -135,10 +135,9 @@ class Rendezvous:
             break
           self._changed.wait(left)
       except BaseException:
-        current.arrived -= 1  # interrupted: it no longer waits
-        current.came -= 1
-        if not current.came:
-          self._finish(current)
+        # Interrupted: it no longer waits, and the others not for it.
+        current.arrived -= 1
+        self._leave(current)
         raise
       return self._released or current.error
 
@@ -148,11 +147,19 @@ class Rendezvous:
     if current is None:
       return
     with self._changed:
-      if not current.done:
-        current.came -= 1
-        current.expected -= 1
-        if current.arrived >= current.expected:
-          self._finish(current)
+      self._leave(current)
+
+  def _leave(self, current: _Round) -> None:
+    """A request of ``current`` ends without meeting: the round expects
+    one fewer (holding the lock)."""
+    if current.done:
+      return
+    current.came -= 1
+    current.expected -= 1
+    if current.arrived >= current.expected:
+      self._finish(current)
+    else:
+      self._changed.notify_all()
 
   def release(self, error: BaseException) -> None:
     """Wakes every waiting request, which gets ``error``; later requests

@@ -29,6 +29,7 @@ integers, which only the host has.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 from typing import Optional
 from typing import Tuple
@@ -54,7 +55,7 @@ def domain_bits(n: int) -> int:
   power of two at or above ``n``, and at least 4 elements."""
   # Integer arithmetic: float log2 rounds n = 2**50 + 1 (and many above
   # 2**49) down to a whole number, a domain too small for n.
-  return max(2, (n - 1).bit_length())
+  return max(2, (operator.index(n) - 1).bit_length())
 
 
 def _words(value: int) -> Tuple[int, int]:
