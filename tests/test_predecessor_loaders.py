@@ -204,3 +204,81 @@ def test_the_guides_full_pass_over_a_predecessor_loader():
       None)
   np.testing.assert_array_equal(squares, np.arange(N)**2)
   release_fn()
+
+
+def test_a_checkpoint_restores_a_chain_registered_as_it_was(tmp_path):
+  """A chain of such a loader made without a seed is saved without one:
+  restored, it is registered with the same keywords (none), and it goes
+  on with the same batches."""
+  loader = Saving()
+  pipeline = jax_data.random_reference_data(loader, 2, 3)
+  init_fn, batch_fn, release_fn = pipeline
+  state, _ = batch_fn(init_fn())
+  state, _ = batch_fn(batch_fn(state)[0])
+  jax_data.save_checkpoint(tmp_path / "c.npz", pipeline, state)
+  _, expected = batch_fn(state)
+  restored = jax_data.restore_checkpoint(tmp_path / "c.npz", pipeline)
+  _, got = batch_fn(restored)
+  assert [keywords for _, _, keywords, _ in loader.chains] == [{}, {}]
+  np.testing.assert_array_equal(got["base"], expected["base"])
+  release_fn()
+
+
+@pytest.mark.parametrize("loader_class", [Predecessor, Unsaving])
+def test_a_chain_without_save_state_is_refused_when_saved(loader_class,
+                                                          tmp_path):
+  """The checkpoint of a chain whose loader cannot save its position is
+  refused when saved, saying so, not when restored."""
+  pipeline = jax_data.random_reference_data(loader_class(), 2, 3)
+  init_fn, batch_fn, release_fn = pipeline
+  state, _ = batch_fn(init_fn())
+  with pytest.raises(jax_data.CheckpointError, match="cannot be saved: "
+                     ".*needs save_state and load_state for checkpoints"):
+    jax_data.save_checkpoint(tmp_path / "c.npz", pipeline, state)
+  release_fn()
+
+
+class _FormatMixin:
+  @property
+  def _format(self):
+    return {"base": jax.ShapeDtypeStruct((), jnp.int32)}
+
+
+def test_a_format_from_a_mixin_is_the_observation_format():
+  class Mixed(_FormatMixin, jax_data.HostDataLoader):
+    static_information = {"observation_count": N}
+
+    def get_batches(self, chain_id):
+      raise AssertionError("not called")
+
+  assert Mixed().observation_format == Mixed()._format
+
+
+def test_a_loaders_own_keywords_reach_it_alike_after_a_restore(tmp_path):
+  """A loader's own keyword is given to its chain as a checkpoint keeps
+  it (a NumPy scalar a Python number, a tuple a list), before and after
+  a restore; one a checkpoint cannot hold is named when saved."""
+  seen = []
+
+  class Scaled(jax_data.NumpyDataLoader):
+    random_keywords = jax_data.NumpyDataLoader.random_keywords + ("scale",)
+
+    def open_chain(self, spec, layout):
+      seen.append(dict(spec.options))
+      return super().open_chain(spec, layout)
+
+  pipeline = jax_data.random_reference_data(Scaled(x=np.arange(N)), 2, 3)
+  init_fn, batch_fn, release_fn = pipeline
+  state, _ = batch_fn(init_fn(seed=1, scale=np.float32(2.0)))
+  jax_data.save_checkpoint(tmp_path / "c.npz", pipeline, state)
+  jax_data.restore_checkpoint(tmp_path / "c.npz", pipeline)
+  state, _ = batch_fn(init_fn(seed=2, scale=(1, 2)))
+  jax_data.save_checkpoint(tmp_path / "d.npz", pipeline, state)
+  jax_data.restore_checkpoint(tmp_path / "d.npz", pipeline)
+  assert seen == [{"scale": 2.0}] * 2 + [{"scale": [1, 2]}] * 2
+  assert type(seen[0]["scale"]) is float
+  state, _ = batch_fn(init_fn(seed=3, scale=np.arange(3)))
+  with pytest.raises(TypeError, match=r"keyword scale=array\(\[0, 1, 2\]\) "
+                     "cannot be saved in a checkpoint"):
+    jax_data.save_checkpoint(tmp_path / "e.npz", pipeline, state)
+  release_fn()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import json
 from typing import Any
 from typing import Callable
 from typing import Dict
@@ -121,15 +122,23 @@ ChainSpec = Union[RandomChain, OrderedChain]
 
 def spec_to_json(spec: ChainSpec) -> Dict[str, Any]:
   """A spec as a JSON-compatible dict (for checkpoints)."""
-  fields = dataclasses.asdict(spec)
+  for name, value in spec.options:
+    try:
+      json.dumps(value)
+    except (TypeError, ValueError) as e:
+      raise TypeError(
+          f"the chain's keyword {name}={value!r} cannot be saved in a "
+          f"checkpoint, which holds a chain's keywords as JSON ({e}); "
+          "pass numbers, strings, lists or dicts of them") from None
+  # Without the options: asdict would deep-copy their values.
+  fields = dataclasses.asdict(dataclasses.replace(spec, options=()))
   fields["observations"] = list(dataclasses.astuple(spec.observations))
   for name in ("part", "batches"):  # the format of plain chains
     if name in fields and fields[name] is None:
       del fields[name]
+  del fields["options"]
   if spec.options:
     fields["options"] = dict(spec.options)
-  else:
-    del fields["options"]
   return {"kind": type(spec).__name__, **fields}
 
 
@@ -175,9 +184,10 @@ def spec_from_json(data: Mapping[str, Any]) -> ChainSpec:
       count = check_int("part count", part["count"], minimum=1)
       part = BatchPart(check_int("part index", part["index"], minimum=0,
                                  maximum=count - 1), count)
-    return RandomChain(check_int("seed", fields.get("seed"), minimum=0),
-                       observations, shuffle, in_epochs, stream, part,
-                       options)
+    seed = fields.get("seed")  # None: a predecessor-style loader's own
+    return RandomChain(None if seed is None else check_int(
+        "seed", seed, minimum=0), observations, shuffle, in_epochs, stream,
+                       part, options)
   except (KeyError, TypeError, ValueError) as e:
     raise ValueError(f"not a chain spec: {data!r} ({type(e).__name__}: {e})"
                      ) from e
@@ -345,6 +355,12 @@ def spanned(chunks: Sequence[Chunk]) -> Optional[Span]:
     if chunk.span is None or chunk.span[0] is not span or chunk.span[1] != g:
       return None
   return span
+
+
+#: The key of a position that its cursor cannot return to (a loader
+#: written the predecessor's way without ``save_state``); its value says
+#: why. Such a position is no checkpoint.
+UNSAVED = "unsaved"
 
 
 class SeekRefused(ValueError):

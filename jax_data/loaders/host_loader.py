@@ -24,6 +24,7 @@ while compiled code waits.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 from typing import Any
@@ -127,14 +128,14 @@ class ChainNumbering:
     self._count = 0
 
   def number(self, spec: ChainSpec,
-             open_cursor: Callable[[int, ChainSpec], ChainCursor]
-             ) -> Tuple[int, ChainSpec, ChainCursor]:
+             open_cursor: Callable[[int, ChainSpec], ChainCursor],
+             fill_seed: bool = True) -> Tuple[int, ChainSpec, ChainCursor]:
     """The next number, the spec with a random chain's missing seed set to
-    it, and ``open_cursor(number, spec)``; nothing is numbered if that
-    raises."""
+    it (with ``fill_seed``), and ``open_cursor(number, spec)``; nothing is
+    numbered if that raises."""
     with self._lock:
       number = self._count
-      if isinstance(spec, RandomChain) and spec.seed is None:
+      if fill_seed and isinstance(spec, RandomChain) and spec.seed is None:
         spec = dataclasses.replace(spec, seed=number)
       cursor = open_cursor(number, spec)
       self._count += 1
@@ -231,7 +232,8 @@ class HostDataLoader(DataLoader):
                    allowed)
     observations = self.observation_range(
         ordered, keywords.get("shard_index"), keywords.get("shard_count"))
-    options = tuple(sorted((name, value) for name, value in keywords.items()
+    options = tuple(sorted((name, _option(name, value))
+                           for name, value in keywords.items()
                            if name not in _OWN_KEYWORDS))
     if ordered:
       return OrderedChain(observations, options=options)
@@ -281,10 +283,9 @@ class HostDataLoader(DataLoader):
       ValueError: the batch size exceeds the chain's observations, or the
         loader cannot serve the spec.
     """
-    given = spec  # a loader of the predecessor's gets the seed given only
     return self.number_chain(
         spec, layout, lambda number, spec: self._host_cursor(
-            number, spec, layout, given))
+            number, spec, layout))
 
   def number_chain(self, spec: ChainSpec, layout: ChunkLayout,
                    open_cursor: Callable[[int, ChainSpec], ChainCursor]
@@ -315,7 +316,11 @@ class HostDataLoader(DataLoader):
             f"through a {type(cursor).__name__}")
       return cursor
 
-    return self._parts()[0].number(spec, checked_open)
+    # A loader written the predecessor's way registers its chains with the
+    # keywords given, its own default seed where none was: the spec (and a
+    # checkpoint's) keeps no seed then, so that a restore registers alike.
+    return self._parts()[0].number(spec, checked_open,
+                                   fill_seed=not self._predecessors())
 
   def chains_numbered(self) -> int:
     """How many chains this loader numbered, by pipelines' ``init_fn``
@@ -323,16 +328,21 @@ class HostDataLoader(DataLoader):
     :meth:`register_ordered_pipeline`."""
     return self._parts()[0].count
 
-  def _host_cursor(self, number: int, spec: ChainSpec, layout: ChunkLayout,
-                   given: ChainSpec) -> ChainCursor:
+  def _predecessors(self) -> bool:
+    """Whether the loader is written the predecessor's way: its own
+    ``get_batches`` and no ``open_chain``."""
+    cls = type(self)
+    return (cls.get_batches is not HostDataLoader.get_batches
+            and cls.open_chain is HostDataLoader.open_chain)
+
+  def _host_cursor(self, number: int, spec: ChainSpec, layout: ChunkLayout
+                   ) -> ChainCursor:
     cls = type(self)
     if cls.get_batches is HostDataLoader.get_batches:
       return self.open_chain(spec, layout)
-    if cls.open_chain is HostDataLoader.open_chain:  # the predecessor's API
-      # Registered with the keywords the user gave: its own default seed,
-      # as the predecessor registered it, where none was given.
+    if self._predecessors():
       return LegacyCursor.registered(
-          self, given, layout,
+          self, spec, layout,
           saves=cls.save_state is not HostDataLoader.save_state)
     # A subclass of a loader of ours that overrides get_batches: its chain
     # is one of the loader's own, under the same number.
@@ -425,6 +435,22 @@ def _stream_kind(stream: Any, observations: ObservationRange,
     return ("counter" if auto_counter_above is not None
             and observations.count > auto_counter_above else "exact")
   return stream
+
+
+def _option(name: str, value: Any) -> Any:
+  """A loader's own keyword's value as a checkpoint saves and restores it
+  where JSON can hold it (a NumPy or JAX scalar a Python number, a tuple a
+  list), so that the chain gets the same value before and after a
+  restore; other values as given (a checkpoint of the chain then names
+  the keyword it cannot save)."""
+  del name
+  if isinstance(value, (np.generic, np.ndarray, jax.Array)) and (
+      np.ndim(value) == 0):
+    value = np.asarray(value).item()
+  try:
+    return json.loads(json.dumps(value))
+  except (TypeError, ValueError):
+    return value
 
 
 def _check_permutation_fits(count: int) -> None:

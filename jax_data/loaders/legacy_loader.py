@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_data.loaders.chains import UNSAVED
 from jax_data.loaders.chains import ChainCursor
 from jax_data.loaders.chains import ChainSpec
 from jax_data.loaders.chains import Chunk
@@ -56,10 +57,6 @@ def _keywords(spec: ChainSpec, count: int) -> dict:
   if spec.in_epochs:
     keywords["in_epochs"] = True
   return keywords
-
-
-# The key of a position that a loader without save_state cannot return to.
-_UNSAVED = "unsaved"
 
 
 class LegacyCursor(ChainCursor):
@@ -134,17 +131,17 @@ class LegacyCursor(ChainCursor):
     that :meth:`seek` refuses, saying why: the chain serves its chunks in
     order, and only going back needs it."""
     if not self._saves:
-      return {_UNSAVED: f"{type(self._loader).__name__} has no save_state"}
+      return {UNSAVED: f"{type(self._loader).__name__} has no save_state"}
     try:
       return self._loader.save_state(self._chain)
     except NotImplementedError as e:
-      return {_UNSAVED: f"its save_state raised NotImplementedError({e})"}
+      return {UNSAVED: f"its save_state raised NotImplementedError({e})"}
 
   def seek(self, position: Position) -> None:
-    if isinstance(position, dict) and _UNSAVED in position:
+    if isinstance(position, dict) and UNSAVED in position:
       raise SeekRefused(
           f"chain {self._chain} of {self._loader!r} cannot go back to an "
-          f"earlier chunk: {position[_UNSAVED]}. A loader written the "
+          f"earlier chunk: {position[UNSAVED]}. A loader written the "
           "predecessor's way needs save_state and load_state for a state "
           "used twice, a replay (jax.checkpoint) and checkpoints")
     self._loader.load_state(self._chain, position)

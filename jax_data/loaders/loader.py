@@ -34,7 +34,7 @@ class DataLoader(metaclass=abc.ABCMeta):
   def __init_subclass__(cls, **kwargs: Any):
     super().__init_subclass__(**kwargs)
     # Before ABCMeta counts the abstract methods, which it does after this.
-    if "_format" in cls.__dict__ and getattr(
+    if any("_format" in vars(k) for k in cls.__mro__) and getattr(
         cls.observation_format, "__isabstractmethod__", False):
       cls.observation_format = property(  # type: ignore[method-assign]
           lambda self: self._format,

@@ -219,11 +219,13 @@ def terminate(pool: concurrent.futures.Executor) -> None:
   if terminate is not None:
     terminate()
     return
-  # Before shutdown, which forgets them. Futures are not cancelled (see
-  # wait): those left fail with BrokenProcessPool.
-  processes = list((getattr(pool, "_processes", None) or {}).values())
+  # The pool's dict, taken before shutdown, which forgets it, and read
+  # after: shutdown waits for a submit that is starting a worker, which
+  # lands in the dict. Futures are not cancelled (see wait): those left
+  # fail with BrokenProcessPool.
+  processes = getattr(pool, "_processes", None)
   pool.shutdown(wait=False)
-  for process in processes:
+  for process in list((processes or {}).values()):
     process.terminate()
 
 
@@ -247,6 +249,9 @@ def wait(futures: Sequence[concurrent.futures.Future],
 
 
 def stopped() -> PipelineReleasedError:
+  if _EXITING.is_set():
+    return PipelineReleasedError(
+        "reading records stopped: the interpreter is exiting")
   return PipelineReleasedError(
       "reading records stopped: the chain's pipeline was released")
 
@@ -337,15 +342,20 @@ class WorkerPool:
     lost = [i for i, future in enumerate(futures) if broke(future)]
     if lost:
       self._process_pool(broken=pool)  # a new one for the other reads
-    for i in lost:
-      # Read alone in a pool of this read's own: a block of another read
-      # that ends a worker cannot break it and be blamed on this block.
-      alone = self._own_pool()
-      try:
+    # Each lost block read alone, one after another, by one worker of this
+    # read's own: a block of another read that ends a worker cannot break
+    # it and be blamed on this read's blocks.
+    alone = self._own_pool() if lost else None
+    try:
+      for i in lost:
         futures[i] = submit(alone, read_block, unique[parts[i]])
         wait(futures[i:i + 1], stop, cancel=False)
-      finally:
+        if broke(futures[i]):
+          break
+    finally:
+      if alone is not None:
         self._end_own(alone)
+    for i in lost:
       if broke(futures[i]):
         records = unique[parts[i]].tolist()
         named = (records if len(records) <= 8 else

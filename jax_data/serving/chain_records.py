@@ -24,6 +24,7 @@ from typing import Tuple
 
 from jax_data.errors import CheckpointError
 from jax_data.errors import PipelineReleasedError
+from jax_data.loaders.chains import UNSAVED
 from jax_data.loaders.chains import ChainCursor
 from jax_data.loaders.chains import ChainSpec
 from jax_data.loaders.chains import ChunkLayout
@@ -386,6 +387,11 @@ class ChainTable:
     snapshot of its position at or before that chunk (JSON-compatible)."""
     record = self.record(number)
     index, position = record.snapshot_before(chunk)
+    if isinstance(position, dict) and UNSAVED in position:
+      raise CheckpointError(
+          f"chain {number} of {self.name} cannot be saved: "
+          f"{position[UNSAVED]}; a loader written the predecessor's way "
+          "needs save_state and load_state for checkpoints")
     return {"spec": spec_to_json(record.spec), "snapshot_index": index,
             "snapshot": position}
 
