@@ -232,7 +232,7 @@ class HostDataLoader(DataLoader):
                    allowed)
     observations = self.observation_range(
         ordered, keywords.get("shard_index"), keywords.get("shard_count"))
-    options = tuple(sorted((name, _option(name, value))
+    options = tuple(sorted((name, _option(value))
                            for name, value in keywords.items()
                            if name not in _OWN_KEYWORDS))
     if ordered:
@@ -437,13 +437,12 @@ def _stream_kind(stream: Any, observations: ObservationRange,
   return stream
 
 
-def _option(name: str, value: Any) -> Any:
+def _option(value: Any) -> Any:
   """A loader's own keyword's value as a checkpoint saves and restores it
   where JSON can hold it (a NumPy or JAX scalar a Python number, a tuple a
   list), so that the chain gets the same value before and after a
   restore; other values as given (a checkpoint of the chain then names
   the keyword it cannot save)."""
-  del name
   if isinstance(value, (np.generic, np.ndarray, jax.Array)) and (
       np.ndim(value) == 0):
     value = np.asarray(value).item()
