@@ -490,16 +490,18 @@ def test_a_request_that_leaves_is_not_waited_for():
   assert rendezvous.come(1, 3, [0]) is not None  # still protected
 
 
-def test_release_wakes_devices_waiting_for_each_other():
-  """A request waiting for a device that has not come gets the release's
-  error at once, not after the timeout; later ones do not wait."""
+def test_release_makes_devices_waiting_for_each_other_raise_together():
+  """A round waiting when the pipeline is released gets the release's
+  error, and its requests still meet: they raise together, once the last
+  has come, and not one before (a device that raised alone would leave
+  the others in a collective, and XLA abort the process)."""
   rendezvous = Rendezvous("L", lambda: 2, timeout=20)
   released = RuntimeError("released")
-  threading.Timer(0.3, rendezvous.release, args=(released,)).start()
-  (error, seconds), = _meet_in_threads(rendezvous, [([0], 0.0, None)],
-                                       participants=2)
-  assert error is released and seconds < 10
-  assert rendezvous.come(0, 2, [1]) is None
+  threading.Timer(0.2, rendezvous.release, args=(released,)).start()
+  results = _meet_in_threads(rendezvous, [([0], 0.0, None),
+                                          ([1], 0.6, None)])
+  assert [error for error, _ in results] == [released, released]
+  assert results[0][1] >= 0.5  # it waited for the other
 
 
 @NEEDS_FOUR

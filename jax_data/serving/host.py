@@ -325,7 +325,7 @@ class Host:
         "while compiled code waited for a chunk")
     self._parts.release(error)
     rendezvous = self._parts.made_rendezvous
-    if rendezvous is not None:  # devices waiting for each other
+    if rendezvous is not None:  # devices waiting for each other raise it
       rendezvous.release(error)
     self._copier.close()
     self._zeros = None

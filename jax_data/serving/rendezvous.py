@@ -51,8 +51,11 @@ class Rendezvous:
   waits for this one), it stops the same way for the chains that came.
   Requests of the chains numbered by then go through without waiting;
   chains made later (``init_fn``, a restore) wait again. Released
-  (:meth:`release`), it wakes every waiting request with the release's
-  error.
+  (:meth:`release`), every round waiting gets the release's error, and
+  its requests still meet, so that the devices raise it together (one
+  that raised alone would leave the others in a collective, and XLA
+  abort the process): a request whose read the release interrupts comes
+  at once.
 
   Args:
     name: Named in the warning (the loader's repr).
@@ -69,16 +72,15 @@ class Rendezvous:
     self._rounds: Dict[Tuple[int, int], _Round] = {}
     self._changed = threading.Condition()
     self._waits_from = 0  # chains numbered below do not wait
-    self._released: Optional[BaseException] = None
 
   def come(self, index: int, participants: int, chains: Sequence[int]
            ) -> Optional[_Round]:
     """Announces a request for chunk ``index`` of ``chains``, one of
     ``participants``, before it produces the chunks; its round, to
     :meth:`meet` after (also if producing failed), or None if it is not
-    to wait (its chains were stopped, or the rendezvous released)."""
+    to wait (its chains were stopped)."""
     with self._changed:
-      if self._released is not None or min(chains) < self._waits_from:
+      if min(chains) < self._waits_from:
         return None
       key = (index, participants)
       current = self._rounds.setdefault(key, _Round(index, participants))
@@ -110,7 +112,7 @@ class Rendezvous:
       return error
     with self._changed:
       if current.done:  # stopped meanwhile
-        return self._released or error
+        return current.error or error
       current.arrived += 1
       current.error = current.error or error
       if current.arrived >= current.expected:
@@ -139,7 +141,7 @@ class Rendezvous:
         current.arrived -= 1
         self._leave(current)
         raise
-      return self._released or current.error
+      return current.error
 
   def withdraw(self, current: Optional[_Round]) -> None:
     """Takes back a :meth:`come` whose request ends without :meth:`meet`
@@ -162,12 +164,13 @@ class Rendezvous:
       self._changed.notify_all()
 
   def release(self, error: BaseException) -> None:
-    """Wakes every waiting request, which gets ``error``; later requests
-    do not wait."""
+    """Gives every round waiting ``error``: its requests raise it together
+    once all came (those the release's interruption of reads brings at
+    once)."""
     with self._changed:
-      self._released = error
-      for waiting in list(self._rounds.values()):
-        self._finish(waiting)
+      for waiting in self._rounds.values():
+        waiting.error = waiting.error or error
+      self._changed.notify_all()
 
   def _finish(self, current: _Round) -> None:
     """Ends a round: its requests stop waiting (holding the lock)."""
