@@ -289,6 +289,73 @@ def test_a_failed_restore_leaves_no_chain_registered():
   assert other.host.chains() == []
 
 
+def _edit(chain):
+  """Edits the saved chain of ``chain(saved)`` in a checkpoint's host part."""
+  def edited(tree):
+    host = json.loads(tree["host"].tobytes())
+    chain(host["chains"][0])
+    return dict(tree, host=np.frombuffer(json.dumps(host).encode(), np.uint8))
+  return edited
+
+
+def _stream(name, value):
+  return _edit(lambda c: c["snapshot"]["stream"].__setitem__(name, value))
+
+
+@pytest.mark.parametrize("mode,edit,match", [
+    # Observations past the data were read as its last row, with no error.
+    ({}, _edit(lambda c: c["spec"].__setitem__("observations", [0, N + 9, 0,
+                                                                1])),
+     r"observations .*count=46.* are not the loader's .*count=37"),
+    ({}, _edit(lambda c: c["spec"].__setitem__("observations", [3, N - 3, 0,
+                                                                1])),
+     "are not the loader's"),
+    # An epoch's offset outside it served all-masked batches.
+    (MODES[2], _stream("offset", -5), "offset must be between 0 and 7, got "
+     "offset=-5"),
+    (MODES[2], _stream("offset", 8), "offset=8"),
+    (MODES[1], _stream("offset", N), f"offset must be between 0 and {N - 1}"),
+    (MODES[0], _stream("offset", 3), "offset must be between 0 and 0"),
+    # Missing or malformed fields gave a bare KeyError or AttributeError,
+    # or (rng) failed only at the first batch, inside the callback.
+    (MODES[2], _edit(lambda c: c["snapshot"]["stream"].pop("offset")),
+     "has no 'offset'"),
+    (MODES[1], _stream("rng", None), "rng must be the state of a PCG64 "
+     "generator, got rng=None"),
+    ({}, _stream("rng", {"bit_generator": "PCG64"}), "rng must be"),
+    ({}, _edit(lambda c: c["snapshot"].__setitem__("stream", None)),
+     "a stream's position is a dict, got None"),
+    ({}, _stream("seed", -1), "seed must be at least 0, got seed=-1"),
+    (dict(stream="counter"), _stream("batch", -3), "batch must be between 0"),
+    (dict(stream="counter"), _stream("batch", 2**70), "batch must be"),
+    (dict(stream="counter"), _stream("seed", 2**64), "seed must be between"),
+])
+def test_edited_positions_and_observations_are_refused(mode, edit, match):
+  """Every field of a saved chain is checked at restore: an edited or
+  foreign one raises CheckpointError naming it, and no chain is added."""
+  pipeline = _pipeline()
+  state, _ = _run(pipeline[1], 6)(pipeline[0](seed=1, **mode))
+  tree = jax_data.state_to_pytree(pipeline, state)
+  fresh = _pipeline()
+  with pytest.raises(jax_data.CheckpointError, match=match):
+    jax_data.state_from_pytree(fresh, edit(tree))
+  assert fresh.host.chains() == []
+  # The unedited tree restores into the same pipeline.
+  jax_data.state_from_pytree(fresh, tree)
+
+
+def test_save_checkpoint_checks_its_path_and_leaves_nothing_half_written(
+    tmp_path):
+  pipeline = _pipeline()
+  state = pipeline[0](seed=0)
+  with pytest.raises(TypeError, match="path must be a file name .*path=None"):
+    jax_data.save_checkpoint(None, pipeline, state)
+  (tmp_path / "taken").mkdir()
+  with pytest.raises(IsADirectoryError):
+    jax_data.save_checkpoint(tmp_path / "taken", pipeline, state)
+  assert sorted(os.listdir(tmp_path)) == ["taken"]
+
+
 @pytest.mark.parametrize("seed", [2, jnp.int32(2), np.array(2)])
 def test_an_array_flag_is_saved_as_a_bool(seed):
   """Flags and a seed given as 0-d arrays are Python values in the

@@ -126,6 +126,37 @@ def test_load_state_names_what_differs():
     loader.load_state(c, loader.save_state(a))
 
 
+@pytest.mark.parametrize("kwargs,edit,match", [
+    (dict(shuffle=True, in_epochs=True), dict(offset=-5),
+     "offset must be between 0 and 3, got offset=-5"),
+    (dict(shuffle=True), dict(offset=10), "offset must be between 0 and 9"),
+    (dict(shuffle=True), dict(offset=None), "has no 'offset'"),
+    (dict(), dict(rng=None), "rng must be the state of a PCG64 generator"),
+    (dict(stream="counter"), dict(batch=-3), "batch must be between 0"),
+    (dict(stream="counter"), dict(batch=2**70), "got batch=1180591620717"),
+    (dict(stream="counter"), dict(seed=-1), "seed must be between 0"),
+])
+def test_load_state_checks_every_field(kwargs, edit, match):
+  """An edited position is refused, naming the field, and the chain goes
+  on where it stood (before: batches all masked, or a bare KeyError or
+  OverflowError at the next batch)."""
+  loader = NumpyDataLoader(x=np.arange(10))
+  chain = loader.register_random_pipeline(2, 3, seed=0, **kwargs)
+  loader.get_batches(chain)
+  saved = loader.save_state(chain)
+  expected = _stream(loader, chain, 3)
+  loader.load_state(chain, saved)
+  stream = saved["stream"]
+  for name, value in edit.items():
+    if value is None and name != "rng":
+      del stream[name]
+    else:
+      stream[name] = value
+  with pytest.raises(ValueError, match=match):
+    loader.load_state(chain, saved)
+  assert _stream(loader, chain, 3) == expected
+
+
 def test_released_chain_is_an_error():
   loader = NumpyDataLoader(x=np.arange(10))
   chain = loader.register_random_pipeline(2, 3)

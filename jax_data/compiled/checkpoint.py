@@ -14,6 +14,7 @@ arrays to save alongside model parameters with any pytree checkpointer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -317,12 +318,22 @@ def save_checkpoint(path: Union[str, os.PathLike], pipeline: Any,
       packed into a tuple again), or its init_fn.
     state: The state to save (stacked states too).
   """
+  try:
+    path = os.fspath(path)
+  except TypeError:
+    raise TypeError("path must be a file name (a str or os.PathLike), got "
+                    f"path={path!r}") from None
   tree = state_to_pytree(pipeline, state)
-  path = os.fspath(path)
   partial = path + ".partial"
-  with open(partial, "wb") as f:
-    np.savez(f, **tree)
-  os.replace(partial, path)
+  try:
+    with open(partial, "wb") as f:
+      np.savez(f, **tree)
+    os.replace(partial, path)
+  except BaseException:
+    # Nothing half-written is left (the file at path is as it was).
+    with contextlib.suppress(OSError):
+      os.remove(partial)
+    raise
 
 
 def restore_checkpoint(path: Union[str, os.PathLike], pipeline: Any,

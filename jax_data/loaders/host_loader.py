@@ -296,6 +296,7 @@ class HostDataLoader(DataLoader):
     # A device's share of a split pass (``OrderedChain.batches``) may be
     # only the pass's last batch, partial: its padding fills the batch.
     share = getattr(spec, "batches", None) is not None
+    self._check_observations(spec, share)
     check_int("mb_size", batch_rows(spec, layout.mb_size), minimum=1,
               maximum=None if share else spec.observations.count,
               what="the observation count")
@@ -321,6 +322,34 @@ class HostDataLoader(DataLoader):
     # checkpoint's) keeps no seed then, so that a restore registers alike.
     return self._parts()[0].number(spec, checked_open,
                                    fill_seed=not self._predecessors())
+
+  def _check_observations(self, spec: ChainSpec, share: bool) -> None:
+    """Raises if ``spec``'s observations are not ones this loader gives a
+    chain (a spec read back from a checkpoint may have been edited): the
+    range of its shard, or for a device's share of a split pass a range
+    within the data."""
+    have = spec.observations
+    if share:
+      total = self.observation_count
+      if total is None or have.start + have.count <= total:
+        return
+      want = f"within the loader's {total} observations"
+    else:
+      sharded = have.shard_count != 1
+      try:
+        expected = self.observation_range(
+            isinstance(spec, OrderedChain),
+            have.shard_index if sharded else None,
+            have.shard_count if sharded else None)
+      except (TypeError, ValueError) as e:
+        raise ValueError(f"the chain's observations {have} do not fit "
+                         f"{self!r}: {e}") from None
+      if have == expected:
+        return
+      want = f"the loader's {expected}"
+    raise ValueError(
+        f"the chain's observations {have} are not {want} (a checkpoint of "
+        "other data, or an edited one)")
 
   def chains_numbered(self) -> int:
     """How many chains this loader numbered, by pipelines' ``init_fn``

@@ -37,10 +37,12 @@ from typing import Tuple
 import numpy as np
 
 from jax_data.streams import counter_streams as cs
+from jax_data.streams.sampling import position_fields
 from jax_data.streams.sampling import random_mode
 from jax_data.streams.shuffled_chains import Split
 from jax_data.streams.shuffled_chains import shuffled_batches
 from jax_data.streams.shuffled_chains import uint32_words
+from jax_data.validation import check_int
 
 # Indices permuted per pass: the temporaries of one pass (a few dozen
 # arrays of this many words) stay in the caches; 1,024 chunks of 640
@@ -332,6 +334,7 @@ class CounterStream:
             "batch": self._batch}
 
   def set_state(self, state: dict) -> None:
+    position_fields(state)  # a dict
     if state.get("stream") != "counter":
       raise ValueError(
           "the position is one of an exact stream (stream='exact'), but "
@@ -340,8 +343,12 @@ class CounterStream:
       raise ValueError(
           f"state is for a chain in mode {state.get('mode')!r}, but this "
           f"chain is in mode {self.mode!r}")
-    self.seed = int(state["seed"])
-    self._batch = int(state["batch"])
+    seed, batch = position_fields(state, "seed", "batch")
+    seed = check_int("seed", seed, minimum=0, maximum=2**64 - 1)
+    # Positions of the stream (batch * mb_size) are int64.
+    batch = check_int("batch", batch, minimum=0,
+                      maximum=(2**63 - 1) // self.mb_size)
+    self.seed, self._batch = seed, batch
     self._drawn = None  # another seed, perhaps
 
   def seek_batch(self, batch: int) -> None:

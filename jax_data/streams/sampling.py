@@ -35,6 +35,39 @@ def default_rng(seed: int) -> np.random.Generator:
   return np.random.default_rng(np.random.SeedSequence(seed).spawn(1)[0])
 
 
+def position_fields(state: Any, *names: str) -> Tuple[Any, ...]:
+  """The values of ``names`` in a stream's position ``state`` (from a
+  checkpoint or ``load_state``: a dict that may have been edited).
+
+  Raises:
+    ValueError: ``state`` is not a dict, or lacks one of ``names``.
+  """
+  if not isinstance(state, dict):
+    raise ValueError(f"a stream's position is a dict, got {state!r:.200}")
+  missing = [name for name in names if name not in state]
+  if missing:
+    raise ValueError(f"the stream's position {state!r:.200} has no "
+                     + ", ".join(map(repr, missing)))
+  return tuple(state[name] for name in names)
+
+
+def checked_rng(value: Any) -> Dict[str, Any]:
+  """A copy of ``value`` if it is the state of a PCG64 generator (the
+  ``rng`` of an exact stream's position).
+
+  Raises:
+    ValueError: it is not, naming it.
+  """
+  probe = np.random.PCG64()
+  try:
+    probe.state = value
+  except (TypeError, ValueError, KeyError) as e:
+    raise ValueError(f"rng must be the state of a PCG64 generator, got "
+                     f"rng={value!r:.200} ({type(e).__name__}: {e})"
+                     ) from None
+  return copy.deepcopy(value)
+
+
 def _state_key(state: Dict[str, Any]) -> Tuple[int, ...]:
   inner = state["state"]
   return (inner["state"], inner["inc"], state["has_uint32"],
@@ -146,7 +179,13 @@ class RandomStream:
             "offset": self._offset}
 
   def set_state(self, state: Dict[str, Any]) -> None:
-    """Moves the stream to a position from ``get_state`` (not mutated)."""
+    """Moves the stream to a position from ``get_state`` (not mutated).
+
+    Raises:
+      ValueError: the position is not one of this chain's, or a field is
+        missing or out of range (named); the stream did not move.
+    """
+    position_fields(state)  # a dict
     if state.get("stream", "exact") != "exact":
       raise ValueError(
           "the position is one of a counter-based stream "
@@ -156,12 +195,19 @@ class RandomStream:
       raise ValueError(
           f"state is for a chain in mode {state.get('mode')!r}, but this "
           f"chain is in mode {self.mode!r}")
-    self.seed = state["seed"]
+    seed, rng, offset = position_fields(state, "seed", "rng", "offset")
+    seed = check_int("seed", seed, minimum=0)
+    rng = checked_rng(rng)
+    n = self.observations.count
+    # The next position in the permutation; in epochs, the next batch.
+    offsets = math.ceil(n / self.mb_size) if self.in_epochs else n
+    offset = check_int("offset", offset, minimum=0,
+                       maximum=offsets - 1 if self.shuffle else 0)
+    self.seed = seed
     if self.shuffle:
-      self._epoch_state = copy.deepcopy(state["rng"])
-      self._offset = int(state["offset"])
+      self._epoch_state, self._offset = rng, offset
     else:
-      self._rng.bit_generator.state = copy.deepcopy(state["rng"])
+      self._rng.bit_generator.state = rng
 
   def trim(self) -> None:
     """Drops the permutations kept for reuse (O(n) each); they are drawn
@@ -265,11 +311,13 @@ class OrderedStream:
     return {"mode": "ordered", "batch": self._batch}
 
   def set_state(self, state: Dict[str, Any]) -> None:
+    position_fields(state)  # a dict
     if state.get("mode") != "ordered":
       raise ValueError(
           f"state is for a chain in mode {state.get('mode')!r}, but this "
           "chain is ordered")
-    self._batch = int(state["batch"]) % self.batches_per_pass
+    (batch,) = position_fields(state, "batch")
+    self._batch = check_int("batch", batch, minimum=0) % self.batches_per_pass
 
   def draw(self, count: int) -> Tuple[Indices, Mask]:
     first, mb = self._batch, self.mb_size
