@@ -102,15 +102,26 @@ def check_keywords(where: str, kwargs: Mapping[str, Any],
         f"expected any of: {', '.join(allowed) or 'none'}")
 
 
-def check_sizes(cache_size: Any, mb_size: Any, observation_count: int,
+#: The largest size of an array axis (a cache's batches, a batch's rows, a
+#: scan's steps): XLA's shapes and JAX's loop counters are int32 on CPU.
+MAX_AXIS = 2**31 - 1
+
+
+def check_sizes(cache_size: Any, mb_size: Any,
+                observation_count: Optional[int],
                 cache_name: str = "cache_size") -> Tuple[int, int]:
-  """Checks a cache size (at least 1) and a batch size (1 to the number of
-  observations); returns them as ints."""
-  cache_size = check_int(cache_name, cache_size, minimum=1)
+  """Checks a cache size (1 to :data:`MAX_AXIS`) and a batch size (1 to
+  the number of observations, if known, and :data:`MAX_AXIS`); returns
+  them as ints."""
+  cache_size = check_int(cache_name, cache_size, minimum=1, maximum=MAX_AXIS)
   if mb_size is None:
     raise ValueError("mb_size must be given, got mb_size=None")
-  mb_size = check_int("mb_size", mb_size, minimum=1,
-                      maximum=observation_count, what="the observation count")
+  if observation_count is None or observation_count > MAX_AXIS:
+    mb_size = check_int("mb_size", mb_size, minimum=1, maximum=MAX_AXIS)
+  else:
+    mb_size = check_int("mb_size", mb_size, minimum=1,
+                        maximum=observation_count,
+                        what="the observation count")
   return cache_size, mb_size
 
 

@@ -71,6 +71,8 @@ def test_initializer_batch_and_batch_format():
     (dict(mb_size=2, shard_index=2, shard_count=2), ValueError,
      "shard_index=2"),
     (dict(mb_size=2, shard_index=0), ValueError, "go together"),
+    (dict(cache_size=2**63, mb_size=2), ValueError,
+     "cache_size must be between 1 and 2147483647"),
 ])
 def test_bad_chain_arguments_are_named(kwargs, error, match):
   loader = NumpyDataLoader(x=np.arange(10))

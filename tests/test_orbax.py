@@ -202,3 +202,13 @@ def test_other_arguments_are_named():
     handler.save(None, args={"not": "DataSave"})
   with pytest.raises(TypeError, match="DataRestore"):
     handler.restore(None, args=None)
+  # The arguments themselves, when made (not later, in the background).
+  pipeline = jax_data.random_reference_data(
+      jax_data.NumpyDataLoader(x=np.arange(10)), 2, 3)
+  with pytest.raises(TypeError, match="got pipeline=None"):
+    jax_data.DataSave(None, pipeline[0]())
+  with pytest.raises(TypeError, match="got state of type NoneType"):
+    jax_data.DataSave(pipeline, None)
+  with pytest.raises(TypeError, match="got lanes='x'"):
+    jax_data.DataRestore(pipeline, lanes="x")
+  jax_data.DataRestore(pipeline, lanes=np.arange(1))

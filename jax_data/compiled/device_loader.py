@@ -94,9 +94,14 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
     key = kwargs.get("key")
     if key is None:
       return jax.random.PRNGKey(0)
-    if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
-      key = jax.random.key_data(key)
-    key = jnp.asarray(key)
+    try:
+      if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+      key = jnp.asarray(key)
+    except TypeError:
+      raise TypeError(
+          "key must be a PRNG key (jax.random.PRNGKey or jax.random.key), "
+          f"got key={key!r:.200}") from None
     if key.shape != (2,) or key.dtype != jnp.uint32:
       raise TypeError(
           f"key must be a PRNG key (jax.random.PRNGKey or jax.random.key), "
@@ -156,6 +161,9 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
     return state._replace(key=key, chunk=chunk), (batch, info)
 
   def get_random_data(self, state: jax.Array, batch_size: int):
+    # The batch's shape: a concrete int, as for init_fn's mb_size.
+    batch_size = check_int("batch_size", batch_size, minimum=1,
+                           maximum=2**31 - 1)
     key, split = jax.random.split(state)
     indices = jax.random.randint(split, (batch_size,), 0, self._count)
     batch = jax.tree_util.tree_map(lambda a: jnp.take(a, indices, axis=0),

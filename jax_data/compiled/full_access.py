@@ -342,6 +342,9 @@ class FullPipeline(pl.Pipeline):
     if not callable(fun):
       raise TypeError(f"fun must be callable, got fun={fun!r}")
     data_state = states.check_state(data_state, self.template, "map_fn")
+    if self.host is not None:  # else a device loader's passes
+      self.host.check_open()  # a released pipeline has no chains: says so
+      states.check_chains(data_state.chain, self.host.chains, "map_fn")
     call = pl.Call.checked(information, device_count, masking)
     masking, information, device_count = (call.masking, call.information,
                                            call.device_count)
@@ -443,6 +446,8 @@ class MapperPipeline(pl.Pipeline):
     """One pass of ``fun`` over every observation: (results, carry)."""
     if not callable(fun):
       raise TypeError(f"fun must be callable, got fun={fun!r}")
+    masking = check_bool("masking", masking)
+    information = check_bool("information", information)
     if not check_bool("batched", batched):
       if masking:
         raise ValueError(

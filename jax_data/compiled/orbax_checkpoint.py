@@ -197,6 +197,14 @@ class DataSave(ocp.args.CheckpointArgs):
   pipeline: Any
   state: CacheState
 
+  def __post_init__(self):
+    # At the call, not when the manager saves (in the background).
+    pl.of(self.pipeline)
+    if not isinstance(self.state, CacheState):
+      raise TypeError(
+          "state must be a CacheState of the pipeline's init_fn (stacked "
+          f"states too), got state of type {type(self.state).__name__}")
+
 
 @ocp.args.register_with_handler(DataCheckpointHandler, for_restore=True)
 @dataclasses.dataclass
@@ -206,3 +214,11 @@ class DataRestore(ocp.args.CheckpointArgs):
   :func:`jax_data.state_from_pytree`)."""
   pipeline: Any
   lanes: Optional[Sequence[int]] = None
+
+  def __post_init__(self):
+    pl.of(self.pipeline)
+    if self.lanes is not None and (
+        isinstance(self.lanes, (str, bytes))
+        or not hasattr(self.lanes, "__iter__")):
+      raise TypeError("lanes must be None or a sequence of lane numbers, "
+                      f"got lanes={self.lanes!r}")

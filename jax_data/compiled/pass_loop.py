@@ -98,13 +98,30 @@ def applier(fun: Callable, plan: PassPlan, masking: bool,
     if information:
       batch = (batch, MiniBatchInformation(
           observation_count=plan.count, mask=mask, batch_size=plan.mb_size))
-    if masking:
-      result, carry = fun(batch, mask, carry)
-    else:
-      result, carry = fun(batch, carry)
+    out = fun(batch, mask, carry) if masking else fun(batch, carry)
+    result, carry = pair("fun", fun, out, "(result, carry)")
     return carry, result
 
   return apply
+
+
+def pair(name: str, fun: Callable, out: Any, what: str) -> Tuple[Any, Any]:
+  """``out``, what the user's function ``fun`` (the argument ``name``)
+  returned, as the pair ``what`` it must be (an array of two rows is not).
+
+  Raises:
+    TypeError: it is not a pair, naming ``fun`` and what it returned.
+  """
+  if isinstance(out, (tuple, list)) and len(out) == 2:
+    return out[0], out[1]
+  if isinstance(out, (tuple, list)):
+    got = f"a {type(out).__name__} of {len(out)}"
+  elif hasattr(out, "shape"):
+    got = f"an array of shape {tuple(out.shape)}"
+  else:
+    got = f"{out!r:.100}"
+  raise TypeError(f"{name} must return a pair {what}, got {got} from "
+                  f"{name}={fun!r}")
 
 
 def map_pass(fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]],
@@ -221,7 +238,8 @@ def _make_batched(fun: Callable) -> Callable:
   vmapped = jax.vmap(fun, in_axes=(0, None))
 
   def batched_fun(batch, carry):
-    results, carries = vmapped(batch, carry)
+    results, carries = pair("fun", fun, vmapped(batch, carry),
+                            "(result, carry)")
     return results, jax.tree_util.tree_map(lambda c: c[0], carries)
 
   return batched_fun

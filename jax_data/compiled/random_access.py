@@ -162,7 +162,7 @@ class RandomPipeline(pl.RandomPipeline):
   def batch_fn(self, state: CacheState, information: bool = False,
                device_count: int = 1):
     """The next batch of the state's chain, and the advanced state."""
-    state = states.check_state(state, self.template, "batch_fn")
+    state = self.check_state(state, "batch_fn")
     call = pl.Call.checked(information, device_count)
     information, device_count = call.information, call.device_count
     self.host.check_open()
@@ -174,6 +174,14 @@ class RandomPipeline(pl.RandomPipeline):
           observation_count=self._count, mask=batch_mask,
           batch_size=self._mb_size))
     return new_state, batch
+
+  def check_state(self, state: Any, where: str) -> CacheState:
+    """``state``, checked before anything is traced, its chain too where
+    it is known (:func:`jax_data.compiled.states.check_chains`)."""
+    state = super().check_state(state, where)
+    self.host.check_open()  # a released pipeline has no chains: says so
+    states.check_chains(state.chain, self.host.chains, where)
+    return state
 
   def advance(self, state: CacheState, device_count: int = 1):
     """``batch_fn``'s step for a checked state: ``(state, batch, mask)``;

@@ -26,10 +26,12 @@ from jax_data.compiled import pipeline as pl
 from jax_data.compiled import states
 from jax_data.compiled.one_lane import names_axes
 from jax_data.compiled.one_lane import unbatched_at_one
+from jax_data.compiled.pass_loop import pair
 from jax_data.compiled.pass_loop import varying_axes
 from jax_data.types import CacheState
 from jax_data.types import MiniBatchInformation
 from jax_data.types import PyTree
+from jax_data.validation import MAX_AXIS
 from jax_data.validation import check_bool
 from jax_data.validation import check_int
 
@@ -106,6 +108,9 @@ def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
     pipeline = pl.of(batch_fn) if callable(batch_fn) else None
   except TypeError:
     pipeline = None
+  # The pipeline itself, or its init_fn or release_fn, are not batch_fn.
+  if getattr(batch_fn, "__name__", None) != "batch_fn":
+    pipeline = None
   if not isinstance(pipeline, pl.RandomPipeline):
     of_kind = ("" if pipeline is None else
                f"got the functions of a {pipeline.kind!r} pipeline: ")
@@ -143,7 +148,7 @@ def _check_length(xs: Optional[PyTree], length: Any) -> int:
     if not leading:
       raise ValueError("scan needs length when xs is None, got length=None")
     return leading.pop()
-  length = check_int("length", length, minimum=0)
+  length = check_int("length", length, minimum=0, maximum=MAX_AXIS)
   if leading and leading != {length}:
     raise ValueError(
         f"length={length} differs from the leading axis {leading.pop()} of xs")
@@ -220,8 +225,9 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
   x0 = jax.tree_util.tree_map(  # also for xs of no rows
       lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
       xs)
-  closed, (_, y_format) = jax.make_jaxpr(f, return_shape=True)(
+  closed, returned = jax.make_jaxpr(f, return_shape=True)(
       init, item(batch0, mask0, x0))
+  _, y_format = pair("f", f, returned, "(carry, y)")
   if in_lockstep(closed):
     return plain()
   # Inside shard_map the outputs vary over the mesh axes the inputs vary

@@ -4,6 +4,8 @@ batch out of their cache inside compiled code."""
 from __future__ import annotations
 
 from typing import Any
+from typing import Callable
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +62,26 @@ def check_identity(field: Any, pipeline: int, where: str) -> None:
         f"{where} got a state of another pipeline (id {foreign[0]}; this "
         f"pipeline's id is {pipeline}); use the states of this pipeline's "
         "init_fn")
+
+
+def check_chains(field: Any, chains: Callable[[], Sequence[int]],
+                 where: str) -> None:
+  """Raises if a known ``chain`` field (of stacked states too) names a
+  chain that is not among ``chains()`` (the pipeline's); traced fields are
+  checked on the host instead."""
+  try:
+    numbers = np.asarray(field)
+  except jax.errors.TracerArrayConversionError:
+    return
+  have = chains()
+  unknown = sorted(set(numbers.reshape(-1).tolist()) - set(have))
+  if unknown:
+    shown = ", ".join(map(str, have[:8])) + (", ..." if len(have) > 8
+                                             else "")
+    raise ValueError(
+        f"{where} got a state of chain {unknown[0]}, which this pipeline's "
+        f"init_fn did not create (its chains: {shown or 'none'}); use the "
+        "states of this pipeline's init_fn, batch_fn or restore_checkpoint")
 
 
 #: What a negative chunk counter of a state made by batch_fn means.

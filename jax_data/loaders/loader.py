@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jax_data.types import MiniBatchInformation
 from jax_data.types import PyTree
+from jax_data.validation import MAX_AXIS
 from jax_data.validation import check_int
 
 
@@ -77,7 +78,7 @@ class DataLoader(metaclass=abc.ABCMeta):
       Pytree of ``jax.Array`` zeros.
     """
     if mb_size is not None:
-      mb_size = check_int("mb_size", mb_size, minimum=1)
+      mb_size = check_int("mb_size", mb_size, minimum=1, maximum=MAX_AXIS)
     lead = () if mb_size is None else (mb_size,)
     return jax.tree_util.tree_map(
         lambda s: jnp.zeros(lead + tuple(s.shape), s.dtype),
@@ -95,8 +96,9 @@ class DataLoader(metaclass=abc.ABCMeta):
       Pytree of ``jax.ShapeDtypeStruct`` with leading axes
       ``(cache_size, mb_size)``, and the batches' ``MiniBatchInformation``.
     """
-    cache_size = check_int("cache_size", cache_size, minimum=1)
-    mb_size = check_int("mb_size", mb_size, minimum=1)
+    cache_size = check_int("cache_size", cache_size, minimum=1,
+                           maximum=MAX_AXIS)
+    mb_size = check_int("mb_size", mb_size, minimum=1, maximum=MAX_AXIS)
     fmt = jax.tree_util.tree_map(
         lambda s: jax.ShapeDtypeStruct((cache_size, mb_size) + tuple(s.shape),
                                        s.dtype),
