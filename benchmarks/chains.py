@@ -236,7 +236,7 @@ def _section(config: Config, results: list, processes: int) -> Section:
           Target("(g) jax_data / device-resident, every C", "<= 0.8x",
                  ", ".join(r[10] for r in rows),
                  all(device_ok) if full else None),
-          Target("(g) jax_data / compute only (C <= 16 / C = 1,024), or "
+          Target("(g) jax_data / compute only (C <= 16 / C >= 256), or "
                  "within 1.3x of compute + gather floor", "<= 2x / <= 4x",
                  ", ".join(bests),
                  all(compute_ok) if full else None),

@@ -528,15 +528,21 @@ def speed_child(request: dict[str, Any]) -> dict[str, Any]:
   # Cold first, while no other mapping of the files (no worker process of
   # the source below) keeps their pages: dropped before each call.
   loader = jax_data.NumpyDataLoader(copy=False, x=x, y=y)
-  contender = random_contender("cold", loader, data_only, config.cold_steps,
-                               rows)
-  contender.run()  # compiled
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      loader, config.cache, config.mb)
+  cold_run = data_only(batch_fn, rows, config.cold_steps)
+  jax.block_until_ready(cold_run(theta, init_fn(seed=0),
+                                 jax.random.PRNGKey(0)))  # compiled
   cold, cached = [], []
-  for _ in range(repeats):
+  for repeat in range(repeats):
     settle()  # the loader's read-ahead done: no page is being mapped
     cached.append(evict(x, y))
     start = time.perf_counter()
-    contender.run()
+    # A new chain each time: a chain's chunks read ahead while the last
+    # call settled came from pages still in memory (with a call of two
+    # chunks, every chunk timed), a new one's from the evicted files.
+    state = init_fn(seed=repeat + 1)
+    jax.block_until_ready(cold_run(theta, state, jax.random.PRNGKey(0)))
     cold.append(config.cold_steps * config.mb / (time.perf_counter() - start))
   disk = {f"{t} thread{'s' if t > 1 else ''}": disk_reads_per_second(
       request["paths"]["x"], config.cold_reads, t) for t in (1, 16)}
