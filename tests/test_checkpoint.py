@@ -354,6 +354,9 @@ def test_save_checkpoint_checks_its_path_and_leaves_nothing_half_written(
   with pytest.raises(IsADirectoryError):
     jax_data.save_checkpoint(tmp_path / "taken", pipeline, state)
   assert sorted(os.listdir(tmp_path)) == ["taken"]
+  # A bytes name is a file name too.
+  jax_data.save_checkpoint(os.fsencode(tmp_path / "b.npz"), pipeline, state)
+  assert jax_data.restore_checkpoint(tmp_path / "b.npz", pipeline).chunk == 0
 
 
 @pytest.mark.parametrize("seed", [2, jnp.int32(2), np.array(2)])

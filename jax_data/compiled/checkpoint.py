@@ -319,10 +319,10 @@ def save_checkpoint(path: Union[str, os.PathLike], pipeline: Any,
     state: The state to save (stacked states too).
   """
   try:
-    path = os.fspath(path)
+    path = os.fsdecode(path)  # a str, bytes or os.PathLike name
   except TypeError:
-    raise TypeError("path must be a file name (a str or os.PathLike), got "
-                    f"path={path!r}") from None
+    raise TypeError("path must be a file name (a str, bytes or "
+                    f"os.PathLike), got path={path!r}") from None
   tree = state_to_pytree(pipeline, state)
   partial = path + ".partial"
   try:

@@ -180,7 +180,8 @@ class RandomPipeline(pl.RandomPipeline):
     it is known (:func:`jax_data.compiled.states.check_chains`)."""
     state = super().check_state(state, where)
     self.host.check_open()  # a released pipeline has no chains: says so
-    states.check_chains(state.chain, self.host.chains, where)
+    states.check_chains(state.chain, self.host.has_chain, self.host.chains,
+                        where)
     return state
 
   def advance(self, state: CacheState, device_count: int = 1):

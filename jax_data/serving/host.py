@@ -135,6 +135,11 @@ class Host:
     """The bookkeeping of chain ``number`` (for tests and diagnostics)."""
     return self._parts.chains().record(number)
 
+  def has_chain(self, number: int) -> bool:
+    """Whether this pipeline has chain ``number`` (a lookup, not a listing:
+    eager calls check their states' chains with it)."""
+    return self._parts.chains().get(number) is not None
+
   def register(self, spec: ChainSpec) -> int:
     """Adds a chain and returns its number (``CacheState.chain``)."""
     return self._parts.chains().add(spec).number

@@ -58,7 +58,7 @@ def checked_rng(value: Any) -> Dict[str, Any]:
   Raises:
     ValueError: it is not, naming it.
   """
-  probe = np.random.PCG64()
+  probe = np.random.PCG64(0)  # seeded: no draw from the OS's entropy
   try:
     probe.state = value
   except (TypeError, ValueError, KeyError) as e:
@@ -182,8 +182,9 @@ class RandomStream:
     """Moves the stream to a position from ``get_state`` (not mutated).
 
     Raises:
-      ValueError: the position is not one of this chain's, or a field is
-        missing or out of range (named); the stream did not move.
+      TypeError, ValueError: the position is not one of this chain's, or
+        a field is missing, not an integer or out of range (named); the
+        stream did not move.
     """
     position_fields(state)  # a dict
     if state.get("stream", "exact") != "exact":
