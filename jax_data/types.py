@@ -70,7 +70,8 @@ class CacheState(NamedTuple):
   Attributes:
     pipeline: shape=(), int32. Identity of the pipeline the state belongs
       to; a pipeline refuses the states of others.
-    chain: shape=(), int32. Host chain id; -1 for device-resident pipelines.
+    chain: shape=(), int32. Host chain id; for device-resident pipelines
+      -1 (a ``jax.random`` chain) or ``-2 - mode`` (a counter-based chain).
     chunk: shape=(), int32. Index of the chunk that holds the next batch.
     position: shape=(), int32. Index of the next batch within that chunk.
     cached_chunk: shape=(), int32. Index of the chunk held in ``batches``;
@@ -78,8 +79,9 @@ class CacheState(NamedTuple):
     batches: Pytree of arrays with leading axes ``(cache_size, mb_size)``;
       an empty dict for pipelines that keep no cache on the device.
     mask: shape=(cache_size, mb_size), bool. Valid observations of ``batches``.
-    key: shape=(2,), uint32. PRNG key of device-resident random pipelines;
-      zeros for host pipelines.
+    key: shape=(2,), uint32. For device-resident pipelines, the PRNG key
+      of a ``jax.random`` chain or the seed's low and high words of a
+      counter-based chain; zeros for host pipelines.
   """
   pipeline: jax.Array
   chain: jax.Array
