@@ -79,6 +79,7 @@ class LiveHosts:
     self._changed = threading.Condition(threading.Lock())
     self._busy = 0
     self._last: Optional[float] = None  # when a request last started/ended
+    self._exiting = False  # requests refused: the interpreter exits
     self._callback_failed = False
 
   @property
@@ -124,6 +125,8 @@ class LiveHosts:
     Raises:
       PipelineReleasedError: no live pipeline has that identity.
     """
+    if self._exiting:
+      raise PipelineReleasedError("the Python interpreter is exiting")
     host = self._hosts.get(pipeline_id)
     if host is None:
       raise PipelineReleasedError(
@@ -146,17 +149,26 @@ class LiveHosts:
       self._last = time.monotonic()
       self._changed.notify_all()
 
-  def wait_until_quiet(self, quiet: float) -> None:
-    """Returns once no request has run for ``quiet`` seconds."""
+  def wait_until_quiet(self, quiet: float, timeout: float) -> bool:
+    """Waits until no request has run for ``quiet`` seconds (True), or
+    ``timeout`` seconds without such a pause (False)."""
+    deadline = time.monotonic() + timeout
     with self._changed:
       while True:
-        if self._busy:
-          self._changed.wait()
-          continue
-        idle = time.monotonic() - (self._last or 0.0)
-        if idle >= quiet:
-          return
-        self._changed.wait(quiet - idle)
+        now = time.monotonic()
+        idle = now - (self._last or 0.0)
+        if not self._busy and idle >= quiet:
+          return True
+        if now >= deadline:
+          return False
+        self._changed.wait(min(deadline, now + quiet - idle) - now
+                           if not self._busy else deadline - now)
+
+  def refuse_requests(self) -> None:
+    """From now on every request raises :class:`PipelineReleasedError`
+    at once (the interpreter exits)."""
+    with self._changed:
+      self._exiting = True
 
   def stop_prefetching(self, timeout: float = 2.0) -> None:
     """Ends every prefetch thread, also those of hosts dropped without
@@ -233,6 +245,10 @@ BATCHED = Shared(weak=True)
 
 # How long no host must have been called before the interpreter may finalize.
 _QUIET_AT_EXIT = 0.5
+# Seconds the exit hook waits for such a pause; then requests are refused,
+# and it waits up to _LAST_AT_EXIT seconds more.
+_WAIT_AT_EXIT = 5.0
+_LAST_AT_EXIT = 2.0
 
 
 @atexit.register
@@ -249,6 +265,12 @@ def _settle_at_exit() -> None:
   jax_data host has been called for ``_QUIET_AT_EXIT`` seconds (work whose
   outputs were dropped), and stops the prefetch threads.
 
+  A daemon thread whose loop keeps calling a pipeline never gives that
+  pause, and Python does not wait for daemon threads: after
+  ``_WAIT_AT_EXIT`` seconds every request raises
+  :class:`PipelineReleasedError` (so that such a loop ends), and after
+  ``_LAST_AT_EXIT`` more the interpreter exits whatever still runs.
+
   Then, if a callback raised: JAX keeps the error of such a computation in
   its per-device runtime tokens, also after later ``pmap`` computations
   succeed, and its exit hooks re-raise it ("Exception ignored in atexit
@@ -263,7 +285,9 @@ def _settle_at_exit() -> None:
         array.block_until_ready()
       except Exception:  # pylint: disable=broad-except
         pass  # a failed computation has ended too
-    LIVE_HOSTS.wait_until_quiet(_QUIET_AT_EXIT)
+    if not LIVE_HOSTS.wait_until_quiet(_QUIET_AT_EXIT, _WAIT_AT_EXIT):
+      LIVE_HOSTS.refuse_requests()
+      LIVE_HOSTS.wait_until_quiet(_QUIET_AT_EXIT, _LAST_AT_EXIT)
     LIVE_HOSTS.stop_prefetching()
     if LIVE_HOSTS.callback_failed:
       noop = jax.jit(lambda x: jax.pure_callback(

@@ -326,6 +326,45 @@ _EXIT_IN_FLIGHT = textwrap.dedent("""
     """)
 
 
+_EXIT_WITH_A_DAEMON_LOOP = textwrap.dedent("""
+    import threading, time
+    import jax, numpy as np
+    from jax import lax
+    import jax_data
+
+    init_fn, batch_fn, _ = jax_data.random_reference_data(
+        jax_data.NumpyDataLoader(x=np.arange(100.0)), 2, 4)
+    run = jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
+                                     length=4))
+
+    def loop():
+      state = init_fn(seed=0)
+      while True:
+        state, _ = jax.block_until_ready(run(state))
+
+    threading.Thread(target=loop, daemon=True).start()
+    time.sleep(1)
+    print("main thread done", flush=True)
+    """)
+
+
+def test_exit_with_a_daemon_thread_still_calling_ends():
+  """A daemon thread whose loop keeps calling a pipeline never lets the
+  exit hook see a pause; the process waited for one forever. Now requests
+  are refused after a few seconds and the process exits."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
+  done = subprocess.run([sys.executable, "-c", _EXIT_WITH_A_DAEMON_LOOP],
+                        cwd=root, env=env, capture_output=True, text=True,
+                        timeout=120)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "main thread done" in done.stdout
+  # The loop ends with the refusal, which names the exit.
+  assert "the Python interpreter is exiting" in done.stderr
+  for sign in ("terminate called", "Fatal Python error", "Aborted"):
+    assert sign not in done.stderr, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("run", range(10))
 def test_exit_with_work_in_flight_is_clean(run):
   """Ten exits of a process whose pmapped scan still draws from jax_data

@@ -305,3 +305,51 @@ def test_permutations_of_many_small_chains_stay_within_the_budget():
     np.testing.assert_array_equal(
         batches[epoch],
         fresh_run(fresh_init(seed=epoch, shuffle=True))[1]["x"])
+
+
+def test_a_chain_made_while_release_fn_runs_is_closed():
+  """init_fn in one thread while release_fn runs in another, during the
+  loader's opening of the chain's cursor: the chain used to stay in the
+  released table with its cursor open. Now init_fn raises
+  PipelineReleasedError and the cursor is closed."""
+  from jax_data.indexed import IndexedCursor
+
+  opened, closed, opening = [], [], threading.Event()
+
+  class Cursor(IndexedCursor):
+    def close(self):
+      closed.append(self)
+      super().close()
+
+  class SlowToOpen(jax_data.HostDataLoader):
+    static_information = {"observation_count": 100}
+    observation_format = {"x": jax.ShapeDtypeStruct((), np.int32)}
+
+    def open_chain(self, spec, layout):
+      opening.set()
+      time.sleep(0.3)  # a file or a tf.data iterator being opened
+
+      def read(rows, out):
+        out[0][...] = rows
+        return out
+
+      opened.append(Cursor(spec, layout, read))
+      return opened[-1]
+
+  init_fn, _, release_fn = jax_data.random_reference_data(SlowToOpen(), 2, 4)
+  results = []
+
+  def make():
+    try:
+      results.append(init_fn(seed=1))
+    except jax_data.PipelineReleasedError as e:
+      results.append(e)
+
+  maker = threading.Thread(target=make)
+  maker.start()
+  assert opening.wait(10)
+  release_fn()
+  maker.join(30)
+  assert isinstance(results[0], jax_data.PipelineReleasedError)
+  assert opened and closed == opened
+  assert init_fn.__self__.host.chains() == []

@@ -365,6 +365,8 @@ class ChainTable:
     Raises:
       ValueError: the loader refuses the spec or the position; nothing is
         added then.
+      PipelineReleasedError: the pipeline was released, also while the
+        cursor opened (it is closed then).
     """
     number, spec, cursor = self.loader.add_chain(spec, self.layout)
     index = 0
@@ -379,7 +381,14 @@ class ChainTable:
     record = ChainRecord(number, spec, cursor, {index: cursor.position()},
                          index, keep=0 if direct else self.keep)
     with self._lock:
-      self._records[number] = record
+      # Released while the cursor opened (a file, a tf.data iterator):
+      # release closed the cursors it found, not this one.
+      released = self._loader is None
+      if not released:
+        self._records[number] = record
+    if released:
+      cursor.close()
+      _ = self.loader  # raises PipelineReleasedError
     return record
 
   def save(self, number: int, chunk: int) -> Dict[str, Any]:
