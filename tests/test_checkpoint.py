@@ -344,6 +344,29 @@ def test_edited_positions_and_observations_are_refused(mode, edit, match):
   jax_data.state_from_pytree(fresh, tree)
 
 
+def test_a_checkpoint_of_the_other_x64_setting_says_so():
+  """Loaders serve 64-bit data in other dtypes with jax_enable_x64, so the
+  data's digest differs: the refusal names the setting, not other data."""
+  pipeline = _pipeline()
+  tree = jax_data.state_to_pytree(pipeline, pipeline[0](seed=0))
+  host = json.loads(tree["host"].tobytes())
+  assert host["x64"] is bool(jax.config.jax_enable_x64)
+  # As saved with the other setting: its digest of the data differs.
+  host["x64"] = not host["x64"]
+  host["fingerprint"]["data"] = "0" * 32
+  other = dict(tree, host=np.frombuffer(json.dumps(host).encode(), np.uint8))
+  here = bool(jax.config.jax_enable_x64)
+  with pytest.raises(jax_data.CheckpointError, match=f"saved with "
+                     f"jax_enable_x64={not here}, and here "
+                     f"jax_enable_x64={here}"):
+    jax_data.state_from_pytree(pipeline, other)
+  # Without the field (older checkpoints), the fingerprint's own message.
+  del host["x64"]
+  older = dict(tree, host=np.frombuffer(json.dumps(host).encode(), np.uint8))
+  with pytest.raises(jax_data.CheckpointError, match="data is '0000"):
+    jax_data.state_from_pytree(pipeline, older)
+
+
 def test_save_checkpoint_checks_its_path_and_leaves_nothing_half_written(
     tmp_path):
   pipeline = _pipeline()

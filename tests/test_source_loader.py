@@ -1,6 +1,7 @@
 """SourceDataLoader: every kind of random-access source gives exactly the
 NumpyDataLoader's streams over the stacked records."""
 
+import collections
 import gc
 import io
 import multiprocessing
@@ -927,6 +928,60 @@ def test_a_record_of_another_dtype_is_named_on_either_read(batched):
   mapper_fn, release_fn = jax_data.full_data_mapper(loader, 1, 8)
   with pytest.raises(Exception, match=r"record 5 has \['x'\] of dtype "
                      r"int32 and shape \[\], but record 0 has int64"):
+    mapper_fn(lambda batch, carry: (batch["x"], carry), None)
+  release_fn()
+
+
+class _PythonScalars:
+  """Records of Python floats, record 5 of ``odd``; ``batched`` reads
+  through ``__getitems__``."""
+
+  def __init__(self, batched, odd, first=0.0):
+    self.odd, self.first = odd, first
+    if batched:
+      self.__getitems__ = lambda indices: [self[i] for i in indices]
+
+  def __len__(self):
+    return 8
+
+  def __getitem__(self, i):
+    return {"x": self.odd if i == 5 else type(self.first)(i)}
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["plain", "batched"])
+@pytest.mark.parametrize("first, odd, message", [
+    (0.0, 5, r"record 5 has \['x'\] of dtype int64 and shape \[\], but "
+     "record 0 has float64"),
+    (0, True, r"record 5 has \['x'\] of dtype bool and shape \[\], but "
+     "record 0 has int64"),
+])
+def test_a_python_scalar_of_another_type_is_named_on_either_read(
+    batched, first, odd, message):
+  """A Python int among floats (a bool among ints) was promoted silently
+  where records are read in one batch, and refused where read one by
+  one."""
+  loader = SourceDataLoader(_PythonScalars(batched, odd, first), workers=0)
+  mapper_fn, release_fn = jax_data.full_data_mapper(loader, 1, 8)
+  with pytest.raises(Exception, match=message):
+    mapper_fn(lambda batch, carry: (batch["x"], carry), None)
+  release_fn()
+
+
+@pytest.mark.parametrize("odd, message", [
+    (lambda: collections.OrderedDict(x=np.float32(1)),
+     r"record 5 has the structure PyTreeDef\(CustomNode\(OrderedDict"),
+    (lambda: {"x": None},
+     r"record 5 has the structure PyTreeDef\(\{'x': None\}\), but record "
+     r"0 has PyTreeDef\(\{'x': \*\}\)"),
+])
+def test_records_of_the_same_keys_in_other_containers_say_so(odd, message):
+  """The keys were listed, the same on both sides (or none for a None
+  leaf): the structures tell the records apart."""
+  records = [{"x": np.float32(i)} for i in range(8)]
+  records[5] = odd()
+  loader = SourceDataLoader(records, workers=0)
+  mapper_fn, release_fn = jax_data.full_data_mapper(loader, 1, 8)
+  with pytest.raises(Exception, match=message):
     mapper_fn(lambda batch, carry: (batch["x"], carry), None)
   release_fn()
 

@@ -29,6 +29,7 @@ from typing import Sequence
 from typing import Tuple
 from typing import Union
 
+import jax
 import numpy as np
 
 from jax_data.compiled import pipeline as pl
@@ -67,7 +68,9 @@ def state_to_pytree(pipeline: Any, state: CacheState) -> Dict[str, np.ndarray]:
       saved["spec"].pop("part", None)
       chains.append(saved)
   host = {"version": FORMAT_VERSION, "lanes": list(lanes), "chains": chains,
-          "fingerprint": pipeline.fingerprint}
+          "fingerprint": pipeline.fingerprint,
+          # The dtypes a loader serves, and so its data's digest, follow it.
+          "x64": bool(jax.config.jax_enable_x64)}
   if pipeline.host is None:  # -1: a jax.random chain; -2 - mode: counter
     host["device_chains"] = arrays["chain"].astype(np.int64).ravel().tolist()
   if pipeline.global_state:
@@ -197,6 +200,14 @@ def _read_tree(tree: Any, pipeline: pl.Pipeline
   if pipeline.host is None and isinstance(saved, dict) and (
       saved.get("data") is None):
     here = {**here, "data": None}  # a device loader's, saved without one
+  x64 = bool(jax.config.jax_enable_x64)
+  if saved != here and host.get("x64", x64) != x64:
+    raise CheckpointError(
+        f"checkpoint does not fit: it was saved with jax_enable_x64="
+        f"{not x64}, and here jax_enable_x64={x64}. Loaders serve 64-bit "
+        "data as float64/int64 with it and float32/int32 without, so the "
+        "data's digest and batches differ; restore with the setting the "
+        "checkpoint was saved with")
   _check("pipeline", saved, here)
   lanes = host.get("lanes")
   if not isinstance(lanes, list) or not all(

@@ -85,6 +85,12 @@ def _as_host_array(name: str, value: Any, copy: bool) -> np.ndarray:
 
 def prepare_arrays(loader: str, copy: Any, arrays: Dict[str, Any]
              ) -> Tuple[Dict[str, np.ndarray], int]:
+  if not isinstance(copy, (bool, np.bool_)) and np.ndim(copy) > 0:
+    # NumpyDataLoader(x): the array took the place of copy.
+    raise TypeError(
+        f"{loader} takes its arrays as keyword arguments, e.g. "
+        f"{loader}(x=x, y=y); got an array of shape {np.shape(copy)} as its "
+        "first positional argument, which is copy")
   check_bool("copy", copy)
   if not arrays:
     raise ValueError(
