@@ -161,8 +161,8 @@ class LiveHosts:
           return True
         if now >= deadline:
           return False
-        self._changed.wait(min(deadline, now + quiet - idle) - now
-                           if not self._busy else deadline - now)
+        left = deadline - now
+        self._changed.wait(left if self._busy else min(left, quiet - idle))
 
   def refuse_requests(self) -> None:
     """From now on every request raises :class:`PipelineReleasedError`

@@ -165,7 +165,6 @@ class RandomPipeline(pl.RandomPipeline):
     state = self.check_state(state, "batch_fn")
     call = pl.Call.checked(information, device_count)
     information, device_count = call.information, call.device_count
-    self.host.check_open()
     new_state, batch, batch_mask = self._step(self._owner, state,
                                               device_count)
     if information:
