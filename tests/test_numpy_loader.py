@@ -2,6 +2,7 @@
 checkpoints."""
 
 import copy
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -363,3 +364,34 @@ def test_hdf5_scalars_groups_and_framework_tensors(tmp_path):
     values, _ = mapper_fn(lambda batch, carry: (batch["x"], carry), None)
     np.testing.assert_array_equal(values, x)
     release_fn()
+
+
+def test_eager_device_counter_batches_compile_once():
+  """Each eager batch_fn of a device counter chain built its draw anew and
+  compiled it again (a second, and memory mappings that add up until
+  LLVM fails): the draw is made once per size."""
+  from jax_data.compiled import device_loader
+  assert device_loader.kind_draw(10, 2) is device_loader.kind_draw(10, 2)
+  loader = DeviceNumpyDataLoader(x=np.arange(10))
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 1, 2)
+  state, _ = batch_fn(init_fn(seed=415, stream="counter"))
+  compiled = []
+  logger = logging.getLogger("jax")
+
+  class Count(logging.Handler):
+    def emit(self, record):
+      if "Finished XLA compilation" in record.getMessage():
+        compiled.append(record.getMessage())
+
+  handler, level = Count(), logger.level
+  logger.addHandler(handler)
+  logger.setLevel(logging.DEBUG)
+  try:
+    with jax.log_compiles(True):
+      for _ in range(3):
+        state, _ = batch_fn(state)
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+  assert compiled == []
+  release_fn()

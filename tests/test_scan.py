@@ -141,6 +141,26 @@ def test_a_vmap_of_one_runs_the_chains_own_program(pipeline, chains):
   assert (vmapped == plain) == (chains == 1)
 
 
+@pytest.mark.parametrize("carry, length", [(0, 3), (0.5, 0), (None, 3)])
+@pytest.mark.parametrize("chains", [1, 2])
+def test_a_carry_passed_through_unchanged_under_vmap(pipeline, chains, carry,
+                                                      length):
+  """A step that returns a Python-number carry unchanged: the vmap of one
+  chain raised "'TypedInt' object is not subscriptable" (its program
+  returns the carry as a literal of the jaxpr)."""
+  init_fn, batch_fn, _ = pipeline
+  run = lambda s: jax_data.scan(lambda c, b: (c, b["x"]), carry, s,
+                                batch_fn=batch_fn, length=length)
+  states = init_fn(seed=range(chains))
+  (got, _), ys = jax.vmap(run)(states)
+  assert np.shape(ys) == (chains, length, 4)
+  if carry is not None:
+    assert np.asarray(got).tolist() == [carry] * chains
+  for c in range(chains):
+    _, alone = run(jax.tree_util.tree_map(lambda a, c=c: a[c], states))
+    np.testing.assert_array_equal(ys[c], alone)
+
+
 @pytest.mark.parametrize("chains", [1, 3])
 def test_steps_that_close_over_per_chain_values_or_name_the_chain_axis(
     pipeline, chains):

@@ -8,6 +8,7 @@ so its pipelines make no host calls: random batches are drawn with
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 from typing import Callable
@@ -212,6 +213,7 @@ def _kinds(count: int, batch_size: int) -> List[Callable[..., Any]]:
           [by_key] + [counter(mode) for mode in modes]]
 
 
+@functools.lru_cache(maxsize=64)
 def kind_draw(count: int, batch_size: int) -> Callable[..., List[Any]]:
   """``draw(kind, key, chunk) -> [key, chunk, indices, mask]`` for chains
   of ``count`` observations and batches of ``batch_size``.

@@ -25,6 +25,7 @@ from typing import List
 
 import jax
 import jax.extend.core as jex
+import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 _AXIS_PARAMS = ("axes", "axis_name")
@@ -58,7 +59,9 @@ def unbatched_at_one(fn: Callable[..., Any], *args: Any) -> Any:
       return outs, [False] * len(outs)
     if axis_size == 1:
       outs = call([x[0] if b else x for x, b in zip(inputs, in_batched)])
-      return [out[None] for out in outs], [True] * len(outs)
+      # An output passed through unchanged may be a Python number (a
+      # literal of the jaxpr): an array first.
+      return [jnp.asarray(out)[None] for out in outs], [True] * len(outs)
     axes = [0 if b else None for b in in_batched]
     outs = jax.vmap(call, in_axes=(axes,))(inputs)
     return outs, [True] * len(outs)
