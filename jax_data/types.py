@@ -49,7 +49,12 @@ class MiniBatchInformation(NamedTuple):
   Attributes:
     observation_count: Number of observations in the dataset (Python int);
       None if the loader does not know it (a ``tf.data`` pipeline of
-      unknown length given without ``observation_count``).
+      unknown length given without ``observation_count``). A random chain
+      reports the whole data set's, also when it draws from one shard
+      (what scales a mini-batch's log-likelihood to the data's); a
+      full-data pass reports the observations it covers, a shard's for a
+      pass over a shard (``full_reference_data(..., shard_index=...,
+      shard_count=...)``).
     mask: bool array of shape ``(batch_size,)``: True for a real observation,
       False for a filler that pads the last batch of an epoch or pass.
     batch_size: Number of observations in a batch (Python int).
