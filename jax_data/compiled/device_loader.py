@@ -41,6 +41,7 @@ from jax_data.streams.sampling import ordered_batches
 from jax_data.types import CacheState
 from jax_data.types import MiniBatchInformation
 from jax_data.types import PyTree
+from jax_data.validation import MAX_AXIS
 from jax_data.validation import check_bool
 from jax_data.validation import check_int
 from jax_data.validation import check_keywords
@@ -164,7 +165,7 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
   def get_random_data(self, state: jax.Array, batch_size: int):
     # The batch's shape: a concrete int, as for init_fn's mb_size.
     batch_size = check_int("batch_size", batch_size, minimum=1,
-                           maximum=2**31 - 1)
+                           maximum=MAX_AXIS)
     key, split = jax.random.split(state)
     indices = jax.random.randint(split, (batch_size,), 0, self._count)
     batch = jax.tree_util.tree_map(lambda a: jnp.take(a, indices, axis=0),
