@@ -357,6 +357,27 @@ def test_a_state_of_another_pipeline_is_refused(pipelines):
   assert x.tolist() == y.tolist()
 
 
+def test_a_state_put_back_leaf_by_leaf_names_the_way_to_restore(pipelines):
+  """A state saved by a plain pytree checkpointer and put back into the
+  pipeline of a new process carries the old pipeline's identity: refused,
+  eagerly and inside jit, with the message naming state_from_pytree; the
+  state restored that way continues the chain."""
+  old = pipelines.random_reference_data(NumpyDataLoader(x=np.arange(20)), 2, 3)
+  state, _ = _scan(old[1], 4)(old[0](seed=5))
+  _, (expected, _) = _scan(old[1], 4)(state)
+  leaves = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(state)]
+  tree = jax_data.state_to_pytree(old, state)
+  new = pipelines.random_reference_data(NumpyDataLoader(x=np.arange(20)), 2, 3)
+  put_back = jax.tree_util.tree_unflatten(
+      jax.tree_util.tree_structure(new[0](seed=5)), leaves)
+  with pytest.raises(ValueError, match="state_from_pytree"):
+    new[1](put_back)
+  with pytest.raises(Exception, match="state_from_pytree"):
+    jax.block_until_ready(_scan(new[1], 4)(put_back))
+  _, (got, _) = _scan(new[1], 4)(jax_data.state_from_pytree(new, tree))
+  assert got.tolist() == expected.tolist()
+
+
 
 @pytest.mark.parametrize("chains", [1, 3])
 def test_a_released_pipelines_loader_is_freed_without_a_collection(

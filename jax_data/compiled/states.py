@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_data.errors import foreign_state
 from jax_data.types import CacheState
 from jax_data.types import PyTree
 
@@ -58,10 +59,7 @@ def check_identity(field: Any, pipeline: int, where: str) -> None:
     return
   foreign = sorted(set(ids[ids != pipeline].tolist()))
   if foreign:
-    raise ValueError(
-        f"{where} got a state of another pipeline (id {foreign[0]}; this "
-        f"pipeline's id is {pipeline}); use the states of this pipeline's "
-        "init_fn")
+    raise foreign_state(where, foreign[0], pipeline)
 
 
 def check_chains(field: Any, has_chain: Callable[[int], bool],

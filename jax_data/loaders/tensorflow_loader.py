@@ -209,8 +209,9 @@ class TensorflowDataLoader(HostDataLoader):
   a buffer of ``shuffle_cache`` observations and its own seed, and cut into
   batches. Ordered chains (for :func:`jax_data.full_reference_data`) pass
   over it in pipeline order, the last batch of a pass padded and masked.
-  Integer and float features come out as JAX's default types (int32 and
-  float32 unless x64 is enabled); ``uint8`` and ``bool`` stay as they are.
+  Features keep their dtype as JAX keeps it: 64-bit ones come out as
+  32-bit unless x64 is enabled (an ``int64`` label as ``int32``), others
+  (``uint8`` images, ``int16``, ``bool``) as they are.
 
   Streams are reproducible: the same seed gives the same batches, given the
   same pipeline order. The shuffle buffer works as ``tf.data``'s ``shuffle``

@@ -26,6 +26,7 @@ from typing import Tuple
 import numpy as np
 
 from jax_data.errors import PipelineReleasedError
+from jax_data.errors import foreign_state
 from jax_data.lifetime import LIVE_HOSTS
 from jax_data.lifetime import Thread
 from jax_data.loaders.chains import ChainSpec
@@ -192,10 +193,8 @@ class Host:
     try:
       for pipeline, wanted in zip(pipelines, need):
         if wanted and pipeline != self.id:
-          raise ValueError(
-              f"a state of another pipeline (id {pipeline}) was given "
-              f"to a pipeline over {self.name} (id {self.id}); use the "
-              "states of this pipeline's init_fn")
+          raise foreign_state(f"the pipeline over {self.name}", pipeline,
+                              self.id)
       targets = None  # only where chunks can be read in place
       if into is not None and store.reads_in_place(sum(need)):
         # One span, so that a group read into all of them is seen as one.
