@@ -71,6 +71,34 @@ def unbatched_at_one(fn: Callable[..., Any], *args: Any) -> Any:
                                       outs)
 
 
+def batched_here(*trees: Any) -> bool:
+  """Whether a leaf of ``trees`` is batched by a ``vmap`` traced around
+  this call now.
+
+  Not by one applied later to a program traced here (a ``vmap`` of a
+  jitted function, or of a function that ``checkify`` or ``lax.scan``
+  traced first): only a ``vmap`` around the call resolves a
+  ``custom_vmap`` at once. :func:`unbatched_at_one` is left to those, so
+  that a program traced without ``vmap`` holds no ``custom_vmap`` that
+  other transformations cannot look into (``checkify`` cannot).
+  """
+  tracers = [leaf for leaf in jax.tree_util.tree_leaves(trees)
+             if isinstance(leaf, jax.core.Tracer)]
+  if not tracers:
+    return False
+  seen = []
+  probe = custom_vmap(lambda leaves: leaves)
+
+  @probe.def_vmap
+  def _rule(axis_size, in_batched, leaves):
+    del axis_size
+    seen.append(True)
+    return leaves, in_batched[0]
+
+  probe(tracers)  # its output is not used
+  return bool(seen)
+
+
 def names_axes(jaxprs: Iterable[Any]) -> bool:
   """Whether an equation of ``jaxprs`` (or of the jaxprs inside them)
   names a mapped axis: a parameter ``axes`` or ``axis_name`` that holds

@@ -24,6 +24,7 @@ from jax.custom_batching import custom_vmap
 
 from jax_data.compiled import pipeline as pl
 from jax_data.compiled import states
+from jax_data.compiled.one_lane import batched_here
 from jax_data.compiled.one_lane import names_axes
 from jax_data.compiled.one_lane import unbatched_at_one
 from jax_data.compiled.pass_loop import pair
@@ -85,13 +86,15 @@ def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
     batches from there on; when it ends on a chunk boundary its cache is
     marked empty (``cached_chunk=-1``) instead of holding the last chunk.
 
-  Where the state's position is a traced value the loops run for a
-  number of steps only known at run time, so reverse-mode differentiation
-  (``jax.grad``, ``jax.vjp``) through ``scan`` is not supported, as for
-  ``lax.fori_loop`` with dynamic bounds: differentiate through a
-  ``lax.scan`` whose body calls ``batch_fn`` instead. Forward-mode
-  (``jax.jvp``) and ``f``'s own gradients inside the steps (a sampler's
-  gradient of its log-density) work.
+  Where the state's position is a traced value a host loader's loops run
+  for a number of steps only known at run time, so reverse-mode
+  differentiation (``jax.grad``, ``jax.vjp``) through ``scan`` is not
+  supported, as for ``lax.fori_loop`` with dynamic bounds; nor is it under
+  ``jax.vmap``, for any loader: differentiate through a ``lax.scan`` whose
+  body calls ``batch_fn`` instead. (``DeviceNumpyDataLoader``'s loops are
+  scans of a fixed length, which ``jax.grad`` goes through outside
+  ``jax.vmap``.) Forward-mode (``jax.jvp``) and ``f``'s own gradients
+  inside the steps (a sampler's gradient of its log-density) work.
 
   Under ``jax.vmap`` over a batch of one chain, the chain's own program
   runs, without the batch axis (:mod:`jax_data.compiled.one_lane`: XLA's
@@ -99,7 +102,10 @@ def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
   ``f`` names a mapped axis (``lax.psum`` over the vmap's ``axis_name``).
   A step with a collective over a named axis, or an effect other than
   ``jax.debug``'s, runs as that ``lax.scan`` over ``batch_fn``, every lane
-  at the same step (:func:`in_lockstep`).
+  at the same step (:func:`in_lockstep`). Outside ``jax.vmap``, and under
+  a ``vmap`` applied to a program traced first (a ``vmap`` of a jitted or
+  checkified function), the loops run as they are, so that
+  ``checkify`` sees into the steps.
 
   Raises:
     TypeError, ValueError: bad arguments, named with their values.
@@ -128,10 +134,11 @@ def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
     return pipeline.scan_batches(f, init, state, xs, length, information,
                                  device_count)
 
-  if not isinstance(state.position, jax.core.Tracer):
-    # Run as it is (not traced, so no program to compile for a vmap of
-    # one): with a known position the loops are scans, which reverse-mode
-    # differentiation goes through.
+  if not batched_here(init, state, xs):
+    # Run as it is, outside a vmap (a vmap of one is what the one-lane
+    # program is for): with a known position the loops are scans, which
+    # reverse-mode differentiation goes through, and checkify sees into
+    # the steps under jit.
     return loop(init, state, xs)
   return unbatched_at_one(loop, init, state, xs)
 
