@@ -190,3 +190,14 @@ RandomBatch = Tuple[InitFn, BatchFn, ReleaseFn]
 #: What :func:`~jax_data.full_reference_data` returns, unpacked:
 #: ``(init_fn, map_fn, release_fn)`` (a name the predecessor exported).
 OrderedBatch = Tuple[InitFn, MapFn, ReleaseFn]
+
+
+# A device loader's programs serialize with jax.export (a host loader's
+# call the host, which JAX does not serialize); they take and return these.
+for _type in (CacheState, MiniBatchInformation):
+  try:
+    jax.export.register_namedtuple_serialization(
+        _type, serialized_name=f"jax_data.{_type.__name__}")
+  except ValueError:  # registered already (the module was reloaded)
+    pass
+del _type

@@ -404,3 +404,25 @@ def test_reverse_mode_through_the_device_loaders_scan_under_jit():
   np.testing.assert_allclose(jax.jit(jax.grad(loss))(0.3, state),
                              jax.grad(reference)(0.3, state), rtol=1e-5)
   release_fn()
+
+
+def test_jax_export_of_a_device_loaders_program():
+  """A device loader's program, taking and returning states and batch
+  information, serializes with jax.export and runs as the original does; a
+  host loader's calls the host, which JAX does not serialize."""
+  from jax import export
+  loader = jax_data.DeviceNumpyDataLoader(x=np.arange(23, dtype=np.float32))
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 3, 4)
+  state = init_fn(seed=0, stream="counter")
+  run = jax.jit(lambda s: jax_data.scan(_step, 0.0, s, batch_fn=batch_fn,
+                                        length=9, information=False))
+  draw = jax.jit(lambda s: batch_fn(s, information=True))
+  for fn in (run, draw):
+    exported = export.deserialize(export.export(fn)(state).serialize())
+    _same(exported.call(state), fn(state))
+  release_fn()
+  host = jax_data.random_reference_data(jax_data.NumpyDataLoader(
+      x=np.arange(23.0)), 3, 4)
+  with pytest.raises(NotImplementedError, match="host_callbacks"):
+    export.export(jax.jit(host.batch_fn))(host.init_fn()).serialize()
+  host.release_fn()
