@@ -174,6 +174,43 @@ def test_checkify_sees_into_the_steps(pipeline, form):
   assert "step 6 of at most 6" in error.get()
 
 
+@pytest.mark.parametrize("init", [0, 0.0, (0, 1.5)])
+@pytest.mark.parametrize("x64", [False, True])
+def test_a_python_number_carry_takes_the_steps_dtype(pipeline, init, x64):
+  """A Python-number init that the step turns into the batch's dtype
+  (0 for a sum of float32 data; 0.0 under x64) is promoted as lax.scan
+  promotes it; it failed with 'cond branches must have equal output
+  types'."""
+  init_fn, batch_fn, _ = pipeline
+  step = lambda total, batch: (jax.tree_util.tree_map(
+      lambda t: t + jnp.sum(batch["x"].astype(jnp.float32)), total),
+      batch["x"])
+  with jax.enable_x64(x64):
+    state = init_fn(seed=1)
+    want = jax.jit(lambda t, s: _loop(batch_fn, step, t, s, None, 13))(
+        init, state)
+    got = jax.jit(lambda t, s: jax_data.scan(step, t, s, batch_fn=batch_fn,
+                                             length=13))(init, state)
+    _same_run(got, want)
+    assert ([leaf.dtype for leaf in jax.tree_util.tree_leaves(got[0][0])]
+            == [np.float32] * len(jax.tree_util.tree_leaves(init)))
+    (carry, _), _ = jax.vmap(lambda s: jax_data.scan(
+        step, init, s, batch_fn=batch_fn, length=13))(init_fn(seed=range(2)))
+    assert ([leaf.dtype for leaf in jax.tree_util.tree_leaves(carry)]
+            == [np.float32] * len(jax.tree_util.tree_leaves(init)))
+
+
+@pytest.mark.parametrize("init, returned, message", [
+    (np.float32(0), lambda t: jnp.int32(1), "init has float32.*int32"),
+    (np.zeros(2, np.float32), lambda t: jnp.zeros(3), r"float32\[2\].*\[3\]"),
+    ((0.0, 1), lambda t: t[0], "structure")])
+def test_a_carry_of_another_type_is_named(pipeline, init, returned, message):
+  init_fn, batch_fn, _ = pipeline
+  with pytest.raises(TypeError, match=message):
+    jax.jit(lambda s: jax_data.scan(lambda t, b: (returned(t), 0), init, s,
+                                    batch_fn=batch_fn, length=7))(init_fn())
+
+
 @pytest.mark.parametrize("carry, length", [(0, 3), (0.5, 0), (None, 3)])
 @pytest.mark.parametrize("chains", [1, 2])
 def test_a_carry_passed_through_unchanged_under_vmap(pipeline, chains, carry,

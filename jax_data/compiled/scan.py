@@ -188,6 +188,38 @@ def in_lockstep(closed: Any) -> bool:
       type(effect).__name__ != "DebugEffect" for effect in closed.effects)
 
 
+def promoted_carry(init: PyTree, returned: PyTree) -> PyTree:
+  """``init`` with its weakly typed leaves (Python numbers) in the dtypes
+  ``f`` returns for them, as ``lax.scan`` promotes them (``0`` for a sum
+  of float32 batches, or ``0.0`` for one of float32 batches under x64);
+  ``init`` itself if none changes.
+
+  Raises:
+    TypeError: ``f`` returns a carry of another structure, or a leaf of
+      another shape, or of another dtype where ``init``'s is not weak.
+  """
+  leaves, tree = jax.tree_util.tree_flatten(init)
+  formats, returned_tree = jax.tree_util.tree_flatten(returned)
+  if tree != returned_tree:
+    raise TypeError(
+        f"f must return a carry of init's structure: init is {tree}, f "
+        f"returned {returned_tree}")
+  out, changed = [], False
+  for leaf, format in zip(leaves, formats):
+    given = jax.typeof(leaf)
+    if given.shape != format.shape or (
+        given.dtype != format.dtype and not given.weak_type):
+      raise TypeError(
+          f"f must return a carry of init's shapes and dtypes: init has "
+          f"{given.str_short()}, f returned "
+          f"{jax.typeof(jnp.zeros(format.shape, format.dtype)).str_short()}"
+          " for it")
+    if given.weak_type and not getattr(format, "weak_type", False):
+      leaf, changed = lax.convert_element_type(leaf, format.dtype), True
+    out.append(leaf)
+  return jax.tree_util.tree_unflatten(tree, out) if changed else init
+
+
 def chunked_scan(f, init, state: CacheState, xs, length: int,
                  information: bool, device_count: int, *, fetch, refresh,
                  observation_count: int, mb_size: int, plain):
@@ -232,11 +264,19 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
   x0 = jax.tree_util.tree_map(  # also for xs of no rows
       lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
       xs)
-  closed, returned = jax.make_jaxpr(f, return_shape=True)(
-      init, item(batch0, mask0, x0))
-  _, y_format = pair("f", f, returned, "(carry, y)")
+  def trace(init):
+    closed, returned = jax.make_jaxpr(f, return_shape=True)(
+        init, item(batch0, mask0, x0))
+    return (closed,) + pair("f", f, returned, "(carry, y)")
+
+  closed, carry_format, y_format = trace(init)
   if in_lockstep(closed):
-    return plain()
+    return plain()  # a lax.scan, which promotes init as below itself
+  promoted = promoted_carry(init, carry_format)
+  if promoted is not init:
+    init = promoted
+    closed, carry_format, y_format = trace(init)
+    promoted_carry(init, carry_format)
   # Inside shard_map the outputs vary over the mesh axes the inputs vary
   # over: so must the buffer they are written into, a loop carry.
   axes = tuple(sorted(varying_axes((init, state, xs))))
