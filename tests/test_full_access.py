@@ -56,6 +56,23 @@ def test_every_observation_once_in_order_pass_after_pass(loader_cls, n, mb,
     assert padding.tolist() == x[:per_pass * mb - n].tolist()
 
 
+@pytest.mark.parametrize("loader_cls", [NumpyDataLoader, DeviceNumpyDataLoader])
+def test_passes_under_x64_and_strict_promotion(loader_cls, pipelines):
+  """A pass whose last batch is padded, under jax_enable_x64 with strict
+  dtype promotion: the library's own index arithmetic mixed int32 and
+  int64 (TypePromotionError) and the pass failed."""
+  with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
+    x = np.arange(10, dtype=np.float32)
+    mapper, _ = pipelines.full_data_mapper(loader_cls(x=x), 2, 4)
+    values, _ = jax.jit(lambda: mapper(lambda b, c: (b["x"], c), None))()
+    assert values.tolist() == x.tolist()
+    init_fn, map_fn, _ = pipelines.full_reference_data(loader_cls(x=x), 2, 4)
+    _, (batches, _) = jax.jit(lambda s: map_fn(
+        lambda b, m, c: (jnp.where(m, b["x"], -1.0), c), s, None,
+        masking=True))(init_fn())
+    assert batches.reshape(-1).tolist() == x.tolist() + [-1.0, -1.0]
+
+
 def test_guide_sum_of_potentials(pipelines):
   loader = NumpyDataLoader(base=jnp.arange(10))
   init_fun, map_fun, _ = pipelines.full_reference_data(loader, 3, 4)

@@ -83,7 +83,10 @@ class PassPlan:
     filled = self.count - (self.batches - 1) * self.mb_size
     if filled == self.mb_size:
       return True
-    batch = chunk * self.cache_size + jnp.arange(shape[0])[:, None]
+    # In the chunk's dtype: an int64 arange under x64 broke strict
+    # dtype promotion (jax_numpy_dtype_promotion="strict").
+    batch = chunk * self.cache_size + jnp.arange(
+        shape[0], dtype=jnp.result_type(chunk))[:, None]
     return ~((batch == self.batches - 1)
              & (jnp.arange(shape[1])[None, :] >= filled))
 

@@ -349,8 +349,12 @@ def ordered_batches(first: Any, count: int, mb_size: int,
   """
   n = observations.count
   batches_per_pass = batches_per_pass or -(-n // mb_size)
-  batch = (first + xp.arange(count)) % batches_per_pass
-  positions = batch[:, None] * mb_size + xp.arange(mb_size)[None, :]
+  # Traced, in first's dtype: an int64 arange under x64 broke strict
+  # dtype promotion (jax_numpy_dtype_promotion="strict").
+  index = getattr(first, "dtype", None)
+  batch = (first + xp.arange(count, dtype=index)) % batches_per_pass
+  positions = (batch[:, None] * mb_size
+               + xp.arange(mb_size, dtype=index)[None, :])
   return positions % n + observations.start, positions < n
 
 
