@@ -367,6 +367,35 @@ def test_a_checkpoint_of_the_other_x64_setting_says_so():
     jax_data.state_from_pytree(pipeline, older)
 
 
+@pytest.mark.parametrize("setting", ["jax_enable_x64",
+                                     "jax_threefry_partitionable"])
+def test_device_key_chains_restore_only_under_their_random_settings(setting):
+  """A device loader's jax.random chain draws other batches from the same
+  key with the other x64 setting (randint's dtype) or threefry setting,
+  and float32 data has the same digest under both: such a restore served
+  other batches silently. It is refused, naming the setting; counter
+  chains, which follow neither, restore."""
+  loader = jax_data.DeviceNumpyDataLoader(x=np.arange(40, dtype=np.float32))
+  pipeline = jax_data.random_reference_data(loader, 1, 4)
+  keyed = pipeline.init_fn(key=jax.random.PRNGKey(3))
+  counter = pipeline.init_fn(seed=3, stream="counter")
+  trees = [jax_data.state_to_pytree(pipeline, state)
+           for state in (keyed, counter)]
+  here = bool(getattr(jax.config, setting))
+  flip = {"jax_enable_x64": jax.enable_x64,
+          "jax_threefry_partitionable": jax.threefry_partitionable}[setting]
+  with flip(not here):
+    other = jax_data.random_reference_data(jax_data.DeviceNumpyDataLoader(
+        x=np.arange(40, dtype=np.float32)), 1, 4)
+    with pytest.raises(jax_data.CheckpointError,
+                       match=f"{setting}={here} when saved and {not here}"):
+      jax_data.state_from_pytree(other, trees[0])
+    restored = jax_data.state_from_pytree(other, trees[1])
+    _, batch = other.batch_fn(restored)
+  _, want = pipeline.batch_fn(counter)
+  assert batch["x"].tolist() == want["x"].tolist()
+
+
 def test_save_checkpoint_checks_its_path_and_leaves_nothing_half_written(
     tmp_path):
   pipeline = _pipeline()

@@ -214,6 +214,40 @@ def test_device_loader_draws_with_key():
   assert loader.get_full_data()["x"].tolist() == list(range(10))
 
 
+@pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])
+def test_device_loader_chains_under_another_default_prng(impl):
+  """Under jax_default_prng_impl="rbg" a device pipeline refused its own
+  default state (key data of 4 words, expected 2) and every counter chain
+  failed in the jax.random branch. jax.random chains draw with
+  threefry2x32 whatever the default: the same batches as under it; a key
+  of another impl is refused by name."""
+  def batches(**kwargs):
+    loader = DeviceNumpyDataLoader(x=np.arange(20))
+    init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 1, 4)
+    state, out = init_fn(**kwargs), []
+    for _ in range(3):
+      state, batch = jax.jit(batch_fn)(state)
+      out.append(batch["x"].tolist())
+    return out
+
+  cases = [{}, {"key": jax.random.key(5, impl="threefry2x32")},
+           {"key": np.array([0, 5], np.uint32)},
+           {"seed": 3, "shuffle": True, "stream": "counter"}]
+  want = [batches(**kwargs) for kwargs in cases]
+  with jax.default_prng_impl(impl):
+    assert [batches(**kwargs) for kwargs in cases] == want
+    with pytest.raises(TypeError, match=f"impl {impl}"):
+      batches(key=jax.random.key(1))
+    with pytest.raises(TypeError, match=f"jax_default_prng_impl is '{impl}'"):
+      batches(key=jax.random.PRNGKey(1))
+    # The predecessor's draw takes the caller's keys as they are.
+    loader = DeviceNumpyDataLoader(x=np.arange(20))
+    key, (batch, _) = loader.get_random_data(jax.random.PRNGKey(1), 4)
+    assert key.shape == jax.random.PRNGKey(1).shape
+    _, (again, _) = loader.get_random_data(loader.init_random_data(), 4)
+    assert again["x"].shape == (4,)
+
+
 def test_recycled_buffers_never_overwrite_a_chunk_in_use():
   loader = NumpyDataLoader(x=np.arange(1000))
   chain = loader.register_random_pipeline(4, 8, seed=2)

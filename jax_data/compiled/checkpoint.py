@@ -70,7 +70,10 @@ def state_to_pytree(pipeline: Any, state: CacheState) -> Dict[str, np.ndarray]:
   host = {"version": FORMAT_VERSION, "lanes": list(lanes), "chains": chains,
           "fingerprint": pipeline.fingerprint,
           # The dtypes a loader serves, and so its data's digest, follow it.
-          "x64": bool(jax.config.jax_enable_x64)}
+          "x64": bool(jax.config.jax_enable_x64),
+          # A device loader's jax.random chains draw by it too.
+          "threefry_partitionable": bool(
+              jax.config.jax_threefry_partitionable)}
   if pipeline.host is None:  # -1: a jax.random chain; -2 - mode: counter
     host["device_chains"] = arrays["chain"].astype(np.int64).ravel().tolist()
   if pipeline.global_state:
@@ -171,7 +174,31 @@ def state_from_pytree(pipeline: Any, tree: Dict[str, Any],
   chain = np.full(lanes, -1, np.int32)
   if pipeline.host is None and "device_chains" in host:
     chain = _device_chains(host["device_chains"], lanes)
+  if pipeline.host is None and (chain == -1).any():
+    _check_random_settings(host)
   return pipeline.restore_lanes(host["chains"], arrays, lanes, chain)
+
+
+def _check_random_settings(host: Dict[str, Any]) -> None:
+  """Refuses to restore ``jax.random`` chains (a device loader's
+  ``init_fn(key=...)``) under the settings their draws follow, where they
+  differ from the saved ones: ``jax.random.randint`` draws int64 indices
+  under x64 and int32 ones without, and threefry's bits depend on
+  ``jax_threefry_partitionable``; the same key then gives other batches.
+  Checkpoints that did not record a setting are not checked for it."""
+  here = {"jax_enable_x64": bool(jax.config.jax_enable_x64),
+          "jax_threefry_partitionable": bool(
+              jax.config.jax_threefry_partitionable)}
+  saved = {"jax_enable_x64": host.get("x64"),
+           "jax_threefry_partitionable": host.get("threefry_partitionable")}
+  differ = [f"{name}={saved[name]} when saved and {here[name]} here"
+            for name in here
+            if saved[name] is not None and saved[name] != here[name]]
+  if differ:
+    raise CheckpointError(
+        "checkpoint does not fit: its jax.random chains (init_fn(key=...)) "
+        f"draw other batches from the same key under other settings: "
+        f"{'; '.join(differ)}. Restore with the settings it was saved with")
 
 
 def _read_tree(tree: Any, pipeline: pl.Pipeline

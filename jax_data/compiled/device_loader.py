@@ -90,25 +90,15 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
     return self._digest
 
   def init_random_data(self, **kwargs: Any) -> jax.Array:
-    """A chain's PRNG key: keyword ``key`` (default ``PRNGKey(0)``)."""
+    """A chain's PRNG key data: keyword ``key`` (default ``key(0)``), a
+    ``threefry2x32`` key (:data:`KEY_IMPL`) whatever
+    ``jax_default_prng_impl`` is."""
     check_keywords("a random chain of DeviceNumpyDataLoader", kwargs,
                    ("key",))
     key = kwargs.get("key")
     if key is None:
-      return jax.random.PRNGKey(0)
-    try:
-      if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-      key = jnp.asarray(key)
-    except TypeError:
-      raise TypeError(
-          "key must be a PRNG key (jax.random.PRNGKey or jax.random.key), "
-          f"got key={key!r:.200}") from None
-    if key.shape != (2,) or key.dtype != jnp.uint32:
-      raise TypeError(
-          f"key must be a PRNG key (jax.random.PRNGKey or jax.random.key), "
-          f"got key with shape {key.shape} and dtype {key.dtype}")
-    return key
+      return jax.random.key_data(jax.random.key(0, impl=KEY_IMPL))
+    return key_data(key)
 
   def made_chains(self, count: int) -> int:
     """Notes ``count`` counter-based chains made (every check passed);
@@ -166,7 +156,14 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
     # The batch's shape: a concrete int, as for init_fn's mb_size.
     batch_size = check_int("batch_size", batch_size, minimum=1,
                            maximum=MAX_AXIS)
-    key, split = jax.random.split(state)
+    if is_typed(state) or np.shape(state) != (2,):
+      # A key as the caller's JAX makes them: typed, or the raw data of
+      # another default impl (rbg's has 4 words).
+      key, split = jax.random.split(state)
+    else:
+      key, split = jax.random.split(
+          jax.random.wrap_key_data(state, impl=KEY_IMPL))
+      key = jax.random.key_data(key)
     indices = jax.random.randint(split, (batch_size,), 0, self._count)
     batch = jax.tree_util.tree_map(lambda a: jnp.take(a, indices, axis=0),
                                    self._arrays)
@@ -179,6 +176,51 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
     return self._arrays
 
 
+# The PRNG of jax.random chains: their states hold its key data (two
+# words), whatever jax_default_prng_impl is (rbg's keys have four).
+KEY_IMPL = "threefry2x32"
+
+
+def is_typed(key: Any) -> bool:
+  """Whether ``key`` is a typed key (``jax.random.key``), not key data."""
+  return jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key)
+
+
+def key_data(key: Any) -> jax.Array:
+  """The data of a :data:`KEY_IMPL` key, typed or raw (``PRNGKey``).
+
+  Raises:
+    TypeError: not a key, or a key of another impl, named.
+  """
+  how = (f"jax.random.key(seed, impl={KEY_IMPL!r}), or "
+         f"jax.random.PRNGKey(seed) where jax_default_prng_impl is "
+         f"{KEY_IMPL!r}")
+  try:
+    typed = is_typed(key)
+  except TypeError:
+    raise TypeError(f"key must be a PRNG key ({how}), got key={key!r:.200}"
+                    ) from None
+  if typed:
+    impl = jax.random.key_impl(key)
+    name = str(impl)
+    if name != KEY_IMPL or np.shape(key) != ():
+      raise TypeError(
+          f"key must be one {KEY_IMPL} key ({how}); DeviceNumpyDataLoader's "
+          f"jax.random chains draw with {KEY_IMPL}; got a key of impl "
+          f"{name} and shape {np.shape(key)}")
+    return jax.random.key_data(key)
+  data = jnp.asarray(key)
+  if data.shape != (2,) or data.dtype != jnp.uint32:
+    default = jax.config.jax_default_prng_impl
+    raise TypeError(
+        f"key must be a {KEY_IMPL} key ({how}), got key data with shape "
+        f"{data.shape} and dtype {data.dtype}"
+        + ("" if default == KEY_IMPL else
+           f" (jax_default_prng_impl is {default!r}: PRNGKey makes its "
+           "keys)"))
+  return data
+
+
 def _kinds(count: int, batch_size: int) -> List[Callable[..., Any]]:
   """A chain's draw of ``[key, chunk, indices, mask]`` from its ``kind``,
   ``key`` and ``chunk``, per kind (``-1 - state.chain``): ``jax.random``,
@@ -188,9 +230,10 @@ def _kinds(count: int, batch_size: int) -> List[Callable[..., Any]]:
   switch's branches must."""
 
   def by_key(key, chunk):
-    key, split = jax.random.split(key)
+    key, split = jax.random.split(jax.random.wrap_key_data(key,
+                                                           impl=KEY_IMPL))
     indices = jax.random.randint(split, (batch_size,), 0, count)
-    return (key, chunk, indices.astype(jnp.uint32),
+    return (jax.random.key_data(key), chunk, indices.astype(jnp.uint32),
             jnp.ones(batch_size, jnp.bool_))
 
   def counter(mode):
