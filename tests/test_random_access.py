@@ -357,6 +357,21 @@ def test_a_state_of_another_pipeline_is_refused(pipelines):
   assert x.tolist() == y.tolist()
 
 
+def test_stacked_states_given_to_one_chains_functions_are_named(pipelines):
+  """A PRNGKey given as seed makes two chains (a sequence of two seeds);
+  their stacked states given to batch_fn or scan were refused as 'a field
+  has shape (2,)', which named neither the stacking nor vmap."""
+  init_fn, batch_fn, _ = pipelines.random_reference_data(
+      NumpyDataLoader(x=np.arange(20)), 2, 3)
+  stacked = init_fn(seed=jax.random.PRNGKey(3))
+  for call in (batch_fn, jax.jit(batch_fn), lambda s: jax_data.scan(
+      lambda c, b: (c, None), 0, s, batch_fn=batch_fn, length=3)):
+    with pytest.raises(TypeError, match="states of 2 chains stacked.*vmap"):
+      call(stacked)
+  _, batches = jax.vmap(batch_fn)(stacked)
+  assert batches["x"].shape == (2, 3)
+
+
 def test_a_state_put_back_leaf_by_leaf_names_the_way_to_restore(pipelines):
   """A state saved by a plain pytree checkpointer and put back into the
   pipeline of a new process carries the old pipeline's identity: refused,

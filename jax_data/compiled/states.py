@@ -37,8 +37,19 @@ def check_state(state: Any, expected: CacheState, where: str) -> CacheState:
     raise TypeError(
         f"state does not belong to this pipeline: its structure is {got}, "
         f"expected {want}")
-  for g, w in zip(jax.tree_util.tree_leaves(state),
-                  jax.tree_util.tree_leaves(expected)):
+  pairs = list(zip(jax.tree_util.tree_leaves(state),
+                   jax.tree_util.tree_leaves(expected)))
+  stacked = {np.shape(g)[:np.ndim(g) - np.ndim(w)] for g, w in pairs
+             if np.shape(g)[np.ndim(g) - np.ndim(w):] == np.shape(w)}
+  if len(stacked) == 1 and len(pairs) == sum(
+      np.ndim(g) > np.ndim(w) for g, w in pairs):
+    raise TypeError(
+        f"{where} got the states of {' x '.join(map(str, stacked.pop()))} "
+        "chains stacked (init_fn makes one per seed of a sequence, and a "
+        "jax.random.PRNGKey given as seed is a sequence of two), where it "
+        "takes one chain's: map it over them with jax.vmap, or give "
+        "init_fn one integer seed")
+  for g, w in pairs:
     # Inside vmap/pmap a state has its unbatched shapes again.
     if np.shape(g) != np.shape(w) or jnp.result_type(g) != jnp.result_type(w):
       raise TypeError(
