@@ -280,19 +280,30 @@ def _settle_at_exit() -> None:
   if not LIVE_HOSTS.called:
     return
   try:
-    for array in jax.live_arrays():
-      try:
-        array.block_until_ready()
-      except Exception:  # pylint: disable=broad-except
-        pass  # a failed computation has ended too
-    if not LIVE_HOSTS.wait_until_quiet(_QUIET_AT_EXIT, _WAIT_AT_EXIT):
+    try:
+      for array in jax.live_arrays():
+        try:
+          array.block_until_ready()
+        except Exception:  # pylint: disable=broad-except
+          pass  # a failed computation has ended too
+      if not LIVE_HOSTS.wait_until_quiet(_QUIET_AT_EXIT, _WAIT_AT_EXIT):
+        LIVE_HOSTS.refuse_requests()
+        LIVE_HOSTS.wait_until_quiet(_QUIET_AT_EXIT, _LAST_AT_EXIT)
+    except KeyboardInterrupt:
+      # Ctrl-C again while this waits: stop waiting, but refuse requests
+      # first and keep the last short wait, so that a loop still calling
+      # back ends before the interpreter finalizes (skipping both aborted
+      # the process). A third Ctrl-C ends that wait too.
       LIVE_HOSTS.refuse_requests()
-      LIVE_HOSTS.wait_until_quiet(_QUIET_AT_EXIT, _LAST_AT_EXIT)
+      try:
+        LIVE_HOSTS.wait_until_quiet(_QUIET_AT_EXIT, _LAST_AT_EXIT)
+      except KeyboardInterrupt:
+        pass
     LIVE_HOSTS.stop_prefetching()
     if LIVE_HOSTS.callback_failed:
       noop = jax.jit(lambda x: jax.pure_callback(
           lambda x: x, jax.ShapeDtypeStruct((), jnp.int32), x))
       for device in jax.local_devices():
         jax.block_until_ready(noop(jax.device_put(np.int32(0), device)))
-  except Exception:  # pylint: disable=broad-except
+  except (Exception, KeyboardInterrupt):  # pylint: disable=broad-except
     pass  # at exit, nothing is left to tell

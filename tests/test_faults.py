@@ -1,6 +1,7 @@
 """Loader failures reach the user with context; nothing hangs or aborts."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -363,6 +364,33 @@ def test_exit_with_a_daemon_thread_still_calling_ends():
   assert "the Python interpreter is exiting" in done.stderr
   for sign in ("terminate called", "Fatal Python error", "Aborted"):
     assert sign not in done.stderr, done.stderr[-3000:]
+
+
+def test_ctrl_c_twice_while_the_exit_hook_waits_does_not_abort():
+  """Ctrl-C ends the main thread while a daemon thread's loop calls a
+  pipeline, and Ctrl-C again while the exit hook waits: the second one
+  skipped the refusal of requests, and the loop's next callback during
+  finalization aborted the process (SIGABRT), 8 of 8 times."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
+  script = _EXIT_WITH_A_DAEMON_LOOP.replace(
+      'print("main thread done", flush=True)',
+      'print("main thread done", flush=True)\nwhile True:\n  time.sleep(0.1)')
+  child = subprocess.Popen([sys.executable, "-c", script], cwd=root, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+  try:
+    assert child.stdout.readline().strip() == "main thread done"
+    child.send_signal(signal.SIGINT)  # the main thread ends
+    time.sleep(1.5)
+    child.send_signal(signal.SIGINT)  # while the exit hook waits
+    _, stderr = child.communicate(timeout=120)
+  finally:
+    child.kill()
+  # Ended by the first SIGINT (-2), as Python ends after KeyboardInterrupt.
+  assert child.returncode == -signal.SIGINT, stderr[-3000:]
+  for sign in ("terminate called", "Fatal Python error", "Aborted"):
+    assert sign not in stderr, stderr[-3000:]
 
 
 @pytest.mark.parametrize("run", range(10))
