@@ -366,6 +366,74 @@ def test_exit_with_a_daemon_thread_still_calling_ends():
     assert sign not in done.stderr, done.stderr[-3000:]
 
 
+class InterruptedOnce(NumpyDataLoader):
+  """Raises KeyboardInterrupt (Ctrl-C landing in a read) once."""
+
+  interrupted = False
+
+  def get_batches(self, chain_id):
+    if not self.interrupted:
+      self.interrupted = True
+      raise KeyboardInterrupt
+    return super().get_batches(chain_id)
+
+
+@pytest.mark.parametrize("where", ["claim", "settle", "read"])
+def test_ctrl_c_inside_a_request_leaves_the_chain_usable(where, monkeypatch):
+  """Ctrl-C landing between a request's claim of a chunk and its answer
+  (inside the claim, or as the answer was set) left an unanswered chunk
+  on the shelf: the next request with the same state waited for it
+  forever. Landing in a read, it was reported as a loader failure. Now
+  the same state gives the batch an uninterrupted chain gives."""
+  from jax_data.serving import chain_records
+  from jax_data.serving import production
+  armed = [where != "read"]
+
+  def fire():
+    if armed[0]:
+      armed[0] = False
+      raise KeyboardInterrupt
+
+  if where == "claim":
+    claim = chain_records.Shelf.claim
+
+    def claim_then_fire(self, *args):
+      out = claim(self, *args)
+      if out[1]:
+        fire()
+      return out
+
+    monkeypatch.setattr(chain_records.Shelf, "claim", claim_then_fire)
+  elif where == "settle":
+    settle = production.settle
+
+    def fire_then_settle(future, result=None, error=None):
+      if error is None:
+        fire()
+      return settle(future, result, error)
+
+    monkeypatch.setattr(production, "settle", fire_then_settle)
+  make = InterruptedOnce if where == "read" else NumpyDataLoader
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      make(x=np.arange(1000.0)), 2, 4)
+  state = init_fn(seed=0)
+  with pytest.raises(BaseException) as info:
+    batch_fn(state)
+  assert "KeyboardInterrupt" in f"{info.type.__name__}: {info.value}"
+  assert "HostLoaderError" not in str(info.value)
+  got = []
+  retry = threading.Thread(target=lambda: got.append(batch_fn(state)[1]),
+                           daemon=True)
+  retry.start()
+  retry.join(60)
+  assert got, "the request after the interrupt did not end"
+  want_init, want_batch, want_release = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(1000.0)), 2, 4)
+  assert got[0]["x"].tolist() == want_batch(want_init(seed=0))[1]["x"].tolist()
+  release_fn()
+  want_release()
+
+
 def test_ctrl_c_twice_while_the_exit_hook_waits_does_not_abort():
   """Ctrl-C ends the main thread while a daemon thread's loop calls a
   pipeline, and Ctrl-C again while the exit hook waits: the second one

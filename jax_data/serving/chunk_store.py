@@ -48,6 +48,7 @@ import threading
 from typing import Any
 from typing import Callable
 from typing import Deque
+from typing import Dict
 from typing import List
 from typing import Optional
 from typing import Protocol
@@ -57,11 +58,13 @@ from typing import Tuple
 from jax_data.loaders.chains import Chunk
 from jax_data.serving.chain_records import ChainRecord
 from jax_data.serving.chain_records import ChainTable
+from jax_data.serving.chain_records import Job
 from jax_data.serving.chain_records import Shelf
 from jax_data.serving.chain_records import settle
 from jax_data.serving.cursor_budget import CursorBudget
 from jax_data.serving.production import Answer
 from jax_data.serving.production import Producer
+from jax_data.serving.production import interrupted
 
 # Chunks whose production follows the copy of a served one: (chain, index).
 Deferred = List[Tuple[ChainRecord, int]]
@@ -258,33 +261,14 @@ class ChainStore:
     # Per (chain, index): record, index, future, ready, stored.
     claims: List[Tuple[ChainRecord, int, Any, bool, bool]] = []
     mine, direct, targets = [], {}, {}
-    for lane, (chain, index) in enumerate(wanted):
-      record = self._chains.record(chain)
-      if index < 0:
-        raise ValueError(
-            f"chunk={index} of chain {chain} requested: a state's chunk "
-            "counter is an int32 that only grows, so it is negative only "
-            "in a state built by hand or once it has wrapped, past "
-            "2**31 - 1 chunks of cached_batches_count batches each; a "
-            "chain goes on past that from a new init_fn state")
-      with self._lock:
-        stored = not (in_place and record.regenerates
-                      and index not in record.chunks)
-        if stored:
-          future, produce = self._shelf.claim(record, index, device_count)
-      if stored:
-        claims.append((record, index, future, future.done(), True))
-        if produce:
-          mine.append((record, index, future))
-        continue
-      job = direct.get((chain, index))
-      if job is None:  # the same chunk twice in a request: read once
-        job = direct[(chain, index)] = (record, index, Answer())
-        targets[id(job[2])] = into[lane]
-        mine.append(job)
-      claims.append((record, index, job[2], False, False))
-    if mine:
-      self._producer.produce_many(mine, targets)
+    try:
+      self._claim(wanted, device_count, into, in_place, claims, mine,
+                  direct, targets)
+      if mine:
+        self._producer.produce_many(mine, targets)
+    except BaseException as e:  # Ctrl-C between a claim and its answer
+      self._abandon(mine, e)
+      raise
     failure = None
     for record, index, future, _, stored in claims:
       if future.exception() is not None:
@@ -304,6 +288,60 @@ class ChainStore:
     if failure is not None:
       raise failure
     return [future.result() for _, _, future, _, _ in claims]
+
+  def _claim(self, wanted: Sequence[Tuple[int, int]], device_count: int,
+             into: Optional[Sequence[Chunk]], in_place: bool,
+             claims: List[Tuple[ChainRecord, int, Any, bool, bool]],
+             mine: List[Job], direct: Dict[Tuple[int, int], Job],
+             targets: Dict[int, Chunk]) -> None:
+    """Claims the chunks of :meth:`chunks`: appends each one's claim to
+    ``claims``, and the jobs this request must produce itself to ``mine``
+    as soon as they are claimed (see :meth:`_abandon`)."""
+    for lane, (chain, index) in enumerate(wanted):
+      record = self._chains.record(chain)
+      if index < 0:
+        raise ValueError(
+            f"chunk={index} of chain {chain} requested: a state's chunk "
+            "counter is an int32 that only grows, so it is negative only "
+            "in a state built by hand or once it has wrapped, past "
+            "2**31 - 1 chunks of cached_batches_count batches each; a "
+            "chain goes on past that from a new init_fn state")
+      with self._lock:
+        stored = not (in_place and record.regenerates
+                      and index not in record.chunks)
+        if stored:
+          before = record.chunks.get(index)
+          try:
+            future, produce = self._shelf.claim(record, index, device_count)
+            if produce:
+              mine.append((record, index, future))
+          except BaseException as e:  # Ctrl-C inside the claim
+            entry = record.chunks.get(index)
+            if entry is not None and entry is not before:  # put by it
+              settle(entry.future, error=interrupted(e))
+              self._shelf.forget(record, index, entry.future)
+            raise
+      if stored:
+        claims.append((record, index, future, future.done(), True))
+        continue
+      job = direct.get((chain, index))
+      if job is None:  # the same chunk twice in a request: read once
+        job = direct[(chain, index)] = (record, index, Answer())
+        targets[id(job[2])] = into[lane]
+        mine.append(job)
+      claims.append((record, index, job[2], False, False))
+
+  def _abandon(self, mine: Sequence[Job], error: BaseException) -> None:
+    """Settles the futures of the jobs this request claimed and left
+    without an answer, when something interrupted it (Ctrl-C between a
+    claim and its answer), and forgets the failed ones: a future left
+    unsettled on the shelf made every later request for its chunk wait
+    forever. A later request produces them again."""
+    for record, index, future in mine:
+      settle(future, error=interrupted(error))  # unless answered
+      if future.exception() is not None:
+        with self._lock:
+          self._shelf.forget(record, index, future)
 
   def ready(self, wanted: Sequence[Tuple[int, int]], defer: Deferred
             ) -> Optional[List[Chunk]]:

@@ -88,6 +88,14 @@ class Answer:
       raise concurrent.futures.InvalidStateError("the chunk has no answer")
 
 
+def interrupted(error: BaseException) -> RuntimeError:
+  """The answer of a chunk whose production ``error`` (Ctrl-C)
+  interrupted: a later request produces it again."""
+  return RuntimeError(
+      f"producing the chunk was interrupted ({type(error).__name__}); "
+      "a later request produces it again")
+
+
 class Producer:
   """Produces the chunks of one pipeline's chains.
 
@@ -253,6 +261,10 @@ class Producer:
     _drop_frames(e)
     if isinstance(e, (HostLoaderError, PipelineReleasedError)):
       return e
+    if isinstance(e, KeyboardInterrupt):  # Ctrl-C, not the loader's fault
+      error = interrupted(e)
+      error.__cause__ = e
+      return error
     error = HostLoaderError(
         f"{self.name}, chain {record.number}, chunk {index}: "
         f"{type(e).__name__}: {e}")
