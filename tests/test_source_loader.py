@@ -553,6 +553,64 @@ def test_exit_does_not_wait_for_worker_processes_reading(tmp_path):
   assert "exiting" in done.stdout
 
 
+_EXIT_WITH_A_RUN_IN_A_THREAD = textwrap.dedent("""
+    import sys, threading
+    import jax, numpy as np
+    from jax import lax
+    import jax_data
+    from tests.test_source_loader import Numbered
+
+    if __name__ == "__main__":
+      processes = sys.argv[1] == "processes"
+      loader = jax_data.SourceDataLoader(Numbered(4000), workers=2,
+                                         processes=processes)
+      init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 2, 64)
+      run = jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
+                                       length=40))
+      state = init_fn(seed=0)
+      jax.block_until_ready(run(state))  # compiled, workers started
+
+      def work(state):
+        total = 0.0
+        for _ in range(30):
+          state, batches = run(state)
+          total += float(batches["x"].sum())
+        print("thread done", total, flush=True)
+
+      threading.Thread(target=work, args=(state,)).start()  # not a daemon
+      print("main thread done", flush=True)
+    """)
+
+
+@pytest.mark.parametrize("kind", ["threads", "processes"])
+def test_a_run_in_a_thread_python_waits_for_ends_at_exit(kind, tmp_path):
+  """The main thread ends while a (non-daemon) thread runs a sampler over
+  a SourceDataLoader; Python waits for that thread. Its run failed: the
+  exit hook ended the worker processes ("reading records stopped: the
+  interpreter is exiting"), or the thread pool refused work ("cannot
+  schedule new futures after interpreter shutdown"). Now it reads its
+  records itself and finishes, with the batches of a run in full."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  script = tmp_path / "exit_with_a_run.py"
+  script.write_text(_EXIT_WITH_A_RUN_IN_A_THREAD)
+  done = subprocess.run(
+      [sys.executable, str(script), kind], cwd=root,
+      env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True,
+      timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "Traceback" not in done.stderr, done.stderr[-3000:]
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      jax_data.SourceDataLoader(Numbered(4000)), 2, 64)
+  state, want = init_fn(seed=0), 0.0
+  run = jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
+                                   length=40))
+  for _ in range(30):
+    state, batches = run(state)
+    want += float(batches["x"].sum())
+  release_fn()
+  assert f"thread done {want}" in done.stdout, done.stdout
+
+
 _KILLED_PARENT = textwrap.dedent("""
     import os, time
     import jax

@@ -226,8 +226,13 @@ class MappedRows:
               out=gathered[low:high], mode="clip")
 
     pool = self._io_pool()
-    parts = [pool.submit(read_part, int(low), int(high))
-             for low, high in zip(bounds[:-1], bounds[1:]) if high > low]
+    parts = []
+    for low, high in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+      if high > low:
+        try:
+          parts.append(pool.submit(read_part, low, high))
+        except RuntimeError:  # the interpreter exits: no new threads' work
+          read_part(low, high)
     for part in parts:
       part.result()
     if out.dtype == gathered.dtype:

@@ -110,8 +110,13 @@ class Gatherer:
         work(*parts[i])
 
     pool = self._helper_pool()
-    helpers = [pool.submit(run) for _ in range(
-        min(self._threads if threads is None else threads, len(parts)) - 1)]
+    helpers = []
+    for _ in range(min(self._threads if threads is None else threads,
+                       len(parts)) - 1):
+      try:
+        helpers.append(pool.submit(run))
+      except RuntimeError:  # the interpreter exits: no new threads' work
+        break  # the caller takes the parts
     try:
       run()
     finally:

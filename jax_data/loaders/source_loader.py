@@ -24,6 +24,7 @@ from typing import Tuple
 import jax
 import numpy as np
 
+from jax_data.errors import PipelineReleasedError
 from jax_data.loaders.chains import ChainCursor
 from jax_data.loaders.chains import ChainSpec
 from jax_data.loaders.chains import ChunkLayout
@@ -31,8 +32,10 @@ from jax_data.loaders.gather import digest_rows
 from jax_data.loaders.gather import usable_cores
 from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.indexed import IndexedCursor
+from jax_data.loaders.source_records import RecordError
 from jax_data.loaders.source_records import RecordReader
 from jax_data.loaders.source_workers import WorkerPool
+from jax_data.loaders.source_workers import exiting
 from jax_data.loaders.source_workers import pickle_for_workers
 from jax_data.loaders.source_workers import stopped
 from jax_data.loaders.source_workers import wait
@@ -215,18 +218,33 @@ class SourceDataLoader(HostDataLoader):
       raise stopped()
     pool = self._pool.threads
     processes = self._pool.processes
-    if processes:
-      self._pool.read(unique, first, out, stop)
-      workers = 0  # not timed: processes are always used
-    else:
-      workers = 0 if pool is None else min(self._choice.next(), unique.size)
+    # As the interpreter exits, worker processes are ended and thread
+    # pools take no work; a thread that Python waits for (not a daemon)
+    # reads its records itself and finishes its run.
+    here = exiting() or (not processes and pool is None)  # or workers=0
+    if processes and not here:
+      try:
+        self._pool.read(unique, first, out, stop)
+      except (PipelineReleasedError, RecordError):
+        if not exiting() or (stop is not None and stop.done()):
+          raise
+        here = True  # the workers were ended by the exit meanwhile
+    workers = (0 if here or processes  # processes are not timed
+               else min(self._choice.next(), unique.size))
     start = time.perf_counter()
-    if not processes and pool is None:  # workers=0
+    if here:
       self._reader.fill(unique, first, out, stop)
     elif workers:
       parts = np.array_split(np.arange(unique.size), workers)
-      futures = [pool.submit(self._reader.fill, unique[part], first[part],
-                             out, stop) for part in parts]
+      futures = []
+      for part in parts:
+        try:
+          futures.append(pool.submit(self._reader.fill, unique[part],
+                                     first[part], out, stop))
+        except RuntimeError:  # "cannot schedule new futures after
+          # (interpreter) shutdown": the interpreter exits (its hook may
+          # run before ours), or the pool was ended meanwhile
+          self._reader.fill(unique[part], first[part], out, stop)
       wait(futures, stop)
       for future in futures:
         future.result()  # the first failure, by row order

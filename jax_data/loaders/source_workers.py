@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import concurrent.futures.process
+import concurrent.futures.thread
 import io
 import multiprocessing
 import multiprocessing.connection
@@ -248,8 +249,18 @@ def wait(futures: Sequence[concurrent.futures.Future],
     raise stopped()
 
 
+def exiting() -> bool:
+  """Whether the interpreter exits: :func:`_end_pools_at_exit` ended the
+  worker processes, or concurrent.futures' own exit hooks (which may run
+  first, when it was imported after jax_data) stopped its pools from
+  taking work."""
+  return (_EXITING.is_set()
+          or getattr(concurrent.futures.thread, "_shutdown", False)
+          or getattr(concurrent.futures.process, "_global_shutdown", False))
+
+
 def stopped() -> PipelineReleasedError:
-  if _EXITING.is_set():
+  if exiting():
     return PipelineReleasedError(
         "reading records stopped: the interpreter is exiting")
   return PipelineReleasedError(
@@ -377,7 +388,7 @@ class WorkerPool:
     with self._lock:
       if broken is not None and self._pool is broken:
         self._pool = None
-      if self._pool is None and self._open > 0 and not _EXITING.is_set():
+      if self._pool is None and self._open > 0 and not exiting():
         self._pool = concurrent.futures.ProcessPoolExecutor(
             self.workers, mp_context=multiprocessing.get_context("spawn"),
             initializer=start_worker, initargs=(self._pickled, self._first))
@@ -392,7 +403,7 @@ class WorkerPool:
     """A pool of one worker process for one read's use alone, ended by
     :meth:`_end_own` (or at the interpreter's exit)."""
     with self._lock:
-      if _EXITING.is_set() or self._open == 0:
+      if exiting() or self._open == 0:
         raise stopped()
       pool = concurrent.futures.ProcessPoolExecutor(
           1, mp_context=multiprocessing.get_context("spawn"),
