@@ -174,6 +174,22 @@ def test_checkify_sees_into_the_steps(pipeline, form):
   assert "step 6 of at most 6" in error.get()
 
 
+@pytest.mark.parametrize("x64", [False, True])
+def test_a_python_int_carry_that_the_step_adds_a_float_to(pipeline, x64):
+  """init=0 and a step adding 0.5 (a weak float): lax.scan promotes the
+  carry to the float type; the chunked loops failed on it."""
+  init_fn, batch_fn, _ = pipeline
+  step = lambda total, batch: (total + 0.5, batch["x"])
+  with jax.enable_x64(x64):
+    state = init_fn(seed=1)
+    want = jax.jit(lambda s: _loop(batch_fn, step, 0, s, None, 13))(state)
+    got = jax.jit(lambda s: jax_data.scan(step, 0, s, batch_fn=batch_fn,
+                                          length=13))(state)
+    _same_run(got, want)
+    assert got[0][0].dtype == want[0][0].dtype
+    assert np.issubdtype(got[0][0].dtype, np.floating)
+
+
 @pytest.mark.parametrize("init", [0, 0.0, (0, 1.5)])
 @pytest.mark.parametrize("x64", [False, True])
 def test_a_python_number_carry_takes_the_steps_dtype(pipeline, init, x64):
@@ -463,3 +479,34 @@ def test_jax_export_of_a_device_loaders_program():
   with pytest.raises(NotImplementedError, match="host_callbacks"):
     export.export(jax.jit(host.batch_fn))(host.init_fn()).serialize()
   host.release_fn()
+
+
+@pytest.mark.parametrize("kind", ["host", "device"])
+def test_reverse_mode_with_respect_to_the_carry(kind):
+  """jax.grad with respect to init through jax_data.scan: eagerly, and
+  under a vmap over init alone (the state shared), for every loader; under
+  jit for the device loader. The vmap probe took JVP tracers and broke the
+  linearization."""
+  make = {"host": jax_data.NumpyDataLoader,
+          "device": jax_data.DeviceNumpyDataLoader}[kind]
+  loader = make(x=np.arange(23, dtype=np.float32))
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 3, 4)
+  state = init_fn(seed=0, stream="counter")
+  step = lambda c, b: (c * 0.9 + jnp.sum(jnp.sin(b["x"])) * c, None)
+
+  def loss(w, state):
+    return jax_data.scan(step, w, state, batch_fn=batch_fn, length=8)[0][0]
+
+  def reference(w, state):
+    return _loop(batch_fn, step, w, state, None, 8)[0][0]
+
+  want = jax.grad(reference)(0.3, state)
+  np.testing.assert_allclose(jax.grad(loss)(0.3, state), want, rtol=1e-5)
+  np.testing.assert_allclose(
+      jax.vmap(jax.grad(loss), in_axes=(0, None))(jnp.array([0.3, 0.3]),
+                                                  state), [want] * 2,
+      rtol=1e-5)
+  if kind == "device":
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(0.3, state), want,
+                               rtol=1e-5)
+  release_fn()

@@ -95,7 +95,7 @@ def batched_here(*trees: Any) -> bool:
     seen.append(True)
     return leaves, in_batched[0]
 
-  probe(tracers)  # its output is not used
+  probe(jax.lax.stop_gradient(tracers))  # its output is not used
   return bool(seen)
 
 

@@ -95,11 +95,12 @@ def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
   for a number of steps only known at run time, so reverse-mode
   differentiation (``jax.grad``, ``jax.vjp``) through ``scan`` is not
   supported, as for ``lax.fori_loop`` with dynamic bounds; nor is it under
-  ``jax.vmap``, for any loader: differentiate through a ``lax.scan`` whose
-  body calls ``batch_fn`` instead. (``DeviceNumpyDataLoader``'s loops are
-  scans of a fixed length, which ``jax.grad`` goes through outside
-  ``jax.vmap``.) Forward-mode (``jax.jvp``) and ``f``'s own gradients
-  inside the steps (a sampler's gradient of its log-density) work.
+  a ``jax.vmap`` over states, for any loader: differentiate through a
+  ``lax.scan`` whose body calls ``batch_fn`` instead.
+  (``DeviceNumpyDataLoader``'s loops are scans of a fixed length, which
+  ``jax.grad`` goes through under ``jax.jit`` too.) Forward-mode
+  (``jax.jvp``) and ``f``'s own gradients inside the steps (a sampler's
+  gradient of its log-density) work.
 
   Under ``jax.vmap`` over a batch of one chain, the chain's own program
   runs, without the batch axis (:mod:`jax_data.compiled.one_lane`: XLA's
@@ -139,11 +140,12 @@ def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
     return pipeline.scan_batches(f, init, state, xs, length, information,
                                  device_count)
 
-  if not batched_here(init, state, xs):
-    # Run as it is, outside a vmap (a vmap of one is what the one-lane
-    # program is for): with a known position the loops are scans, which
-    # reverse-mode differentiation goes through, and checkify sees into
-    # the steps under jit.
+  if (not isinstance(state.position, jax.core.Tracer)
+      or not batched_here(init, state, xs)):
+    # Run as it is where the position is known (the loops are then scans,
+    # which reverse-mode differentiation goes through; a vmap over init
+    # alone keeps it known), and outside a vmap (a vmap of one is what the
+    # one-lane program is for), so that checkify sees into the steps.
     return loop(init, state, xs)
   return unbatched_at_one(loop, init, state, xs)
 
@@ -219,8 +221,12 @@ def promoted_carry(init: PyTree, returned: PyTree) -> PyTree:
           f"{given.str_short()}, f returned "
           f"{jax.typeof(jnp.zeros(format.shape, format.dtype)).str_short()}"
           " for it")
-    if given.weak_type and not getattr(format, "weak_type", False):
-      leaf, changed = lax.convert_element_type(leaf, format.dtype), True
+    if given.weak_type and not (given.dtype == format.dtype
+                                and getattr(format, "weak_type", False)):
+      # as lax.scan's _promote_weak_typed_input
+      dtype = (jnp.promote_types(given.dtype, format.dtype)
+               if getattr(format, "weak_type", False) else format.dtype)
+      leaf, changed = lax.convert_element_type(leaf, dtype), True
     out.append(leaf)
   return jax.tree_util.tree_unflatten(tree, out) if changed else init
 
