@@ -89,11 +89,12 @@ class Answer:
 
 
 def interrupted(error: BaseException) -> RuntimeError:
-  """The answer of a chunk whose production ``error`` (Ctrl-C)
-  interrupted: a later request produces it again."""
+  """The answer of a chunk whose production ``error`` cut short (Ctrl-C,
+  or another lane's bad request before it started): a later request
+  produces it again."""
   return RuntimeError(
-      f"producing the chunk was interrupted ({type(error).__name__}); "
-      "a later request produces it again")
+      f"producing the chunk stopped early ({type(error).__name__}); a later "
+      "request produces it again")
 
 
 class Producer:
