@@ -39,10 +39,12 @@ def check_state(state: Any, expected: CacheState, where: str) -> CacheState:
         f"expected {want}")
   pairs = list(zip(jax.tree_util.tree_leaves(state),
                    jax.tree_util.tree_leaves(expected)))
-  stacked = {np.shape(g)[:np.ndim(g) - np.ndim(w)] for g, w in pairs
-             if np.shape(g)[np.ndim(g) - np.ndim(w):] == np.shape(w)}
-  if len(stacked) == 1 and len(pairs) == sum(
-      np.ndim(g) > np.ndim(w) for g, w in pairs):
+  # Each field with the same extra leading axes: states stacked.
+  stacked = {np.shape(g)[:np.ndim(g) - np.ndim(w)]
+             if np.ndim(g) > np.ndim(w)
+             and np.shape(g)[np.ndim(g) - np.ndim(w):] == np.shape(w)
+             else None for g, w in pairs}
+  if len(stacked) == 1 and None not in stacked:
     raise TypeError(
         f"{where} got the states of {' x '.join(map(str, stacked.pop()))} "
         "chains stacked (init_fn makes one per seed of a sequence, and a "
