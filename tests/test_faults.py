@@ -338,12 +338,19 @@ _EXIT_WITH_A_DAEMON_LOOP = textwrap.dedent("""
     run = jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
                                      length=4))
 
+    serving = threading.Event()
+
     def loop():
       state = init_fn(seed=0)
       while True:
         state, _ = jax.block_until_ready(run(state))
+        serving.set()
 
     threading.Thread(target=loop, daemon=True).start()
+    # The loop calls the pipeline when the main thread ends (compiling it
+    # took more than a second on a loaded machine: the exit then came
+    # before any request, which is another case).
+    serving.wait()
     time.sleep(1)
     print("main thread done", flush=True)
     """)
