@@ -448,9 +448,15 @@ def test_ctrl_c_twice_while_the_exit_hook_waits_does_not_abort():
   finalization aborted the process (SIGABRT), 8 of 8 times."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
-  script = _EXIT_WITH_A_DAEMON_LOOP.replace(
-      'print("main thread done", flush=True)',
-      'print("main thread done", flush=True)\nwhile True:\n  time.sleep(0.1)')
+  # Ctrl-C raises KeyboardInterrupt in the child also where this process
+  # ignores SIGINT, which children inherit (a job started in the
+  # background by a non-interactive shell, as CI may be).
+  script = ("import signal\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            + _EXIT_WITH_A_DAEMON_LOOP.replace(
+                'print("main thread done", flush=True)',
+                'print("main thread done", flush=True)\n'
+                'while True:\n  time.sleep(0.1)'))
   child = subprocess.Popen([sys.executable, "-c", script], cwd=root, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
