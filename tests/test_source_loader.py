@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -354,6 +355,21 @@ def test_bad_arguments_are_named():
   with pytest.raises(jax_data.source_records.RecordError, match="record 0: "
                      "ZeroDivisionError"):
     SourceDataLoader([1, 2], transform=lambda r: r / 0)
+
+
+def test_more_worker_processes_than_cores_warn_before_any_starts():
+  cores = jax_data.loaders.gather.usable_cores()
+  before = set(multiprocessing.active_children())
+  with pytest.warns(UserWarning, match=rf"workers={10 * cores}, "
+                    rf"processes=True\).*the {cores} cores"):
+    loader = SourceDataLoader(list(range(4)), workers=10 * cores,
+                              processes=True)
+  assert set(multiprocessing.active_children()) <= before
+  del loader
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    SourceDataLoader(list(range(4)), workers=cores, processes=True)
+    SourceDataLoader(list(range(4)), workers=10 * cores)  # threads
 
 
 def test_worker_threads_end_with_the_pipeline():

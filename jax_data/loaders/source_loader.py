@@ -15,6 +15,7 @@ import concurrent.futures
 import functools
 import threading
 import time
+import warnings
 from typing import Callable
 from typing import Dict
 from typing import List
@@ -144,7 +145,9 @@ class SourceDataLoader(HostDataLoader):
       the GIL; ``source`` and ``transform`` must pickle, and each worker
       receives them once. The streams are the same. A worker that dies is
       replaced and its records read again; workers ignore Ctrl-C (SIGINT),
-      which the parent process handles.
+      which the parent process handles. More worker processes than usable
+      cores get a warning: they read no faster, and each costs the memory
+      of a Python process.
 
   Raises:
     TypeError: ``source`` lacks ``len`` or indexing, ``transform`` is not
@@ -175,6 +178,14 @@ class SourceDataLoader(HostDataLoader):
     self._workers = default_workers() if workers is None else check_int(
         "workers", workers, minimum=0)
     self._processes = check_bool("processes", processes)
+    if self._processes and self._workers > usable_cores():
+      warnings.warn(
+          f"SourceDataLoader(workers={self._workers}, processes=True) may "
+          f"start up to {self._workers} worker processes (one per record "
+          f"read at once), more than the {usable_cores()} cores this "
+          "process may use: each imports NumPy and the source, and more "
+          "processes than cores read no faster. Give workers at most the "
+          "cores, or leave it to its default.", stacklevel=2)
     pickled = (pickle_for_workers(source, transform, self._workers > 0)
                if self._processes else b"")
     self._reader = RecordReader(source, transform, type(self).__name__)
