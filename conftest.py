@@ -23,7 +23,9 @@ if importlib.util.find_spec("tensorflow") is None:
   collect_ignore += ["jax_data/loaders/tensorflow_loader.py",
                      "jax_data/loaders/tensorflow_rows.py",
                      "jax_data/loaders/tensorflow_streams.py",
-                     "docs/tensorflow.rst"]
+                     "docs/tensorflow.rst",
+                     # one section of the guide reads a tf.data pipeline
+                     "docs/user_guide.rst"]
 # Without Orbax (the orbax extra) its module is not collected;
 # tests/test_orbax.py skips itself.
 if importlib.util.find_spec("orbax") is None:
@@ -33,6 +35,9 @@ if any(importlib.util.find_spec(m) is None for m in (
     "grain", "array_record", "datasets", "h5py", "PIL",
     "tensorflow_datasets")):
   collect_ignore += ["docs/sources.rst"]
+# The samplers page runs BlackJAX and NumPyro (the samplers extra).
+if any(importlib.util.find_spec(m) is None for m in ("blackjax", "numpyro")):
+  collect_ignore += ["docs/samplers.rst"]
 
 
 @pytest.fixture(params=["auto", "pure"], ids=["in_place", "copied"])

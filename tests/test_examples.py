@@ -18,6 +18,8 @@ def _run(script, *args, timeout=300):
 
 
 def test_main_example_quick(tmp_path):
+  for module in ("sklearn", "matplotlib", "tqdm"):  # the examples extra
+    pytest.importorskip(module)
   figure = tmp_path / "sgld.png"
   done = _run("examples/sgld_digits.py", "--quick", "--out", str(figure))
   assert done.returncode == 0, done.stderr[-3000:]

@@ -463,6 +463,7 @@ def test_jax_export_of_a_device_loaders_program():
   """A device loader's program, taking and returning states and batch
   information, serializes with jax.export and runs as the original does; a
   host loader's calls the host, which JAX does not serialize."""
+  pytest.importorskip("flatbuffers")  # JAX's serialization needs it
   from jax import export
   loader = jax_data.DeviceNumpyDataLoader(x=np.arange(23, dtype=np.float32))
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 3, 4)
