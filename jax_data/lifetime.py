@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import sys
 import threading
 import time
 import weakref
@@ -271,11 +272,14 @@ def _settle_at_exit() -> None:
   :class:`PipelineReleasedError` (so that such a loop ends), and after
   ``_LAST_AT_EXIT`` more the interpreter exits whatever still runs.
 
-  Then, if a callback raised: JAX keeps the error of such a computation in
-  its per-device runtime tokens, also after later ``pmap`` computations
-  succeed, and its exit hooks re-raise it ("Exception ignored in atexit
-  callback"); a successful jitted callback on each device replaces those
-  tokens.
+  Then, if a callback raised: in a ``jax.distributed`` job of several
+  processes, a warning on stderr says that JAX's shutdown will now wait
+  for the others, which wait in a collective for this one
+  (:func:`_warn_distributed_shutdown`); and JAX keeps the error of such
+  a computation in its per-device runtime tokens, also after later
+  ``pmap`` computations succeed, and its exit hooks re-raise it
+  ("Exception ignored in atexit callback"); a successful jitted callback
+  on each device replaces those tokens.
   """
   if not LIVE_HOSTS.called:
     return
@@ -301,9 +305,31 @@ def _settle_at_exit() -> None:
         pass
     LIVE_HOSTS.stop_prefetching()
     if LIVE_HOSTS.callback_failed:
+      _warn_distributed_shutdown()
       noop = jax.jit(lambda x: jax.pure_callback(
           lambda x: x, jax.ShapeDtypeStruct((), jnp.int32), x))
       for device in jax.local_devices():
         jax.block_until_ready(noop(jax.device_put(np.int32(0), device)))
   except (Exception, KeyboardInterrupt):  # pylint: disable=broad-except
     pass  # at exit, nothing is left to tell
+
+
+def _warn_distributed_shutdown() -> None:
+  """At exit after a callback raised, in a job of several processes: tells
+  on stderr why the exit stalls. The other processes wait in their next
+  collective for this one, and JAX's exit hook waits at
+  ``jax.distributed``'s shutdown barrier for them, until its
+  ``shutdown_timeout_seconds`` (300 s by default) pass and every process
+  is aborted (measured: jax 0.10.2, 2 processes on CPU)."""
+  if jax.process_count() < 2:
+    return
+  sys.stderr.write(
+      f"jax_data: a host callback failed in process {jax.process_index()} "
+      f"of this jax.distributed job of {jax.process_count()} (the error "
+      "was raised above). The other processes wait for it in their next "
+      "collective, and JAX's exit now waits for them at jax.distributed's "
+      "shutdown until its shutdown_timeout_seconds (300 s by default) "
+      "pass, then aborts every process. To end the job at once, end a "
+      "failed process with os._exit(1) (see 'A loader failure in one "
+      "process' in jax_data's distributed docs).\n")
+  sys.stderr.flush()

@@ -266,6 +266,64 @@ def global_batches(argv):
   return 0
 
 
+FAILING_PROCESS = 1  # its source fails after FAILING_AFTER records
+FAILING_AFTER = 40
+
+
+def failing(argv):
+  """Another job: data-parallel gradient steps over a global batch (an
+  all-reduce each step) whose source fails in process FAILING_PROCESS
+  only. ``argv[7]``: ``"osexit"`` ends a failed process as the docs say
+  (the caller's ``os._exit``); ``"normal"`` lets the error end Python,
+  with jax.distributed's shutdown timeout shortened to
+  SHUTDOWN_TIMEOUT_S."""
+  count = int(argv[4])
+  port, process_id, process_count = (int(a) for a in argv[1:4])
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+      coordinator_address=f"127.0.0.1:{port}", num_processes=process_count,
+      process_id=process_id, initialization_timeout=30,
+      shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh
+
+  import jax_data
+  rows = global_data(np, count)
+
+  class Source:
+    """Records of the global-batch data; fails in one process."""
+    reads = 0
+
+    def __len__(self):
+      return count
+
+    def __getitem__(self, i):
+      Source.reads += 1
+      if process_id == FAILING_PROCESS and Source.reads > FAILING_AFTER:
+        raise OSError(f"corrupt record {i} in process {process_id}")
+      return {k: v[i] for k, v in rows.items()}
+
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      jax_data.SourceDataLoader(Source(), workers=0), 3, GLOBAL_MB,
+      mesh=Mesh(np.array(jax.devices()), ("data",)), batch_axis="data")
+
+  @jax.jit
+  def step(w, state):
+    state, batch = batch_fn(state)
+    grad = jax.grad(lambda w: logistic_loss(jnp, w, batch))(w)
+    return w - 0.01 * grad, state
+
+  w, state = jnp.zeros(3), init_fn(seed=7)
+  for _ in range(10 * FAILING_AFTER):
+    w, state = jax.block_until_ready(step(w, state))
+  return 0
+
+
+SHUTDOWN_TIMEOUT_S = 5
+
+
 def _orbax_round_trip(jax, np, jax_data, count, process_id, directory):
   """1 if this process's chains, saved through Orbax and restored, draw
   what they drew after the save, and those draws; -1 without Orbax."""
@@ -381,6 +439,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  if sys.argv[6:8] == ["fail", "normal"]:
+    sys.exit(failing(sys.argv))  # the failure ends Python as usual
   try:
     mode = sys.argv[6:7]
     status = (orbax_restore(sys.argv) if mode == ["orbax-restore"] else
@@ -388,6 +448,7 @@ if __name__ == "__main__":
               if mode == ["orbax-restore-global"] else
               pmap_chains(sys.argv) if mode == ["pmap"] else
               global_batches(sys.argv) if mode == ["global"] else
+              failing(sys.argv) if mode == ["fail"] else
               main(sys.argv))
   except BaseException:  # noqa: BLE001 - report anything, then leave
     # A failed process must not linger: at exit jax.distributed would wait

@@ -76,8 +76,9 @@ def _worker_env(devices=1):
 
 
 def _run_workers(tmp_path, data_path, processes=PROCESSES, extra=(),
-                 name="worker", devices=1):
-  """Starts the workers, waits for all, kills them on a failure or timeout.
+                 name="worker", devices=1, until_all=False):
+  """Starts the workers, waits for all, kills them on a failure (unless
+  ``until_all``: only when the time is up) or timeout.
 
   Returns ``([(returncode, output_text, out_path), ...], report)``.
   """
@@ -98,7 +99,7 @@ def _run_workers(tmp_path, data_path, processes=PROCESSES, extra=(),
       # for it in jax.distributed) or when the time is up.
       deadline = time.monotonic() + TIMEOUT_S
       while any(p.poll() is None for p in procs):
-        if any(p.poll() not in (None, 0) for p in procs):
+        if not until_all and any(p.poll() not in (None, 0) for p in procs):
           break
         if time.monotonic() > deadline:
           timed_out = True
@@ -420,3 +421,30 @@ def _restore_global_state(directory, loader, after):
       state, batch = pipeline[1](state)
       np.testing.assert_array_equal(batch["index"], expected)
     pipeline[2]()
+
+
+@pytest.mark.parametrize("ending", ["osexit", "normal"])
+def test_a_loader_failure_in_one_process_ends_every_process(tmp_path,
+                                                            ending):
+  """The source fails in one process of a data-parallel job: that process
+  raises the loader's error, naming the record. Ended at once, as the
+  docs say, the other process's collective fails soon after; ended
+  normally, its exit first says on stderr why it stalls, and jax.distributed's
+  shutdown timeout (shortened here) ends both."""
+  start = time.monotonic()
+  results, report = _run_workers(tmp_path, N, extra=("fail", ending),
+                                 name=f"fail-{ending}", until_all=True)
+  assert all(rc != 0 for rc, _, _ in results), report
+  failed = results[worker.FAILING_PROCESS][1]
+  assert "HostLoaderError" in failed, report
+  assert "OSError: corrupt record" in failed, report
+  said = ("jax_data: a host callback failed in process "
+          f"{worker.FAILING_PROCESS} of this jax.distributed job of 2")
+  if ending == "normal":
+    assert said in failed, report
+    assert "shutdown_timeout_seconds" in failed, report
+  else:  # os._exit skips the exit hooks
+    assert said not in failed, report
+    assert time.monotonic() - start < TIMEOUT_S / 2, report
+  other = results[1 - worker.FAILING_PROCESS][1]
+  assert "jax_data: a host callback failed" not in other, report
