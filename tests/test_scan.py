@@ -217,9 +217,19 @@ def test_a_python_number_carry_takes_the_steps_dtype(pipeline, init, x64):
 
 
 @pytest.mark.parametrize("init, returned, message", [
-    (np.float32(0), lambda t: jnp.int32(1), "init has float32.*int32"),
+    (np.float32(0), lambda t: jnp.int32(1), "init is float32.*int32"),
     (np.zeros(2, np.float32), lambda t: jnp.zeros(3), r"float32\[2\].*\[3\]"),
-    ((0.0, 1), lambda t: t[0], "structure")])
+    ((0.0, 1), lambda t: t[0], "structure"),
+    # the leaf named by its path, in a carry of many (an optimizer's)
+    ({"params": np.zeros(2, np.float32), "opt": (np.int32(0),
+                                                 np.float32(0))},
+     lambda t: {**t, "opt": (t["opt"][0], jnp.float16(0))},
+     r"init\['opt'\]\[1\] is float32\[\], f returned float16\[\]"),
+    ({"a": np.float32(0), "b": np.float32(0)},
+     lambda t: {"a": t["a"], "c": t["b"]},
+     r"init has a leaf at \['b'\], f returned one at \['c'\]"),
+    ((np.float32(0),), lambda t: (t[0], t[0]),
+     r"f's carry has 1 more leaves, the first at \[1\]")])
 def test_a_carry_of_another_type_is_named(pipeline, init, returned, message):
   init_fn, batch_fn, _ = pipeline
   with pytest.raises(TypeError, match=message):

@@ -205,20 +205,21 @@ def promoted_carry(init: PyTree, returned: PyTree) -> PyTree:
     TypeError: ``f`` returns a carry of another structure, or a leaf of
       another shape, or of another dtype where ``init``'s is not weak.
   """
-  leaves, tree = jax.tree_util.tree_flatten(init)
-  formats, returned_tree = jax.tree_util.tree_flatten(returned)
+  paths, tree = jax.tree_util.tree_flatten_with_path(init)
+  formats, returned_tree = jax.tree_util.tree_flatten_with_path(returned)
   if tree != returned_tree:
     raise TypeError(
         f"f must return a carry of init's structure: init is {tree}, f "
-        f"returned {returned_tree}")
+        f"returned {returned_tree}{_first_difference(paths, formats)}")
   out, changed = [], False
-  for leaf, format in zip(leaves, formats):
+  for (path, leaf), (_, format) in zip(paths, formats):
     given = jax.typeof(leaf)
     if given.shape != format.shape or (
         given.dtype != format.dtype and not given.weak_type):
       raise TypeError(
-          f"f must return a carry of init's shapes and dtypes: init has "
-          f"{given.str_short()}, f returned "
+          f"f must return a carry of init's shapes and dtypes: "
+          f"init{jax.tree_util.keystr(path)} is {given.str_short()}, f "
+          "returned "
           f"{jax.typeof(jnp.zeros(format.shape, format.dtype)).str_short()}"
           " for it")
     if given.weak_type and not (given.dtype == format.dtype
@@ -229,6 +230,22 @@ def promoted_carry(init: PyTree, returned: PyTree) -> PyTree:
       leaf, changed = lax.convert_element_type(leaf, dtype), True
     out.append(leaf)
   return jax.tree_util.tree_unflatten(tree, out) if changed else init
+
+
+def _first_difference(given: list, returned: list) -> str:
+  """Where two flattened carries' leaf paths first differ, as the end of
+  a message ("" if only their nodes differ, e.g. a NamedTuple's type)."""
+  keystr = jax.tree_util.keystr
+  for (a, _), (b, _) in zip(given, returned):
+    if a != b:
+      return f"; init has a leaf at {keystr(a)}, f returned one at {keystr(b)}"
+  shared = min(len(given), len(returned))
+  if len(given) != len(returned):
+    longer, name = ((given, "init") if len(given) > shared
+                    else (returned, "f's"))
+    return (f"; {name} carry has {len(longer) - shared} more leaves, the "
+            f"first at {keystr(longer[shared][0])}")
+  return ""
 
 
 def chunked_scan(f, init, state: CacheState, xs, length: int,
