@@ -246,6 +246,7 @@ class SlowLoader(NumpyDataLoader):
   def __init__(self, **arrays):
     super().__init__(**arrays)
     self.gate = threading.Event()
+    self.started = threading.Event()  # a slow production began
 
   def open_chain(self, spec, layout):
     cursor = super().open_chain(spec, layout)
@@ -254,6 +255,7 @@ class SlowLoader(NumpyDataLoader):
 
       def slow(index, out):
         if index > 0:
+          self.started.set()
           self.gate.wait(60)
         return produce(index, out)
 
@@ -268,6 +270,9 @@ def test_release_answers_every_waiting_request():
   host = pipeline.host
   slow, fast = int(init_fn(seed=99).chain), int(init_fn(seed=1).chain)
   host.chunk(slow, 0)  # the prefetch thread now waits in slow's chunk 1
+  # (wait until it does: a request finding the chunk still queued would
+  # produce it itself, and wait in it)
+  assert loader.started.wait(30)
   host.chunk(fast, 0)  # fast's chunk 1 is queued behind it
   # A request for the queued chunk does not wait behind the slow one.
   served = threading.Thread(target=host.chunk, args=(fast, 1))

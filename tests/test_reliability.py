@@ -63,16 +63,18 @@ def test_hundred_pipelines_over_100mb_leave_memory_where_it_was():
   assert ref() is None  # released pipelines hold no reference to the data
 
 
-def _prefetch_threads() -> int:
-  return sum(t.name == "jax_data-prefetch" and t.is_alive()
-             for t in threading.enumerate())
-
-
 def test_pipelines_dropped_without_release_free_their_host_and_thread():
   # Without release_fn: dropping the pipeline must free its host (and with
   # it the loader's data) and end its prefetch thread; a thread left behind
   # could run while the interpreter finalizes, which aborts the process.
-  baseline = _prefetch_threads()
+  # Only this test's threads are counted: the gc.collect() below also ends
+  # those of pipelines that earlier tests dropped in reference cycles.
+  before = set(threading.enumerate())
+
+  def started() -> int:
+    return sum(t.name == "jax_data-prefetch" and t.is_alive()
+               for t in set(threading.enumerate()) - before)
+
   hosts = []
   for kind in range(6):
     loader = NumpyDataLoader(x=np.arange(300.0, dtype=np.float32))
@@ -89,18 +91,17 @@ def test_pipelines_dropped_without_release_free_their_host_and_thread():
         state, batch = batch_fn(state)
       jax.block_until_ready(batch)
       hosts.append(weakref.ref(batch_fn.__self__.host))
-  assert _prefetch_threads() > baseline
+  assert started() > 0
   del loader, init_fn, state, batch, batch_fn, map_fn, release_fn
   # A prefetch job still running holds its host until it ends.
   deadline = time.monotonic() + 5.0
   while time.monotonic() < deadline:
     gc.collect()
-    if (all(h() is None for h in hosts)
-        and _prefetch_threads() == baseline):
+    if all(h() is None for h in hosts) and started() == 0:
       break
     time.sleep(0.02)
   assert [h() for h in hosts] == [None] * len(hosts)
-  assert _prefetch_threads() == baseline
+  assert started() == 0
 
 
 def test_pipelines_start_their_threads_on_first_use_and_release_unused():
