@@ -4,6 +4,9 @@ Mini-batches and full-data maps inside ``jit``, ``lax.scan``, ``vmap`` and
 ``pmap``, served from host memory, memmaps or ``tf.data`` pipelines.
 """
 
+from typing import TYPE_CHECKING
+from typing import Any
+
 from jax_data.compiled.checkpoint import restore_checkpoint
 from jax_data.compiled.checkpoint import save_checkpoint
 from jax_data.compiled.checkpoint import state_from_pytree
@@ -68,27 +71,36 @@ __all__ = [
 _ORBAX = ("DataCheckpointHandler", "DataRestore", "DataSave")
 
 
-def __getattr__(name: str):
-  """Loads ``TensorflowDataLoader``, and with it TensorFlow, and the Orbax
-  arguments, and with them Orbax, on first use; a module's old path
-  (``jax_data.sampling``) gives the module."""
-  if name == "TensorflowDataLoader":
-    try:
-      from jax_data.loaders.tensorflow_loader import TensorflowDataLoader
-    except ImportError as e:
-      raise ImportError(
-          "jax_data.TensorflowDataLoader needs TensorFlow: "
-          'pip install "jax_data[tensorflow]"') from e
-    return TensorflowDataLoader
-  if name in _ORBAX:
-    try:
-      from jax_data.compiled import orbax_checkpoint
-    except ImportError as e:
-      raise ImportError(
-          f"jax_data.{name} needs Orbax: "
-          'pip install "jax_data[orbax]"') from e
-    return getattr(orbax_checkpoint, name)
-  module = _old_module(name)
-  if module is not None:
-    return module
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Type checkers see the lazily loaded names as they are, and an unknown
+# name as an error (a module __getattr__ would make every name Any).
+if TYPE_CHECKING:
+  from jax_data.compiled.orbax_checkpoint import DataCheckpointHandler
+  from jax_data.compiled.orbax_checkpoint import DataRestore
+  from jax_data.compiled.orbax_checkpoint import DataSave
+  from jax_data.loaders.tensorflow_loader import TensorflowDataLoader
+else:
+
+  def __getattr__(name: str) -> Any:
+    """Loads ``TensorflowDataLoader``, and with it TensorFlow, and the Orbax
+    arguments, and with them Orbax, on first use; a module's old path
+    (``jax_data.sampling``) gives the module."""
+    if name == "TensorflowDataLoader":
+      try:
+        from jax_data.loaders.tensorflow_loader import TensorflowDataLoader
+      except ImportError as e:
+        raise ImportError(
+            "jax_data.TensorflowDataLoader needs TensorFlow: "
+            'pip install "jax_data[tensorflow]"') from e
+      return TensorflowDataLoader
+    if name in _ORBAX:
+      try:
+        from jax_data.compiled import orbax_checkpoint
+      except ImportError as e:
+        raise ImportError(
+            f"jax_data.{name} needs Orbax: "
+            'pip install "jax_data[orbax]"') from e
+      return getattr(orbax_checkpoint, name)
+    module = _old_module(name)
+    if module is not None:
+      return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,6 +12,7 @@ from typing import Sequence
 from typing import Tuple
 from typing import Union
 from typing import get_args
+from typing import overload
 from typing import runtime_checkable
 
 import jax
@@ -39,7 +40,7 @@ class RandomAccessSource(Protocol):
   def __len__(self) -> int:
     """The number of records."""
 
-  def __getitem__(self, index: int) -> Any:
+  def __getitem__(self, index: int, /) -> Any:
     """Record ``index``: a pytree of arrays or numbers."""
 
 
@@ -146,10 +147,23 @@ class InitFn(Protocol):
 
 
 class BatchFn(Protocol):
-  """Returns the next batch of a chain and the advanced state."""
+  """Returns the next batch of a chain and the advanced state; with
+  ``information=True`` the batch and its :class:`MiniBatchInformation`."""
 
+  @overload
+  def __call__(self, state: CacheState, information: Literal[False] = False,
+               device_count: int = 1) -> Tuple[CacheState, Batch]:
+    ...
+
+  @overload
+  def __call__(self, state: CacheState, information: Literal[True],
+               device_count: int = 1
+               ) -> Tuple[CacheState, Tuple[Batch, MiniBatchInformation]]:
+    ...
+
+  @overload
   def __call__(self, state: CacheState, information: bool = False,
-               device_count: int = 1) -> Tuple[CacheState, Any]:
+               device_count: int = 1) -> Tuple[CacheState, MiniBatch]:
     ...
 
 

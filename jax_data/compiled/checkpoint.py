@@ -23,9 +23,11 @@ import zlib
 from typing import Any
 from typing import BinaryIO
 from typing import Dict
+from typing import Iterable
 from typing import Mapping
 from typing import Optional
 from typing import Sequence
+from typing import SupportsIndex
 from typing import Tuple
 from typing import Union
 
@@ -141,8 +143,9 @@ def _json_default(value):
   raise TypeError(f"cannot save {value!r} in a checkpoint")
 
 
-def state_from_pytree(pipeline: Any, tree: Dict[str, Any],
-                      lanes: Optional[Sequence[int]] = None) -> CacheState:
+def state_from_pytree(pipeline: Any, tree: Mapping[str, Any],
+                      lanes: Optional[Iterable[SupportsIndex]] = None
+                      ) -> CacheState:
   """Restores a state from :func:`state_to_pytree` (``tree`` is not
   changed).
 
@@ -333,7 +336,7 @@ def _check(what: str, saved: Any, here: Any) -> None:
       f"it is {here!r}")
 
 
-def save_checkpoint(path: Union[str, os.PathLike], pipeline: Any,
+def save_checkpoint(path: Union[str, bytes, os.PathLike], pipeline: Any,
                     state: CacheState) -> None:
   """Writes the data position of ``state`` to ``path`` (a ``.npz`` file).
 
@@ -374,8 +377,9 @@ def save_checkpoint(path: Union[str, os.PathLike], pipeline: Any,
     raise
 
 
-def restore_checkpoint(path: Union[str, os.PathLike], pipeline: Any,
-                       lanes: Optional[Sequence[int]] = None) -> CacheState:
+def restore_checkpoint(path: Union[str, bytes, os.PathLike], pipeline: Any,
+                       lanes: Optional[Iterable[SupportsIndex]] = None
+                       ) -> CacheState:
   """Reads a state written by :func:`save_checkpoint` into ``pipeline``.
 
   The pipeline is built as the saved one was (same loader data, batch and

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import TypedDict
 
 import jax
 
 
-def process_shard() -> Dict[str, int]:
+class ProcessShard(TypedDict):
+  """The keywords of :func:`process_shard`."""
+  shard_index: int
+  shard_count: int
+
+
+def process_shard() -> ProcessShard:
   """This process's shard of the observations, for several JAX processes.
 
   Returns ``{"shard_index": jax.process_index(), "shard_count":

@@ -11,6 +11,7 @@ from typing import Hashable
 from typing import Optional
 from typing import Protocol
 from typing import Tuple
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,10 @@ from jax_data.loaders.loader import DeviceDataLoader
 from jax_data.serving.host import Host
 from jax_data.types import CacheState
 from jax_data.types import Callback
+from jax_data.types import MapperFn
+from jax_data.types import OrderedBatch
 from jax_data.types import PyTree
+from jax_data.types import ReleaseFn
 from jax_data.validation import check_bool
 from jax_data.validation import check_keywords
 
@@ -51,7 +55,7 @@ def full_reference_data(data_loader: DataLoader,
                         shard_index: Optional[int] = None,
                         shard_count: Optional[int] = None,
                         progress: Progress = None,
-                        callback: Callback = "auto") -> pl.Pipeline:
+                        callback: Callback = "auto") -> OrderedBatch:
   """Maps functions over every observation, in order, inside compiled code.
 
   Each call of ``map_fn`` makes one pass over observations ``0 .. N - 1``
@@ -90,9 +94,10 @@ def full_reference_data(data_loader: DataLoader,
     ``fun(batch, carry)`` returns one per observation and the results of
     fillers are dropped, so results have leading axis ``N``.
   """
-  return _full_pipeline(data_loader, cached_batches_count, mb_size,
-                        shard_index, shard_count, progress, callback,
-                        stacklevel=4)
+  # Typed as the tuple it unpacks as (its functions' protocols).
+  return cast(OrderedBatch, _full_pipeline(
+      data_loader, cached_batches_count, mb_size, shard_index, shard_count,
+      progress, callback, stacklevel=4))
 
 
 def _full_pipeline(data_loader, cached_batches_count, mb_size, shard_index,
@@ -368,7 +373,8 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
                      progress: Progress = None,
                      callback: Callback = "auto",
                      mesh: Optional[Mesh] = None,
-                     batch_axis: Optional[str] = None) -> pl.Pipeline:
+                     batch_axis: Optional[str] = None
+                     ) -> Tuple[MapperFn, ReleaseFn]:
   """Like :func:`full_reference_data`, but no data state is threaded through.
 
   >>> import jax.numpy as jnp
@@ -417,13 +423,15 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
                     split.mb_size)
     chunks = HostChunks(config.loader, plan, {},
                         progress_reporter(progress, plan), config.callback)
-    return global_passes.GlobalMapperPipeline(
+    pipeline: pl.Pipeline = global_passes.GlobalMapperPipeline(
         FullPipeline(chunks, plan, config.loader), axes, split,
         config.observations.start, config.loader)
-  full = _full_pipeline(data_loader, cached_batches_count, mb_size,
-                        shard_index, shard_count, progress, callback,
-                        stacklevel=4)
-  return MapperPipeline(full, data_loader)
+  else:
+    pipeline = MapperPipeline(_full_pipeline(
+        data_loader, cached_batches_count, mb_size, shard_index, shard_count,
+        progress, callback, stacklevel=4), data_loader)
+  # Typed as the tuple it unpacks as (its functions' protocols).
+  return cast(Tuple[MapperFn, ReleaseFn], pipeline)
 
 
 class MapperPipeline(pl.Pipeline):

@@ -27,7 +27,7 @@ from jax_data.lifetime import BATCHED
 from jax_data.types import MiniBatchInformation
 from jax_data.types import PyTree
 
-Progress = Union[None, bool, Callable[[int, int], None]]
+Progress = Union[None, bool, Callable[[int, int], object]]
 
 
 def progress_reporter(progress: Progress, plan: "PassPlan"

@@ -6,6 +6,7 @@ import functools
 from typing import Any
 from typing import Callable
 from typing import Optional
+from typing import cast
 
 import jax
 import numpy as np
@@ -24,6 +25,7 @@ from jax_data.loaders.loader import DataLoader
 from jax_data.types import CacheState
 from jax_data.types import Callback
 from jax_data.types import MiniBatchInformation
+from jax_data.types import RandomBatch
 from jax_data.validation import check_bool
 from jax_data.validation import seed_list
 
@@ -33,7 +35,7 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
                           callback: Callback = "auto",
                           mesh: Optional[Mesh] = None,
                           batch_axis: Optional[str] = None,
-                          chain_axis: Optional[str] = None) -> pl.Pipeline:
+                          chain_axis: Optional[str] = None) -> RandomBatch:
   """Random mini-batches of a loader, drawn inside ``jit`` and ``lax.scan``.
 
   A host loader serves chunks of ``cached_batches_count`` batches through a
@@ -94,13 +96,16 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
           f"data_loader={config.loader!r}")
     axes = global_batches.MeshAxes.checked(mesh, batch_axis, chain_axis,
                                            config.mb_size)
-    return global_batches.GlobalPipeline(RandomPipeline(
+    pipeline: pl.Pipeline = global_batches.GlobalPipeline(RandomPipeline(
         config.loader, config.cache_size, config.mb_size // axes.parts,
         verify_calls, config.callback), axes, config.mb_size)
-  if config.on_device:
-    return device_loader.RandomPipeline(config.loader, config.mb_size)
-  return RandomPipeline(config.loader, config.cache_size, config.mb_size,
-                        verify_calls, config.callback)
+  elif config.on_device:
+    pipeline = device_loader.RandomPipeline(config.loader, config.mb_size)
+  else:
+    pipeline = RandomPipeline(config.loader, config.cache_size,
+                              config.mb_size, verify_calls, config.callback)
+  # Typed as the tuple it unpacks as (its functions' protocols).
+  return cast(RandomBatch, pipeline)
 
 
 class RandomPipeline(pl.RandomPipeline):

@@ -417,7 +417,7 @@ class HostDataLoader(DataLoader):
     """
     return self._parts()[1].register(True, cache_size, mb_size, kwargs)
 
-  def get_batches(self, chain_id: int) -> Tuple[PyTree, jax.Array]:
+  def get_batches(self, chain_id: int) -> Tuple[PyTree, Any]:
     """The chain's next chunk, and advances it.
 
     Returns:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import operator
 from typing import Any
-from typing import Dict
+from typing import Mapping
 from typing import Optional
 from typing import Tuple
 
@@ -43,7 +43,7 @@ class DataLoader(metaclass=abc.ABCMeta):
 
   @property
   @abc.abstractmethod
-  def static_information(self) -> Dict[str, int]:
+  def static_information(self) -> Mapping[str, Optional[int]]:
     """``{"observation_count": N}``."""
 
   @property
