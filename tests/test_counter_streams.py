@@ -1,6 +1,8 @@
 """Counter-based index streams: bijections, quality, the same stream on the
 host and on the device, and on every loader that reads rows by index."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,6 +152,36 @@ def test_chains_of_different_seeds_share_no_structure():
   assert abs(np.corrcoef(a, b)[0, 1]) < 4 / np.sqrt(a.size)
 
 
+def test_no_seed_draws_another_seeds_batches():
+  """Independent draws of 1,024 chains (seeds 0 .. 1023, what
+  init_fn(seed=range(1024)) gives), 200 batches of 64 over 1,000
+  observations: no batch of any chain is another batch's multiset of
+  indices (a chance match is about 1e-100). When a hash absorbed the
+  seed only before the position, one seed's stream was another's with
+  positions XORed by a constant: chain 165's batch j was chain 117's
+  batch j ^ 86."""
+  chains, batches, mb = 1024, 200, 64
+  runs = counter_chains.uniform_runs(np.arange(chains), np.zeros(chains,
+                                                                 np.int64),
+                                     batches * mb, 1000)
+  drawn = np.sort(runs.reshape(chains * batches, mb), axis=1)
+  assert len(np.unique(drawn, axis=0)) == chains * batches
+
+
+@pytest.mark.parametrize("n, expected", [(2**31, 233), (2**32 - 5, 116),
+                                         (2**33, 58)])
+def test_draws_over_billions_repeat_as_draws_with_replacement(n, expected):
+  """10**6 draws of one chain repeat an observation about k**2 / (2 n)
+  times, as draws with replacement do. With one 32-bit hash, a bijection
+  of the position, they repeated about half as often at n = 2**31, and
+  never at n = 2**32 - 5 or 2**33. Poisson counts: the bounds hold with
+  probability above 1 - 1e-6."""
+  drawn = cs.uniform(11, np.arange(10**6), n)
+  repeats = drawn.size - np.unique(drawn).size
+  low, high = stats.poisson(expected).ppf([1e-7, 1 - 1e-7])
+  assert low <= repeats <= high, (repeats, expected)
+
+
 def test_a_chunk_costs_no_replay():
   """A stream positioned at batch 1e9 draws what a stream that got there
   batch by batch would: the same function of the batch number."""
@@ -268,6 +300,44 @@ def test_checkpoint_keeps_the_stream_kind(tmp_path):
     restored, again = batch_fn(restored)
     np.testing.assert_array_equal(batch["x"], row)
     np.testing.assert_array_equal(again["x"], row)
+
+
+def _saved_before_the_new_draws(tree):
+  """``tree`` (state_to_pytree's) as a jax_data before 2026-11-28 wrote it:
+  without the version of the independent draws' hash."""
+  host = json.loads(bytes(np.asarray(tree["host"])).decode())
+  del host["counter_draws"]
+  return {**tree, "host": np.frombuffer(json.dumps(host).encode(), np.uint8)}
+
+
+@pytest.mark.parametrize("loader_class", ["host", "device"])
+def test_checkpoints_of_the_old_independent_draws_are_refused(loader_class):
+  """Independent counter draws changed their hash: a checkpoint of such
+  chains saved before would go on with other batches, so it is refused,
+  naming the change; shuffled counter chains and exact streams, whose
+  draws did not change, restore."""
+  data = {"x": np.arange(100)}
+  loader = (jax_data.NumpyDataLoader(**data) if loader_class == "host" else
+            jax_data.DeviceNumpyDataLoader(**data))
+  pipeline = jax_data.random_reference_data(loader, 3, 4)
+  init_fn, batch_fn, _ = pipeline
+  old = _saved_before_the_new_draws(jax_data.state_to_pytree(
+      pipeline, init_fn(seed=range(2))))
+  with pytest.raises(jax_data.CheckpointError,
+                     match=r"independent batches .* version 1 "
+                     r"\(jax_data before 2026-11-28\)"):
+    jax_data.state_from_pytree(pipeline, old)
+  for kind in ({"shuffle": True, "stream": "counter"},
+               {"stream": "exact"} if loader_class == "host" else
+               {"key": jax.random.PRNGKey(0)}):
+    state = init_fn(**({"seed": 3} if "key" not in kind else {}), **kind)
+    state, _ = batch_fn(state)
+    restored = jax_data.state_from_pytree(pipeline, _saved_before_the_new_draws(
+        jax_data.state_to_pytree(pipeline, state)))
+    for _ in range(4):
+      state, batch = batch_fn(state)
+      restored, again = batch_fn(restored)
+      np.testing.assert_array_equal(again["x"], batch["x"])
 
 
 def test_a_state_far_ahead_is_served_without_replay():

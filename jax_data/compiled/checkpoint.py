@@ -41,6 +41,10 @@ from jax_data.types import CacheState
 from jax_data.validation import check_int
 
 FORMAT_VERSION = 2
+# The hash of counter-based independent draws (counter_streams.uniform):
+# 2 since it absorbs the seed again after the position (2026-11-28).
+# Checkpoints without the field were saved with 1.
+COUNTER_DRAWS = 2
 _FIELDS = ("chain", "chunk", "position", "cached_chunk", "key")
 
 
@@ -70,6 +74,7 @@ def state_to_pytree(pipeline: Any, state: CacheState) -> Dict[str, np.ndarray]:
       saved["spec"].pop("part", None)
       chains.append(saved)
   host = {"version": FORMAT_VERSION, "lanes": list(lanes), "chains": chains,
+          "counter_draws": COUNTER_DRAWS,
           "fingerprint": pipeline.fingerprint,
           # The dtypes a loader serves, and so its data's digest, follow it.
           "x64": bool(jax.config.jax_enable_x64),
@@ -204,6 +209,35 @@ def _check_random_settings(host: Dict[str, Any]) -> None:
         f"{'; '.join(differ)}. Restore with the settings it was saved with")
 
 
+def _check_counter_draws(host: Dict[str, Any]) -> None:
+  """Refuses a checkpoint of counter-based independent draws saved with
+  another hash of them (:data:`COUNTER_DRAWS`): from the same position
+  its chains would draw other batches than they would have."""
+  saved = host.get("counter_draws", 1)
+  if saved == COUNTER_DRAWS:
+    return
+
+  def independent(value: Any) -> bool:
+    if isinstance(value, dict):
+      return ((value.get("stream") == "counter"
+               and value.get("mode") == "independent")
+              or any(independent(v) for v in value.values()))
+    return isinstance(value, list) and any(independent(v) for v in value)
+
+  device = host.get("device_chains")
+  if independent(host.get("chains")) or (
+      isinstance(device, list) and -2 in device):  # -2 - mode 0
+    raise CheckpointError(
+        "checkpoint does not fit: its chains draw counter-based independent "
+        f"batches (stream='counter', shuffle=False) with the hash of "
+        f"version {saved} (jax_data before 2026-11-28), and this jax_data "
+        f"draws them with version {COUNTER_DRAWS}, which no longer gives "
+        "one seed's batches to another in another order; restored, the "
+        "chains would go on with other batches than they would have. "
+        "Start them anew (init_fn), or finish the run with the jax_data "
+        "that saved it")
+
+
 def _read_tree(tree: Any, pipeline: pl.Pipeline
                ) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
   """The host part and the counters of a checkpoint pytree, every field
@@ -226,6 +260,7 @@ def _read_tree(tree: Any, pipeline: pl.Pipeline
     raise CheckpointError(f"the checkpoint's host field is {host!r}, not a "
                           "dict")
   _check("format version", host.get("version"), FORMAT_VERSION)
+  _check_counter_draws(host)
   saved, here = host.get("fingerprint"), pipeline.fingerprint
   if pipeline.host is None and isinstance(saved, dict) and (
       saved.get("data") is None):

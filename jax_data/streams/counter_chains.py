@@ -142,16 +142,29 @@ def _redrawn(seeds: Sequence[int], starts: Sequence[int], chain: np.ndarray,
     position = starts[c] + k
     tail = (position & _U32, position >> 32)
     prefixes = [_prefix(cs.TAG_UNIFORM_LO, seeds[c])]
-    if wide:
+    if n > cs.PAIRED_ABOVE:
       prefixes.append(_prefix(cs.TAG_UNIFORM_HI, seeds[c]))
     attempt, h = 0, limit
     while h >= limit:
       attempt += 1
-      words = [_absorbed_int(p, tail + (attempt,)) for p in prefixes]
-      h = words[0] | (words[1] << 32 if wide else 0)
+      words = [_absorbed_int(p, tail + (attempt, p)) for p in prefixes]
+      h = _combined(words, n)
     values.append(h % n)
   # As uniform's astype: n above 2**63 is beyond int64 (and any index).
   return np.asarray(values, np.uint64).astype(np.int64)
+
+
+def _combined(words: Sequence[Any], n: int) -> Any:
+  """An independent draw's hash from its one or two 32-bit hashes (low
+  tag's, high tag's), as ``counter_streams.uniform`` combines them."""
+  if n <= cs.PAIRED_ABOVE:
+    return words[0]
+  if n <= 2**32:
+    return words[0] ^ words[1]
+  if isinstance(words[0], int):
+    return (words[1] << 32) | (words[0] ^ words[1])
+  return ((words[1].astype(np.uint64) << np.uint64(32))
+          | (words[0] ^ words[1]).astype(np.uint64))
 
 
 def _absorbed_int(h: int, words: Sequence[int]) -> int:
@@ -178,7 +191,7 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
   wide = n > 2**32
   span = 2**64 if wide else 2**32
   limit = span - span % n
-  tags = (cs.TAG_UNIFORM_LO, cs.TAG_UNIFORM_HI) if wide else (
+  tags = (cs.TAG_UNIFORM_LO, cs.TAG_UNIFORM_HI) if n > cs.PAIRED_ABOVE else (
       cs.TAG_UNIFORM_LO,)
   prefixes = [_prefixes(tag, seeds) for tag in tags]
   lows = (starts & _U32).astype(np.uint32)
@@ -211,14 +224,14 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
             high = highs[c0:c1, None]
             _absorb_into(h, high if high.any() else 0, t)
             _absorb_into(h, 0, t)  # attempt 0
-            hashes.append(h.copy() if wide else h)
+            _absorb_into(h, prefix[c0:c1, None], t)  # the seed's again
+            hashes.append(h.copy() if len(prefixes) > 1 else h)
           if wide:
-            h = ((hashes[1].astype(np.uint64) << np.uint64(32))
-                 | hashes[0].astype(np.uint64))
+            h = _combined(hashes, n)
             reduced, dtype = _remainder(h, np.uint64(n), np.empty_like(h)), (
                 np.uint64)
           else:
-            h, dtype = hashes[0], np.uint32
+            h, dtype = _combined(hashes, n), np.uint32
             reduced = h if n == span else _remainder(
                 h, np.uint32(n), tmp[:c1 - c0, :k1 - k0])
           out[c0:c1, k0:k1] = reduced

@@ -48,6 +48,11 @@ GOLDEN = 0x9E3779B9
 TAG_PERMUTE = 0x243F6A88
 TAG_UNIFORM_LO = 0x85A308D3
 TAG_UNIFORM_HI = 0x13198A2E
+#: Above this many observations an independent draw XORs two hashes of
+#: (seed, position): one hash is a bijection of the position's low word,
+#: so its draws would repeat an observation less often than draws with
+#: replacement do, by the factor ``1 - n / 2**32`` (at most 0.4 % here).
+PAIRED_ABOVE = 1 << 24
 
 
 def domain_bits(n: int) -> int:
@@ -312,6 +317,12 @@ def uniform(seed: Any, positions: Any, n: int, xp: Any = np) -> Any:
   the next taken, so the draw is exactly uniform (a rejection has
   probability below ``n / 2**32``).
 
+  A hash (:func:`uniform_hash`) absorbs the seed's state again after the
+  position: without that, the stream of one seed was the stream of another
+  with positions XORed by a constant (chains drawing each other's batches
+  in another order). Above :data:`PAIRED_ABOVE` observations two hashes
+  are XORed (the high word of a 64-bit one is the second hash).
+
   NumPy takes int64 positions below ``2**63`` and a Python int seed, or a
   pair of ``uint32`` arrays of the seeds' low and high words, one seed per
   position; ``jax.numpy`` ``uint32`` positions, or a pair of arrays of
@@ -345,12 +356,14 @@ def _uniform(seed: Any, positions: Any, n: int, xp: Any) -> Any:
     words = (seed_lo, seed_hi, pos_lo, pos_hi)
     if some is not None:  # seeds are scalars, or arrays like the positions
       words = tuple(w if w.ndim == 0 else w[some] for w in words)
-    words += (attempt,)
-    low = _absorb((_u32(TAG_UNIFORM_LO, xp),) + words, xp)
-    if not wide:
+    low = uniform_hash(TAG_UNIFORM_LO, *words, attempt, xp)
+    if n <= PAIRED_ABOVE:
       return low
-    high = _absorb((_u32(TAG_UNIFORM_HI, xp),) + words, xp)
-    return (high.astype(np.uint64) << np.uint64(32)) | low.astype(np.uint64)
+    high = uniform_hash(TAG_UNIFORM_HI, *words, attempt, xp)
+    if not wide:
+      return low ^ high
+    return ((high.astype(np.uint64) << np.uint64(32))
+            | (low ^ high).astype(np.uint64))
 
   if xp is np:
     hashes = draw(np.uint32(0))
@@ -382,6 +395,18 @@ def _uniform(seed: Any, positions: Any, n: int, xp: Any) -> Any:
       lambda c: xp.any(c[1] >= xp.uint32(limit)), step,
       (xp.uint32(0), draw(xp.uint32(0))))
   return hashes % xp.uint32(n)
+
+
+def uniform_hash(tag: int, seed_lo: Any, seed_hi: Any, pos_lo: Any,
+                 pos_hi: Any, attempt: Any, xp: Any) -> Any:
+  """The 32-bit hash of an independent draw: ``tag``, the seed's words,
+  the position's words and the attempt absorbed, then the state the seed
+  left (the ``prefix``) absorbed again."""
+  prefix = _absorb((_u32(tag, xp), seed_lo, seed_hi), xp)
+  h = prefix
+  for word in (pos_lo, pos_hi, attempt, prefix):
+    h = _mix((h ^ word) * xp.uint32(GOLDEN), xp)
+  return h
 
 
 def _check_device_size(n: int, bits: int, xp: Any) -> None:
