@@ -417,7 +417,7 @@ class BufferShuffle:
     return np.concatenate(parts)
 
   def trim(self) -> None:
-    """Drops the block of slot draws (512 KiB) and the buffer's slots (8
+    """Drops the block of slot draws (64-512 KiB) and the buffer's slots (8
     bytes each); the position becomes unknown: :meth:`seek` computes them
     again."""
     self.position = None
@@ -473,6 +473,11 @@ class BufferShuffle:
       draws = np.random.default_rng([self.seed, self._pass, 0, block]
                                     ).integers(0, self.buffer_size,
                                                self._BLOCK)
+      # Kept in the least integer type that holds a slot: a chain keeps a
+      # block of 2**16 (512 KiB as int64; 64 KiB as uint8 for buffers of up
+      # to 256 elements, 128 KiB as uint16 up to 2**16), and many chains
+      # keep one each.
+      draws = draws.astype(np.min_scalar_type(self.buffer_size - 1))
       self._draws = ((self._pass, block), draws)
     return draws[first:first + k]
 
