@@ -568,7 +568,7 @@ def test_a_stream_drawn_ahead_gives_each_draw_its_own_batches(
     if action == 0:
       stream.seek_batch(int(rng.integers(0, 10**6)))
     elif action == 1:
-      stream.set_state({"stream": "counter", "mode": stream.mode,
+      stream.set_state({**stream.get_state(),
                         "seed": int(rng.integers(0, 2**63)),
                         "batch": int(rng.integers(0, 100))})
     elif action == 2:

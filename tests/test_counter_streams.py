@@ -340,6 +340,35 @@ def test_checkpoints_of_the_old_independent_draws_are_refused(loader_class):
       np.testing.assert_array_equal(again["x"], batch["x"])
 
 
+def test_old_independent_positions_are_refused_when_merged_or_loaded():
+  """Parts of a checkpoint merged (as Orbax merges the processes' parts):
+  an old part of independent counter chains is refused wherever it comes
+  in the list, and an old part of shuffled chains merges with a new one.
+  A chain's position saved the predecessor's way (save_state) without
+  the draws' version is refused by load_state."""
+  from jax_data.compiled.checkpoint import concatenate_trees
+  loader = jax_data.NumpyDataLoader(x=np.arange(100))
+  pipeline = jax_data.random_reference_data(loader, 3, 4)
+  init_fn = pipeline[0]
+  new = jax_data.state_to_pytree(pipeline, init_fn(seed=range(2)))
+  old = _saved_before_the_new_draws(jax_data.state_to_pytree(
+      pipeline, init_fn(seed=range(2, 4))))
+  for parts in ([new, old], [old, new]):
+    with pytest.raises(jax_data.CheckpointError, match="version 1"):
+      concatenate_trees(parts)
+  old_shuffled = _saved_before_the_new_draws(jax_data.state_to_pytree(
+      pipeline, init_fn(seed=range(4, 6), shuffle=True, stream="counter")))
+  merged = concatenate_trees([old_shuffled, new])
+  assert jax_data.state_from_pytree(pipeline, merged).chain.shape == (4,)
+  chain = loader.register_random_pipeline(3, 4, seed=5, stream="counter")
+  saved = loader.save_state(chain)
+  assert saved["stream"]["draws"] == cs.UNIFORM_VERSION
+  del saved["stream"]["draws"]
+  with pytest.raises(ValueError, match="version 1 of the counter-based "
+                     "independent draws"):
+    loader.load_state(chain, saved)
+
+
 def test_a_state_far_ahead_is_served_without_replay():
   """A counter-based chain's state at draw 1e9 (a pytree whose chunk
   counter was moved there) restores and serves the stream's batch at once:

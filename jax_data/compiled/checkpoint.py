@@ -37,14 +37,14 @@ import numpy as np
 from jax_data.compiled import pipeline as pl
 from jax_data.compiled.states import WRAPPED
 from jax_data.errors import CheckpointError
+from jax_data.streams import counter_streams as cs
 from jax_data.types import CacheState
 from jax_data.validation import check_int
 
 FORMAT_VERSION = 2
-# The hash of counter-based independent draws (counter_streams.uniform):
-# 2 since it absorbs the seed again after the position (2026-11-28).
-# Checkpoints without the field were saved with 1.
-COUNTER_DRAWS = 2
+# The hash of counter-based independent draws (counter_streams.uniform);
+# checkpoints without the field were saved with 1.
+COUNTER_DRAWS = cs.UNIFORM_VERSION
 _FIELDS = ("chain", "chunk", "position", "cached_chunk", "key")
 
 
@@ -124,13 +124,15 @@ def concatenate_trees(trees: Sequence[Mapping[str, Any]]
       _check("format version", host.get("version"), hosts[0].get("version"))
       _check("pipeline", host.get("fingerprint"),
              hosts[0].get("fingerprint"))
+    _check_counter_draws(host)  # each part: the merge keeps one version
     hosts.append(host)
     for name, parts in arrays.items():
       value = np.asarray(tree[name])
       lead = len(host["lanes"])
       parts.append(value.reshape((count,) + value.shape[lead:]))
   host = dict(hosts[0], lanes=[sum(math.prod(h["lanes"]) for h in hosts)],
-              chains=[c for h in hosts for c in h.get("chains", [])])
+              chains=[c for h in hosts for c in h.get("chains", [])],
+              counter_draws=COUNTER_DRAWS)
   if all("device_chains" in h for h in hosts):
     host["device_chains"] = [c for h in hosts for c in h["device_chains"]]
   encoded = json.dumps(host, default=_json_default).encode()

@@ -343,8 +343,11 @@ class CounterStream:
     return random_mode(self.shuffle, self.in_epochs)
 
   def get_state(self) -> dict:
-    return {"stream": "counter", "mode": self.mode, "seed": self.seed,
-            "batch": self._batch}
+    state = {"stream": "counter", "mode": self.mode, "seed": self.seed,
+             "batch": self._batch}
+    if not self.shuffle:  # the hash of independent draws changed once
+      state["draws"] = cs.UNIFORM_VERSION
+    return state
 
   def set_state(self, state: dict) -> None:
     position_fields(state)  # a dict
@@ -356,6 +359,14 @@ class CounterStream:
       raise ValueError(
           f"state is for a chain in mode {state.get('mode')!r}, but this "
           f"chain is in mode {self.mode!r}")
+    if not self.shuffle and state.get("draws", 1) != cs.UNIFORM_VERSION:
+      raise ValueError(
+          f"the position was saved with version {state.get('draws', 1)} of "
+          "the counter-based independent draws (jax_data before "
+          f"2026-11-28), and this jax_data draws version "
+          f"{cs.UNIFORM_VERSION}, which no longer gives one seed's batches "
+          "to another in another order; from it the chain would go on with "
+          "other batches than it would have. Start the chain anew")
     seed, batch = position_fields(state, "seed", "batch")
     seed = check_int("seed", seed, minimum=0, maximum=2**64 - 1)
     # Positions of the stream (batch * mb_size) are int64.

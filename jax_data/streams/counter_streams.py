@@ -53,6 +53,10 @@ TAG_UNIFORM_HI = 0x13198A2E
 #: so its draws would repeat an observation less often than draws with
 #: replacement do, by the factor ``1 - n / 2**32`` (at most 0.4 % here).
 PAIRED_ABOVE = 1 << 24
+#: The version of the independent draws' hash: 2 since it absorbs the
+#: seed's state again after the position (2026-11-28); positions and
+#: checkpoints saved without it were drawn with 1.
+UNIFORM_VERSION = 2
 
 
 def domain_bits(n: int) -> int:
