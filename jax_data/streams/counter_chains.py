@@ -148,23 +148,10 @@ def _redrawn(seeds: Sequence[int], starts: Sequence[int], chain: np.ndarray,
     while h >= limit:
       attempt += 1
       words = [_absorbed_int(p, tail + (attempt, p)) for p in prefixes]
-      h = _combined(words, n)
+      h = cs.combined_hash(words[0], words[-1], n)
     values.append(h % n)
   # As uniform's astype: n above 2**63 is beyond int64 (and any index).
   return np.asarray(values, np.uint64).astype(np.int64)
-
-
-def _combined(words: Sequence[Any], n: int) -> Any:
-  """An independent draw's hash from its one or two 32-bit hashes (low
-  tag's, high tag's), as ``counter_streams.uniform`` combines them."""
-  if n <= cs.PAIRED_ABOVE:
-    return words[0]
-  if n <= 2**32:
-    return words[0] ^ words[1]
-  if isinstance(words[0], int):
-    return (words[1] << 32) | (words[0] ^ words[1])
-  return ((words[1].astype(np.uint64) << np.uint64(32))
-          | (words[0] ^ words[1]).astype(np.uint64))
 
 
 def _absorbed_int(h: int, words: Sequence[int]) -> int:
@@ -227,11 +214,11 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
             _absorb_into(h, prefix[c0:c1, None], t)  # the seed's again
             hashes.append(h.copy() if len(prefixes) > 1 else h)
           if wide:
-            h = _combined(hashes, n)
+            h = cs.combined_hash(hashes[0], hashes[-1], n)
             reduced, dtype = _remainder(h, np.uint64(n), np.empty_like(h)), (
                 np.uint64)
           else:
-            h, dtype = _combined(hashes, n), np.uint32
+            h, dtype = cs.combined_hash(hashes[0], hashes[-1], n), np.uint32
             reduced = h if n == span else _remainder(
                 h, np.uint32(n), tmp[:c1 - c0, :k1 - k0])
           out[c0:c1, k0:k1] = reduced

@@ -361,13 +361,9 @@ def _uniform(seed: Any, positions: Any, n: int, xp: Any) -> Any:
     if some is not None:  # seeds are scalars, or arrays like the positions
       words = tuple(w if w.ndim == 0 else w[some] for w in words)
     low = uniform_hash(TAG_UNIFORM_LO, *words, attempt, xp)
-    if n <= PAIRED_ABOVE:
-      return low
-    high = uniform_hash(TAG_UNIFORM_HI, *words, attempt, xp)
-    if not wide:
-      return low ^ high
-    return ((high.astype(np.uint64) << np.uint64(32))
-            | (low ^ high).astype(np.uint64))
+    high = (uniform_hash(TAG_UNIFORM_HI, *words, attempt, xp)
+            if n > PAIRED_ABOVE else None)
+    return combined_hash(low, high, n)
 
   if xp is np:
     hashes = draw(np.uint32(0))
@@ -411,6 +407,21 @@ def uniform_hash(tag: int, seed_lo: Any, seed_hi: Any, pos_lo: Any,
   for word in (pos_lo, pos_hi, attempt, prefix):
     h = _mix((h ^ word) * xp.uint32(GOLDEN), xp)
   return h
+
+
+def combined_hash(low: Any, high: Any, n: int) -> Any:
+  """An independent draw's hash from its :func:`uniform_hash` of the low
+  tag and, above :data:`PAIRED_ABOVE` observations, of the high tag
+  (Python ints or arrays): the low one alone, their XOR, or above
+  ``2**32`` a 64-bit hash whose high word is the high one."""
+  if n <= PAIRED_ABOVE:
+    return low
+  if n <= 2**32:
+    return low ^ high
+  if isinstance(low, int):
+    return (high << 32) | (low ^ high)
+  return ((high.astype(np.uint64) << np.uint64(32))
+          | (low ^ high).astype(np.uint64))
 
 
 def _check_device_size(n: int, bits: int, xp: Any) -> None:
