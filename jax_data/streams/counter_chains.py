@@ -141,14 +141,12 @@ def _redrawn(seeds: Sequence[int], starts: Sequence[int], chain: np.ndarray,
   for c, k in zip(chain.tolist(), column.tolist()):
     position = starts[c] + k
     tail = (position & _U32, position >> 32)
-    prefixes = [_prefix(cs.TAG_UNIFORM_LO, seeds[c])]
-    if n > cs.PAIRED_ABOVE:
-      prefixes.append(_prefix(cs.TAG_UNIFORM_HI, seeds[c]))
+    prefix = _prefix(cs.TAG_UNIFORM_LO, seeds[c])
     attempt, h = 0, limit
     while h >= limit:
       attempt += 1
-      words = [_absorbed_int(p, tail + (attempt, p)) for p in prefixes]
-      h = cs.combined_hash(words[0], words[-1], n)
+      h = cs.combined_hash(_absorbed_int(prefix, tail + (attempt, prefix)),
+                           n)
     values.append(h % n)
   # As uniform's astype: n above 2**63 is beyond int64 (and any index).
   return np.asarray(values, np.uint64).astype(np.int64)
@@ -178,9 +176,7 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
   wide = n > 2**32
   span = 2**64 if wide else 2**32
   limit = span - span % n
-  tags = (cs.TAG_UNIFORM_LO, cs.TAG_UNIFORM_HI) if n > cs.PAIRED_ABOVE else (
-      cs.TAG_UNIFORM_LO,)
-  prefixes = [_prefixes(tag, seeds) for tag in tags]
+  prefix = _prefixes(cs.TAG_UNIFORM_LO, seeds)
   lows = (starts & _U32).astype(np.uint32)
   highs = (starts >> 32).astype(np.uint32)
   # A run whose low words wrap past 2**32 changes its high word midway:
@@ -200,25 +196,22 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
         c1 = min(last, c0 + rows)
         for k0 in range(0, length, cols):
           k1 = min(length, k0 + cols)
-          hashes = []
-          for prefix in prefixes:
-            h, t = x[:c1 - c0, :k1 - k0], tmp[:c1 - c0, :k1 - k0]
-            # The positions' low words, wrapping like uint32.
-            np.add(count[k0:k1], lows[c0:c1, None], out=h)
-            np.bitwise_xor(h, prefix[c0:c1, None], out=h)
-            # (prefix ^ low) then the mix: _absorb_into with the XOR done.
-            _absorb_into(h, 0, t)
-            high = highs[c0:c1, None]
-            _absorb_into(h, high if high.any() else 0, t)
-            _absorb_into(h, 0, t)  # attempt 0
-            _absorb_into(h, prefix[c0:c1, None], t)  # the seed's again
-            hashes.append(h.copy() if len(prefixes) > 1 else h)
+          h, t = x[:c1 - c0, :k1 - k0], tmp[:c1 - c0, :k1 - k0]
+          # The positions' low words, wrapping like uint32.
+          np.add(count[k0:k1], lows[c0:c1, None], out=h)
+          np.bitwise_xor(h, prefix[c0:c1, None], out=h)
+          # (prefix ^ low) then the mix: _absorb_into with the XOR done.
+          _absorb_into(h, 0, t)
+          high = highs[c0:c1, None]
+          _absorb_into(h, high if high.any() else 0, t)
+          _absorb_into(h, 0, t)  # attempt 0
+          _absorb_into(h, prefix[c0:c1, None], t)  # the seed's again
           if wide:
-            h = cs.combined_hash(hashes[0], hashes[-1], n)
+            h = cs.combined_hash(h, n)
             reduced, dtype = _remainder(h, np.uint64(n), np.empty_like(h)), (
                 np.uint64)
           else:
-            h, dtype = cs.combined_hash(hashes[0], hashes[-1], n), np.uint32
+            h, dtype = cs.combined_hash(h, n), np.uint32
             reduced = h if n == span else _remainder(
                 h, np.uint32(n), tmp[:c1 - c0, :k1 - k0])
           out[c0:c1, k0:k1] = reduced

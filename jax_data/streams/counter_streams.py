@@ -48,10 +48,11 @@ GOLDEN = 0x9E3779B9
 TAG_PERMUTE = 0x243F6A88
 TAG_UNIFORM_LO = 0x85A308D3
 TAG_UNIFORM_HI = 0x13198A2E
-#: Above this many observations an independent draw XORs two hashes of
-#: (seed, position): one hash is a bijection of the position's low word,
-#: so its draws would repeat an observation less often than draws with
-#: replacement do, by the factor ``1 - n / 2**32`` (at most 0.4 % here).
+#: Above this many observations an independent draw's hash ``h`` becomes
+#: ``h ^ mix(h ^ tag)``: ``h`` is a bijection of the position's low word,
+#: so draws from it alone would repeat an observation less often than
+#: draws with replacement do, by the factor ``1 - n / 2**32`` (at most
+#: 0.4 % here).
 PAIRED_ABOVE = 1 << 24
 #: The version of the independent draws' hash: 2 since it absorbs the
 #: seed's state again after the position (2026-11-28); positions and
@@ -324,8 +325,8 @@ def uniform(seed: Any, positions: Any, n: int, xp: Any = np) -> Any:
   A hash (:func:`uniform_hash`) absorbs the seed's state again after the
   position: without that, the stream of one seed was the stream of another
   with positions XORed by a constant (chains drawing each other's batches
-  in another order). Above :data:`PAIRED_ABOVE` observations two hashes
-  are XORed (the high word of a 64-bit one is the second hash).
+  in another order). Above :data:`PAIRED_ABOVE` observations
+  :func:`combined_hash` makes it no longer a bijection of the position.
 
   NumPy takes int64 positions below ``2**63`` and a Python int seed, or a
   pair of ``uint32`` arrays of the seeds' low and high words, one seed per
@@ -360,10 +361,8 @@ def _uniform(seed: Any, positions: Any, n: int, xp: Any) -> Any:
     words = (seed_lo, seed_hi, pos_lo, pos_hi)
     if some is not None:  # seeds are scalars, or arrays like the positions
       words = tuple(w if w.ndim == 0 else w[some] for w in words)
-    low = uniform_hash(TAG_UNIFORM_LO, *words, attempt, xp)
-    high = (uniform_hash(TAG_UNIFORM_HI, *words, attempt, xp)
-            if n > PAIRED_ABOVE else None)
-    return combined_hash(low, high, n)
+    return combined_hash(uniform_hash(TAG_UNIFORM_LO, *words, attempt, xp),
+                         n, xp)
 
   if xp is np:
     hashes = draw(np.uint32(0))
@@ -409,19 +408,22 @@ def uniform_hash(tag: int, seed_lo: Any, seed_hi: Any, pos_lo: Any,
   return h
 
 
-def combined_hash(low: Any, high: Any, n: int) -> Any:
-  """An independent draw's hash from its :func:`uniform_hash` of the low
-  tag and, above :data:`PAIRED_ABOVE` observations, of the high tag
-  (Python ints or arrays): the low one alone, their XOR, or above
-  ``2**32`` a 64-bit hash whose high word is the high one."""
+def combined_hash(h: Any, n: int, xp: Any = np) -> Any:
+  """An independent draw's hash from its :func:`uniform_hash` ``h`` (a
+  Python int or an array): ``h`` itself up to :data:`PAIRED_ABOVE`
+  observations; above, with ``m = mix(h ^ TAG_UNIFORM_HI)``, ``h ^ m``,
+  which is not a bijection of ``h`` (an observation repeats as with
+  replacement), and above ``2**32`` the 64-bit ``m << 32 | h ^ m``."""
   if n <= PAIRED_ABOVE:
-    return low
+    return h
+  if isinstance(h, int):
+    m = mix_int(((h ^ TAG_UNIFORM_HI) * GOLDEN) & _U32)
+    return (h ^ m) if n <= 2**32 else (m << 32) | (h ^ m)
+  m = _mix((h ^ xp.uint32(TAG_UNIFORM_HI)) * xp.uint32(GOLDEN), xp)
   if n <= 2**32:
-    return low ^ high
-  if isinstance(low, int):
-    return (high << 32) | (low ^ high)
-  return ((high.astype(np.uint64) << np.uint64(32))
-          | (low ^ high).astype(np.uint64))
+    return h ^ m
+  return ((m.astype(np.uint64) << np.uint64(32))
+          | (h ^ m).astype(np.uint64))
 
 
 def _check_device_size(n: int, bits: int, xp: Any) -> None:
