@@ -2,6 +2,7 @@
 host and on the device, and on every loader that reads rows by index."""
 
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from jax_data.streams import device_streams
 ALPHA = 1e-3
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 1000, 65_537, 1_000_000])
+@pytest.mark.parametrize("n", [1, 2, 3, 16, 17, 1000, 65_537, 1_000_000])
 def test_every_index_exactly_once_per_epoch(n):
   for seed in (0, 1, 2**40 + 7):
     for epoch in (0, 1, 2**33):
@@ -29,7 +30,7 @@ def test_every_index_exactly_once_per_epoch(n):
       np.testing.assert_array_equal(np.sort(perm), np.arange(n))
 
 
-@pytest.mark.parametrize("n", [1, 3, 1000, 65_537])
+@pytest.mark.parametrize("n", [1, 3, 16, 17, 1000, 65_537])
 def test_the_device_draws_the_host_stream(n):
   """jax.numpy computes the same indices as NumPy, bit for bit, in every
   mode, from any first batch, inside jit."""
@@ -91,7 +92,8 @@ def test_an_epoch_per_offset_permutes_as_each_epoch_alone(epochs):
   ints, or (many epochs) with a key per offset: the same bijection either
   way, and the same as the device's uint32 arithmetic."""
   rng = np.random.default_rng(epochs)
-  for n, seed in ((3, 0), (1000, 5), (65_537, 2**40 + 3), (10**8, 2**64 - 1)):
+  for n, seed in ((3, 0), (16, 1), (17, 2), (1000, 5), (65_537, 2**40 + 3),
+                  (10**8, 2**64 - 1)):
     offsets = rng.integers(0, n, 300)
     epoch = np.sort(rng.integers(2**33, 2**33 + epochs, 300))
     each = [int(cs.permute(seed, int(e), np.array([o]), n)[0])
@@ -101,11 +103,12 @@ def test_an_epoch_per_offset_permutes_as_each_epoch_alone(epochs):
       with np.errstate(over="ignore"):  # uint32 arithmetic wraps
         keys = [int(k) for k in cs.round_keys(seed, e, np)]
       assert cs.round_keys_int(seed, e) == keys
-  device = jax.jit(lambda e, o: cs.permute(5, e, o, 1000, jnp))(
-      jnp.asarray(epoch % 1000, jnp.uint32), jnp.asarray(offsets % 1000,
-                                                         jnp.uint32))
-  np.testing.assert_array_equal(
-      device, cs.permute(5, epoch % 1000, offsets % 1000, 1000))
+  for n in (1000, 16):
+    device = jax.jit(lambda e, o, n=n: cs.permute(5, e, o, n, jnp))(
+        jnp.asarray(epoch % 1000, jnp.uint32), jnp.asarray(offsets % n,
+                                                           jnp.uint32))
+    np.testing.assert_array_equal(
+        device, cs.permute(5, epoch % 1000, offsets % n, n))
 
 
 def test_position_of_an_index_is_uniform_across_seeds():
@@ -132,6 +135,83 @@ def test_consecutive_draws_are_independent():
     np.add.at(counts, (perm[:-1], perm[1:]), 1)
   assert counts.trace() == 0
   assert stats.chisquare(counts[~np.eye(n, dtype=bool)]).pvalue > ALPHA
+
+
+def _parity(perm):
+  """0 for an even permutation, 1 for an odd one: ``n`` less its cycles."""
+  seen, cycles = np.zeros(perm.size, bool), 0
+  for start in range(perm.size):
+    cycles += not seen[start]
+    while not seen[start]:
+      seen[start], start = True, perm[start]
+  return (perm.size - cycles) % 2
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_small_epochs_are_uniform_over_all_permutations(n):
+  """Epochs of up to 16 observations are the order of keyed hashes: over
+  60,000 epochs every permutation of n comes about equally often (a
+  Feistel network on so small a domain reached few of them, at n = 5
+  p ~ 0), and as often from the device as from the host."""
+  epochs = np.repeat(np.arange(60_000), n)
+  perms = cs.permute(11, epochs, np.tile(np.arange(n), 60_000), n).reshape(
+      -1, n)
+  codes = np.zeros(len(perms), np.int64)  # each permutation's Lehmer code
+  for i in range(n):
+    codes = codes * (n - i) + (perms[:, i + 1:] < perms[:, i:i + 1]).sum(1)
+  counts = np.bincount(codes, minlength=math.factorial(n))
+  assert counts.size == math.factorial(n)
+  assert stats.chisquare(counts).pvalue > ALPHA
+  device = jax.jit(lambda e, o: cs.permute(11, e, o, n, jnp))(
+      jnp.asarray(epochs[:600 * n], jnp.uint32),
+      jnp.asarray(np.tile(np.arange(n), 600), jnp.uint32))
+  np.testing.assert_array_equal(device, perms[:600].reshape(-1))
+
+
+@pytest.mark.parametrize("n", [8, 16, 17, 32, 33, 100, 1024])
+def test_epochs_are_odd_as_often_as_even(n):
+  """A Feistel network on halves of two bits or more is an even
+  permutation (every epoch of 32 or 1,024 was even, and of 33 97 % odd);
+  with the finishing key's swap of observations 0 and 1 the parity of
+  2,000 epochs is a fair coin's."""
+  odd = sum(_parity(cs.permute(3, epoch, np.arange(n), n))
+            for epoch in range(2000))
+  assert stats.binomtest(odd, 2000).pvalue > ALPHA
+
+
+def test_old_shuffled_positions_and_checkpoints_are_refused():
+  """Shuffled counter streams changed their permutations (version 2): a
+  position or checkpoint of shuffled counter chains saved before would go
+  on with other batches, so it is refused, naming the change, by
+  load_state, state_from_pytree and in merged checkpoints, on host and
+  device loaders."""
+  from jax_data.compiled.checkpoint import concatenate_trees
+  data = {"x": np.arange(100)}
+  for loader in (jax_data.NumpyDataLoader(**data),
+                 jax_data.DeviceNumpyDataLoader(**data)):
+    pipeline = jax_data.random_reference_data(loader, 3, 4)
+    init_fn = pipeline[0]
+    for mode in ({"shuffle": True}, {"shuffle": True, "in_epochs": True}):
+      tree = jax_data.state_to_pytree(
+          pipeline, init_fn(seed=range(2), stream="counter", **mode))
+      old = _saved_before(tree, "counter_permutation")
+      with pytest.raises(jax_data.CheckpointError,
+                         match=r"shuffled batches .* version 1 "
+                         r"\(jax_data before 2026-11-29\)"):
+        jax_data.state_from_pytree(pipeline, old)
+      for parts in ([tree, old], [old, tree]):
+        with pytest.raises(jax_data.CheckpointError, match="version 1"):
+          concatenate_trees(parts)
+  loader = jax_data.NumpyDataLoader(**data)
+  chain = loader.register_random_pipeline(3, 4, seed=5, stream="counter",
+                                          shuffle=True)
+  saved = loader.save_state(chain)
+  assert saved["stream"]["permutation"] == cs.PERMUTE_VERSION
+  loader.load_state(chain, saved)
+  del saved["stream"]["permutation"]
+  with pytest.raises(ValueError, match="version 1 of the counter-based "
+                     "shuffled streams"):
+    loader.load_state(chain, saved)
 
 
 def test_chains_of_different_seeds_share_no_structure():
@@ -302,12 +382,19 @@ def test_checkpoint_keeps_the_stream_kind(tmp_path):
     np.testing.assert_array_equal(again["x"], row)
 
 
-def _saved_before_the_new_draws(tree):
-  """``tree`` (state_to_pytree's) as a jax_data before 2026-11-28 wrote it:
-  without the version of the independent draws' hash."""
+def _saved_before(tree, field):
+  """``tree`` (state_to_pytree's) as a jax_data before the version
+  ``field`` came wrote it: without it."""
   host = json.loads(bytes(np.asarray(tree["host"])).decode())
-  del host["counter_draws"]
+  del host[field]
   return {**tree, "host": np.frombuffer(json.dumps(host).encode(), np.uint8)}
+
+
+def _saved_before_the_new_draws(tree):
+  """``tree`` without the version of the independent draws' hash, as a
+  jax_data before 2026-11-28 wrote it (which had no version of the
+  permutations either: that one is kept, to test the draws' alone)."""
+  return _saved_before(tree, "counter_draws")
 
 
 @pytest.mark.parametrize("loader_class", ["host", "device"])

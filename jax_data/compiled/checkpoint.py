@@ -38,6 +38,7 @@ from jax_data.compiled import pipeline as pl
 from jax_data.compiled.states import WRAPPED
 from jax_data.errors import CheckpointError
 from jax_data.streams import counter_streams as cs
+from jax_data.streams.device_streams import DEVICE_MODES
 from jax_data.types import CacheState
 from jax_data.validation import check_int
 
@@ -45,6 +46,9 @@ FORMAT_VERSION = 2
 # The hash of counter-based independent draws (counter_streams.uniform);
 # checkpoints without the field were saved with 1.
 COUNTER_DRAWS = cs.UNIFORM_VERSION
+# The permutations of counter-based shuffled streams
+# (counter_streams.permute); checkpoints without the field: 1.
+COUNTER_PERMUTATION = cs.PERMUTE_VERSION
 _FIELDS = ("chain", "chunk", "position", "cached_chunk", "key")
 
 
@@ -75,6 +79,7 @@ def state_to_pytree(pipeline: Any, state: CacheState) -> Dict[str, np.ndarray]:
       chains.append(saved)
   host = {"version": FORMAT_VERSION, "lanes": list(lanes), "chains": chains,
           "counter_draws": COUNTER_DRAWS,
+          "counter_permutation": COUNTER_PERMUTATION,
           "fingerprint": pipeline.fingerprint,
           # The dtypes a loader serves, and so its data's digest, follow it.
           "x64": bool(jax.config.jax_enable_x64),
@@ -124,7 +129,7 @@ def concatenate_trees(trees: Sequence[Mapping[str, Any]]
       _check("format version", host.get("version"), hosts[0].get("version"))
       _check("pipeline", host.get("fingerprint"),
              hosts[0].get("fingerprint"))
-    _check_counter_draws(host)  # each part: the merge keeps one version
+    _check_counter_versions(host)  # each part: the merge keeps one
     hosts.append(host)
     for name, parts in arrays.items():
       value = np.asarray(tree[name])
@@ -132,7 +137,8 @@ def concatenate_trees(trees: Sequence[Mapping[str, Any]]
       parts.append(value.reshape((count,) + value.shape[lead:]))
   host = dict(hosts[0], lanes=[sum(math.prod(h["lanes"]) for h in hosts)],
               chains=[c for h in hosts for c in h.get("chains", [])],
-              counter_draws=COUNTER_DRAWS)
+              counter_draws=COUNTER_DRAWS,
+              counter_permutation=COUNTER_PERMUTATION)
   if all("device_chains" in h for h in hosts):
     host["device_chains"] = [c for h in hosts for c in h["device_chains"]]
   encoded = json.dumps(host, default=_json_default).encode()
@@ -211,33 +217,50 @@ def _check_random_settings(host: Dict[str, Any]) -> None:
         f"{'; '.join(differ)}. Restore with the settings it was saved with")
 
 
-def _check_counter_draws(host: Dict[str, Any]) -> None:
-  """Refuses a checkpoint of counter-based independent draws saved with
-  another hash of them (:data:`COUNTER_DRAWS`): from the same position
-  its chains would draw other batches than they would have."""
-  saved = host.get("counter_draws", 1)
-  if saved == COUNTER_DRAWS:
-    return
+def _check_counter_versions(host: Dict[str, Any]) -> None:
+  """Refuses a checkpoint of counter-based chains whose stream changed
+  since it was saved: independent draws saved with another hash
+  (:data:`COUNTER_DRAWS`), shuffled ones with other permutations
+  (:data:`COUNTER_PERMUTATION`). From the same position such chains would
+  draw other batches than they would have."""
+  changes = (("counter_draws", COUNTER_DRAWS, ("independent",), "2026-11-28",
+              "independent batches (stream='counter', shuffle=False) with "
+              "the hash", "which no longer gives one seed's batches to "
+              "another in another order"),
+             ("counter_permutation", COUNTER_PERMUTATION,
+              ("shuffle", "epochs"), "2026-11-29",
+              "shuffled batches (stream='counter', shuffle=True) with the "
+              "permutations", "whose epochs of up to 16 observations are "
+              "uniform and of more are odd as often as even"))
+  for field, version, modes, date, what, why in changes:
+    saved = host.get(field, 1)
+    if saved != version and _has_counter_chains(host, modes):
+      raise CheckpointError(
+          f"checkpoint does not fit: its chains draw counter-based {what} "
+          f"of version {saved} (jax_data before {date}), and this jax_data "
+          f"draws them with version {version}, {why}; restored, the "
+          "chains would go on with other batches than they would have. "
+          "Start them anew (init_fn), or finish the run with the jax_data "
+          "that saved it")
 
-  def independent(value: Any) -> bool:
+
+def _has_counter_chains(host: Dict[str, Any], modes: Tuple[str, ...]
+                        ) -> bool:
+  """Whether a checkpoint holds counter-based chains in one of ``modes``
+  (``random_mode``'s names): host chains' saved streams, or device chains
+  numbered ``-2 - mode`` (an index into ``DEVICE_MODES``)."""
+
+  def found(value: Any) -> bool:
     if isinstance(value, dict):
       return ((value.get("stream") == "counter"
-               and value.get("mode") == "independent")
-              or any(independent(v) for v in value.values()))
-    return isinstance(value, list) and any(independent(v) for v in value)
+               and value.get("mode") in modes)
+              or any(found(v) for v in value.values()))
+    return isinstance(value, list) and any(found(v) for v in value)
 
   device = host.get("device_chains")
-  if independent(host.get("chains")) or (
-      isinstance(device, list) and -2 in device):  # -2 - mode 0
-    raise CheckpointError(
-        "checkpoint does not fit: its chains draw counter-based independent "
-        f"batches (stream='counter', shuffle=False) with the hash of "
-        f"version {saved} (jax_data before 2026-11-28), and this jax_data "
-        f"draws them with version {COUNTER_DRAWS}, which no longer gives "
-        "one seed's batches to another in another order; restored, the "
-        "chains would go on with other batches than they would have. "
-        "Start them anew (init_fn), or finish the run with the jax_data "
-        "that saved it")
+  numbers = {-2 - DEVICE_MODES.index(mode) for mode in modes}
+  return found(host.get("chains")) or (
+      isinstance(device, list) and any(c in numbers for c in device))
 
 
 def _read_tree(tree: Any, pipeline: pl.Pipeline
@@ -262,7 +285,7 @@ def _read_tree(tree: Any, pipeline: pl.Pipeline
     raise CheckpointError(f"the checkpoint's host field is {host!r}, not a "
                           "dict")
   _check("format version", host.get("version"), FORMAT_VERSION)
-  _check_counter_draws(host)
+  _check_counter_versions(host)
   saved, here = host.get("fingerprint"), pipeline.fingerprint
   if pipeline.host is None and isinstance(saved, dict) and (
       saved.get("data") is None):

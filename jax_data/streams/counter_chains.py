@@ -325,7 +325,11 @@ class CounterStream:
   def get_state(self) -> dict:
     state = {"stream": "counter", "mode": self.mode, "seed": self.seed,
              "batch": self._batch}
-    if not self.shuffle:  # the hash of independent draws changed once
+    # Each mode's stream changed once: the independent draws' hash, the
+    # shuffled streams' permutations.
+    if self.shuffle:
+      state["permutation"] = cs.PERMUTE_VERSION
+    else:
       state["draws"] = cs.UNIFORM_VERSION
     return state
 
@@ -347,6 +351,15 @@ class CounterStream:
           f"{cs.UNIFORM_VERSION}, which no longer gives one seed's batches "
           "to another in another order; from it the chain would go on with "
           "other batches than it would have. Start the chain anew")
+    if self.shuffle and state.get("permutation", 1) != cs.PERMUTE_VERSION:
+      raise ValueError(
+          f"the position was saved with version "
+          f"{state.get('permutation', 1)} of the counter-based shuffled "
+          "streams (jax_data before 2026-11-29), and this jax_data shuffles "
+          f"with version {cs.PERMUTE_VERSION}, whose epochs of up to 16 "
+          "observations are uniform and of more are odd as often as even; "
+          "from it the chain would go on with other batches than it would "
+          "have. Start the chain anew")
     seed, batch = position_fields(state, "seed", "batch")
     seed = check_int("seed", seed, minimum=0, maximum=2**64 - 1)
     # Positions of the stream (batch * mb_size) are int64.
