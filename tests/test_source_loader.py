@@ -163,6 +163,22 @@ def test_list_of_dicts():
   _assert_same_streams(loader)
 
 
+def test_repeated_rows_are_copied_in_blocks(monkeypatch):
+  """Rows whose index repeats an earlier one's are copied from it a block
+  at a time (blocks of 3 rows here), and large reads give the heap back:
+  the same streams as the stacked records'."""
+  from jax_data.loaders import source_loader
+  trims = []
+  monkeypatch.setattr(source_loader, "COPY_BLOCK", 3)
+  monkeypatch.setattr(source_loader, "TRIM_ROWS", 1)
+  monkeypatch.setattr(source_loader, "_MALLOC_TRIM", trims.append)
+  images, labels = _images()
+  _assert_same_streams(SourceDataLoader(
+      [{"image": im, "label": lb} for im, lb in zip(images, labels)],
+      workers=0))
+  assert trims and set(trims) == {0}
+
+
 @pytest.mark.parametrize("workers", [0, 1, 3])
 def test_pytorch_style_map_dataset(workers):
   loader = SourceDataLoader(MapStyle(*_images()), workers=workers)

@@ -12,6 +12,7 @@ read, transformed and checked by a pool of worker threads.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import functools
 import threading
 import time
@@ -262,12 +263,11 @@ class SourceDataLoader(HostDataLoader):
       self._choice.observe(workers, unique.size, time.perf_counter() - start)
     if stop is not None and stop.done():
       raise stopped()
-    repeated = (None if inverse is None
-                else first[inverse] != np.arange(flat.size))
-    if repeated is not None and repeated.any():
-      rows = np.flatnonzero(repeated)
-      for leaf in out:
-        leaf[rows] = leaf[first[inverse[rows]]]
+    if inverse is not None:
+      _copy_repeated(first, inverse, out)
+    del unique, first, inverse
+    if flat.size >= TRIM_ROWS:
+      give_back_heap()
     return out
 
   @property
@@ -296,6 +296,51 @@ class SourceDataLoader(HostDataLoader):
     return self._digest
 
 
+#: Rows of repeated indices copied at a time from where their records were
+#: read: 1,024 chains' refresh of 10 batches of 64 over 1e5 records has
+#: 555,000 repeats, whose rows copied at once took a 70 MiB temporary.
+COPY_BLOCK = 1 << 16
+#: Reads of at least this many rows give the freed heap back after them
+#: (:func:`give_back_heap`).
+TRIM_ROWS = 1 << 16
+
+
+def _copy_repeated(first: np.ndarray, inverse: np.ndarray,
+                   out: List[np.ndarray]) -> None:
+  """Copies into each row whose index repeats an earlier one's the row
+  where that index's record was read (``first[inverse[row]]``, always a
+  row that was read, never a copy), :data:`COPY_BLOCK` rows at a time."""
+  for low in range(0, inverse.size, COPY_BLOCK):
+    source = first[inverse[low:low + COPY_BLOCK]]
+    rows = np.flatnonzero(source != np.arange(low, low + source.size))
+    if rows.size:
+      source = source[rows]
+      rows += low
+      for leaf in out:
+        leaf[rows] = leaf[source]
+
+
+def _malloc_trim() -> Optional[Callable[[int], int]]:
+  try:
+    return ctypes.CDLL(None).malloc_trim
+  except (OSError, AttributeError, TypeError):  # not glibc
+    return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def give_back_heap() -> None:
+  """Returns the freed heap memory of this process to the system, where
+  the C library is glibc (elsewhere nothing). A read's index arrays (5 MiB
+  each for 1,024 chains) are freed into the producing thread's arena,
+  which kept them resident: 1,024 chains with caches of 10 peaked at
+  +507 MiB above the start against a bound of 422, and at +338 with the
+  copy in blocks and this."""
+  if _MALLOC_TRIM is not None:
+    _MALLOC_TRIM(0)
+
+
 def _distinct(flat: np.ndarray
               ) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
   """The distinct indices of ``flat`` in increasing order (records are read
@@ -309,8 +354,10 @@ def _distinct(flat: np.ndarray
   np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
   if new.all():
     return ordered, order, None
+  places = np.cumsum(new, dtype=np.int64)
+  places -= 1
   inverse = np.empty(flat.size, np.int64)
-  inverse[order] = np.cumsum(new) - 1
+  inverse[order] = places
   return ordered[new], order[new], inverse
 
 
