@@ -41,6 +41,7 @@ import sys
 from typing import Any
 
 import numpy as np
+from common import Records
 from common import Section
 from common import Target
 from common import Timing
@@ -431,13 +432,15 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
     jax.block_until_ready(theta)
     # The loader's copy of the data (NumpyDataLoader's default copy=True)
     # is in the baseline: it does not grow with the chains.
-    loader = jax_data.NumpyDataLoader(**data)
+    loader = (jax_data.SourceDataLoader(Records(data["x"], data["y"]))
+              if request.get("loader") == "source" else
+              jax_data.NumpyDataLoader(**data))
     before = _rss()
     with open("/proc/self/clear_refs", "w") as f:
       f.write("5")  # resets VmHWM to the current resident set
     run_fn, carry, release_fn = _jax_data(request, data, theta, keys, 1e-5,
                                           "counter", loader)
-    for _ in range(3):
+    for _ in range(request.get("calls", 3)):
       carry = jax.block_until_ready(run_fn(*carry))
     peak = _rss("VmHWM") - before
     release_fn()
@@ -494,7 +497,35 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
           **{name: {"failed": why} for name, why in failed.items()}}
 
 
+def source_memory(n: int = 100_000, chains: int = 1024,
+                  caches: tuple[int, ...] = (10, 100), calls: int = 2
+                  ) -> list[dict[str, Any]]:
+  """Point 2 of the many-chains targets for a ``SourceDataLoader`` (a
+  Python ``__getitem__`` per record): peak RSS above the start of
+  ``chains`` counter chains over ``n`` records, ``calls`` calls of at
+  least 10 refreshes and 500 steps each, against twice the caches plus
+  256 MiB, per cache size.
+  Printed as a table (``python chains.py --source-memory``)."""
+  rows = []
+  for cache in caches:
+    request = {**dataclasses.asdict(FULL), "n": n, "chains": chains,
+               "cache": cache, "steps": max(500, 10 * cache), "calls": calls,
+               "what": "memory", "loader": "source"}
+    del request["rows"]
+    memory = _child_run(request)
+    bound = 2 * memory["caches"] + (256 << 20)
+    rows.append({"cache": cache, **memory, "bound": bound})
+    print(f"| {chains} | {cache} | +{format_bytes(memory['peak'])} | "
+          f"{format_bytes(bound)} | "
+          f"{'yes' if memory['peak'] <= bound else 'no'} |", flush=True)
+  return rows
+
+
 if __name__ == "__main__":
   if len(sys.argv) == 3 and sys.argv[1] == "--child":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     print(json.dumps(child(json.loads(sys.argv[2]))))
+  elif sys.argv[1:] == ["--source-memory"]:
+    print("| chains | cache | peak RSS above the start | bound | holds |\n"
+          "|---|---|---|---|---|")
+    source_memory()

@@ -253,6 +253,20 @@ MEMORY_HEADERS = ["pipeline", "cache x batch x observation",
                   "device cache", "dataset"]
 
 
+class Records:
+  """A random-access source (``__len__``, ``__getitem__``) of records
+  ``{"x": x[i], "y": y[i]}``, over a memmap or an array alike."""
+
+  def __init__(self, x: np.ndarray, y: np.ndarray):
+    self._x, self._y = x, y
+
+  def __len__(self) -> int:
+    return len(self._x)
+
+  def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+    return {"x": np.asarray(self._x[i]), "y": np.asarray(self._y[i])}
+
+
 def memory_row(name: str, cache: int, mb: int, observation_bytes: int,
                observation_count: int) -> list[str]:
   """A row of the device-memory table: what a pipeline keeps on the device

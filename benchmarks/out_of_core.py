@@ -38,6 +38,7 @@ from typing import Self
 
 import numpy as np
 from common import Contender
+from common import Records
 from common import Section
 from common import Target
 from common import format_bytes
@@ -426,20 +427,6 @@ _SOURCE_MEMMAP = "random-access source, np.memmap rows"
 _SOURCE_VIEW = "random-access source, rows of memmap.view(np.ndarray)"
 
 
-class _Records:
-  """A random-access source (``__len__``, ``__getitem__``) of records
-  ``{"x": x[i], "y": y[i]}``, over a memmap or an array alike."""
-
-  def __init__(self, x: np.ndarray, y: np.ndarray):
-    self._x, self._y = x, y
-
-  def __len__(self) -> int:
-    return len(self._x)
-
-  def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-    return {"x": np.asarray(self._x[i]), "y": np.asarray(self._y[i])}
-
-
 def evict(*arrays: np.memmap) -> float:
   """Drops the memmaps' files from this process and from the page cache;
   the fraction of a sample of their pages still cached afterwards."""
@@ -606,16 +593,16 @@ def _other_files(config, directory, on_disk, in_memory, repeats,
                                                 for k in in_memory}),
         config.speed_steps)
   forms[_SOURCE_MEMMAP] = (
-      jax_data.SourceDataLoader(_Records(on_disk["x"], on_disk["y"])),
+      jax_data.SourceDataLoader(Records(on_disk["x"], on_disk["y"])),
       config.source_steps)
   forms[_SOURCE_VIEW] = (
-      jax_data.SourceDataLoader(_Records(on_disk["x"].view(np.ndarray),
+      jax_data.SourceDataLoader(Records(on_disk["x"].view(np.ndarray),
                                          on_disk["y"].view(np.ndarray))),
       config.source_steps)
   for name, (loader, steps) in forms.items():
     reference = (jax_data.NumpyDataLoader(copy=False, **in_memory)
                  if name.startswith("HDF5") else
-                 jax_data.SourceDataLoader(_Records(in_memory["x"],
+                 jax_data.SourceDataLoader(Records(in_memory["x"],
                                                     in_memory["y"])))
     timings = compare([random_contender(name, loader, sgld, steps, n),
                        random_contender("in memory", reference, sgld, steps,

@@ -49,3 +49,18 @@ def test_chains_rows_pool_their_processes(monkeypatch):
   assert pooled["c"] == {"failed": "out of memory"}
   one = chains._pooled([process([1.0, 3.0], [2.0, 2.0], [1.0])])
   assert chains._spread(one, "a", "b") == "1.00x"
+
+
+def test_source_loader_memory_rows(monkeypatch):
+  """``chains.py --source-memory``'s rows: a SourceDataLoader's peak above
+  the start, the caches and the bound, per cache size (tiny here)."""
+  monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+  monkeypatch.setenv("PYTHONPATH", ROOT)
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  import chains  # pylint: disable=import-outside-toplevel
+  rows = chains.source_memory(n=2_000, chains=4, caches=(2, 3), calls=1)
+  assert [row["cache"] for row in rows] == [2, 3]
+  for row in rows:
+    assert row["caches"] == 4 * row["cache"] * 64 * (4 * 33 + 1)
+    assert row["bound"] == 2 * row["caches"] + (256 << 20)
+    assert 0 <= row["peak"] < row["bound"]
