@@ -171,7 +171,7 @@ def test_small_epochs_are_uniform_over_all_permutations(n):
 @pytest.mark.parametrize("n", [8, 16, 17, 32, 33, 100, 1024])
 def test_epochs_are_odd_as_often_as_even(n):
   """A Feistel network on halves of two bits or more is an even
-  permutation (every epoch of 32 or 1,024 was even, and of 33 97 % odd);
+  permutation (every epoch of 32 or 1,024 was even, and of 31 97 % odd);
   with the finishing key's swap of observations 0 and 1 the parity of
   2,000 epochs is a fair coin's."""
   odd = sum(_parity(cs.permute(3, epoch, np.arange(n), n))
@@ -778,3 +778,16 @@ def test_tabulated_rounds_give_the_same_permutation(n):
     device = jax.jit(lambda o: cs.permute(7, 3, o, n, jnp))(
         jnp.asarray(offsets, jnp.uint32))
     np.testing.assert_array_equal(np.asarray(device), tabulated)
+
+
+def test_no_batches_and_batches_larger_than_the_data():
+  """A draw of no batches gives empty indices in every mode; the device,
+  whose shuffled batch crosses at most one epoch's end, refuses batches
+  larger than the data, naming both (an offset past n cycle-walked for
+  ever)."""
+  for shuffle, in_epochs in ((False, False), (True, False), (True, True)):
+    indices, _ = counter_chains.chain_batches([1, 2], [0, 0], 0, 4, 16,
+                                              shuffle, in_epochs)
+    assert indices.shape == (2, 0, 4)
+  with pytest.raises(ValueError, match="mb_size=64 .* count of 17"):
+    device_streams.device_batch(jnp.zeros(2, jnp.uint32), 0, 64, 17, 1)

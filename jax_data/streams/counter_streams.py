@@ -215,7 +215,7 @@ def finish(values: Any, key: Any, xp: Any = np) -> Any:
   where the finishing ``key`` (:func:`round_keys`'s last; a scalar or one
   per value) is odd. A Feistel network whose round functions are XORed
   into halves of two bits or more is an even permutation of ``[0, 2**b)``,
-  and cycle-walking left the parity of other ``n`` lopsided (6 % to 97 %
+  and cycle-walking left the parity of other ``n`` lopsided (22 % to 97 %
   odd): with the swap half the epochs are odd. NumPy arrays change in
   place (the few values below 2 are found first); ``jax.numpy`` returns
   the new values."""

@@ -25,7 +25,14 @@ def sizes_fit(mb_size: int, n: int) -> bool:
 
 
 def check_sizes(mb_size: int, n: int) -> None:
-  """Raises ValueError, naming both, unless :func:`sizes_fit`."""
+  """Raises ValueError, naming both, unless :func:`sizes_fit` and a batch
+  is at most the observations (a shuffled batch then crosses at most one
+  epoch's end, and an offset past ``n`` would cycle-walk for ever)."""
+  if mb_size > n:
+    raise ValueError(
+        f"counter streams on the device draw batches of at most the "
+        f"observation count, got mb_size={mb_size} and an observation "
+        f"count of {n}")
   if not sizes_fit(mb_size, n):
     raise ValueError(
         f"counter streams on the device need mb_size below 2**16 and fewer "

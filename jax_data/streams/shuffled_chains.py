@@ -124,6 +124,8 @@ def _tiles(chains: int, length: int, block: int
   """Parts ``(c0, c1, i0, i1)`` of the ``(chains, length)`` indices of
   about ``block`` indices each: whole chains' chunks where they are no
   larger, else parts of one chain's."""
+  if not length:  # no batches: nothing to draw
+    return []
   if length <= block:
     rows = block // length
     return [(c, min(chains, c + rows), 0, length)
