@@ -61,6 +61,31 @@ def test_a_split_pass_gives_the_results_of_one_pass(pipelines, count,
   one_release()
 
 
+def test_a_mesh_of_explicit_axes(pipelines):
+  """jax.make_mesh's axes are Explicit: the blocks the devices computed
+  are typed as sharded, and their gather back to pass order failed with a
+  ShardingTypeError. The results are those of an Auto mesh's pass."""
+  _mesh()
+  explicit = jax.make_mesh((4,), ("data",), axis_types=(
+      jax.sharding.AxisType.Explicit,))
+  count = 103
+  loader = NumpyDataLoader(x=np.arange(count, dtype=np.float32))
+  results = []
+  for mesh in (explicit, _mesh()):
+    split_fn, release = pipelines.full_data_mapper(loader, 3, 5, mesh=mesh,
+                                                   batch_axis="data")
+    each, _ = jax.jit(lambda f=split_fn: f(lambda b, c: (b["x"] * 2, c),
+                                           None))()
+    sums, _ = jax.jit(lambda f=split_fn: f(
+        lambda b, m, c: (jnp.sum(jnp.where(m, b["x"], 0.0)), c), None,
+        masking=True))()
+    results.append((np.asarray(each), np.asarray(sums)))
+    release()
+  np.testing.assert_array_equal(results[0][0], 2 * np.arange(count))
+  for got, want in zip(*results):
+    np.testing.assert_array_equal(got, want)
+
+
 def test_a_gradient_over_all_data_inside_jit():
   x = np.random.default_rng(0).normal(1.5, 1.0, 333).astype(np.float32)
   loader = NumpyDataLoader(x=x)

@@ -189,6 +189,14 @@ def _split_pass(full: pl.Pipeline, axes: MeshAxes, split: PassSplit,
       local, mesh=axes.mesh, in_specs=P(), out_specs=(P(axis), P(axis)))(
           carry)
   order = split.order(per_observation=not masking)
+  if any(kind == jax.sharding.AxisType.Explicit
+         for kind in getattr(axes.mesh, "axis_types", ())):
+    # A mesh of explicit axes (jax.make_mesh's default) types the blocks
+    # as sharded over the batch axis; their gather back to pass order
+    # would need an output sharding: they are replicated first.
+    results = jax.tree_util.tree_map(
+        lambda r: jax.sharding.reshard(
+            r, jax.sharding.NamedSharding(axes.mesh, P())), results)
   return jax.tree_util.tree_map(lambda r: r[order], results), carries
 
 
