@@ -51,6 +51,8 @@ def test_chains_rows_pool_their_processes(monkeypatch):
   assert chains._spread(one, "a", "b") == "1.00x"
 
 
+@pytest.mark.skipif(sys.platform != "linux",
+                    reason="the benchmarks read /proc (peak RSS)")
 def test_source_loader_memory_rows(monkeypatch):
   """``chains.py --source-memory``'s rows: a SourceDataLoader's peak above
   the start, the caches and the bound, per cache size (tiny here)."""

@@ -690,11 +690,11 @@ def test_worker_processes_end_with_a_parent_killed_by_a_signal(tmp_path):
 
 
 def _alive(pid):
-  """Whether process ``pid`` runs (a zombie does not)."""
+  """Whether process ``pid`` runs (a zombie does not), on any system."""
+  import psutil
   try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
+    return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+  except psutil.NoSuchProcess:
     return False
 
 

@@ -57,7 +57,7 @@ def _madvise() -> Optional[Callable[..., int]]:
     return None
   try:
     call = ctypes.CDLL(None, use_errno=True).madvise
-  except (OSError, AttributeError):
+  except (OSError, AttributeError, TypeError):  # TypeError: Windows
     return None
   call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
   call.restype = ctypes.c_int

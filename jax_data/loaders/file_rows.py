@@ -70,7 +70,7 @@ def _libc_mincore():
   """``mincore(2)``, or None where there is none (not Linux/BSD)."""
   try:
     function = ctypes.CDLL(None, use_errno=True).mincore
-  except (OSError, AttributeError):
+  except (OSError, AttributeError, TypeError):  # TypeError: Windows
     return None
   function.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
                        ctypes.POINTER(ctypes.c_ubyte)]

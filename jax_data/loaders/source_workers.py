@@ -375,7 +375,10 @@ class WorkerPool:
             f"{self._describe}: worker processes ended abruptly while "
             f"reading records {named}, also when a new worker read them "
             "alone: reading one of them ends its process (os._exit, a "
-            "crash in native code, memory exhausted?)"
+            "crash in native code, memory exhausted?), or the workers "
+            "failed to start: they start by importing the main script "
+            "(multiprocessing's spawn), so a script's own loaders must be "
+            "under if __name__ == '__main__':"
         ) from futures[i].exception()
     for part, future in zip(parts, futures):
       for leaf, block in zip(out, future.result()):
