@@ -133,6 +133,47 @@ def test_mapper_with_default_sizes_and_vmap_over_parameters(pipelines):
   np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
+class _CountedRows:
+  """A random-access source of rows ``{"x": x[i]}`` that counts its reads."""
+
+  def __init__(self, x):
+    self.x, self.reads = x, 0
+
+  def __len__(self):
+    return len(self.x)
+
+  def __getitem__(self, i):
+    self.reads += 1
+    return {"x": self.x[i]}
+
+
+def test_stacked_pass_states_read_the_data_once_for_all_lanes(pipelines):
+  """One full-pass state per chain, stacked for vmap: the results are each
+  lane's pass, and a pass reads each record as often as one state's does
+  (each init_fn gave its own host chain: 256 states read the data 256
+  times a pass)."""
+  x = np.linspace(-1, 1, 40).astype(np.float32)
+  thetas = jnp.asarray([0.0, 0.5, 1.0, 2.0])
+  reads = []
+  for chains in (1, 4):
+    source = _CountedRows(x)
+    init_fn, map_fn, release_fn = pipelines.full_reference_data(
+        jax_data.SourceDataLoader(source, workers=0), 2, 5)
+    states = jax.tree_util.tree_map(lambda *s: jnp.stack(s),
+                                    *[init_fn() for _ in range(chains)])
+    assert len(set(np.asarray(states.chain).tolist())) == 1
+    run = jax.jit(jax.vmap(lambda state, theta, map_fn=map_fn: map_fn(
+        lambda b, m, c: (jnp.sum(jnp.where(m, (b["x"] - theta) ** 2, 0.0)),
+                         c), state, None, masking=True)[1][0].sum()))
+    got = run(states, thetas[:chains])
+    np.testing.assert_allclose(
+        got, [np.sum((x - t) ** 2) for t in thetas[:chains].tolist()],
+        rtol=1e-5)
+    reads.append(source.reads)
+    release_fn()
+  assert reads[1] == reads[0]
+
+
 def test_shards_cover_the_data_once(pipelines):
   x = np.arange(11.0)
   total = 0.0
