@@ -154,6 +154,20 @@ def test_ordered_draws_are_the_ordered_batches_from_any_batch(n, mb, start):
           (first + count) % stream.batches_per_pass)
 
 
+def test_a_pass_of_more_batches_ends_in_batches_of_its_first_observation():
+  """A pass padded to more batches than the observations fill (a device's
+  share of a split pass) keeps the spec's last batch, fillers 0, 1, ...,
+  and then whole invalid batches of its first observation alone, one row
+  to read rather than the pass again."""
+  observations = sampling.ObservationRange(7, 10)
+  stream = sampling.OrderedStream(observations, 4, 5)
+  idx, mask = stream.draw(6)
+  assert idx.tolist() == [[7, 8, 9, 10], [11, 12, 13, 14], [15, 16, 7, 8],
+                          [7] * 4, [7] * 4, [7, 8, 9, 10]]
+  assert mask.tolist() == [[True] * 4, [True] * 4, [True, True, False, False],
+                           [False] * 4, [False] * 4, [True] * 4]
+
+
 def test_shards_are_disjoint_and_cover():
   for n in (1, 7, 10, 101):
     for k in range(1, min(n, 5) + 1):

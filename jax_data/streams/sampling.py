@@ -344,8 +344,12 @@ def ordered_batches(first: Any, count: int, mb_size: int,
   batch ``first`` of a pass on (:class:`OrderedStream`).
 
   ``xp`` is the array module: NumPy on the host, ``jax.numpy`` for a
-  device-resident loader (``first`` may then be traced). A pass of more
-  ``batches_per_pass`` than the observations fill ends in invalid batches.
+  device-resident loader (``first`` may then be traced). A pass of
+  more ``batches_per_pass`` than the observations fill (a full-data
+  pass's last chunk) ends in invalid batches of observation 0 alone:
+  wrapped round to the pass's start, a cache of 100 batches of 1,000 over
+  100,003 observations read its second chunk's 99 invalid batches from
+  the data, nearly a second pass.
   """
   n = observations.count
   batches_per_pass = batches_per_pass or -(-n // mb_size)
@@ -355,7 +359,10 @@ def ordered_batches(first: Any, count: int, mb_size: int,
   batch = (first + xp.arange(count, dtype=index)) % batches_per_pass
   positions = (batch[:, None] * mb_size
                + xp.arange(mb_size, dtype=index)[None, :])
-  return positions % n + observations.start, positions < n
+  indices = positions % n
+  if batches_per_pass * mb_size >= n + mb_size:  # whole invalid batches
+    indices = xp.where(batch[:, None] * mb_size >= n, 0 * indices, indices)
+  return indices + observations.start, positions < n
 
 
 
