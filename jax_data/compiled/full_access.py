@@ -200,12 +200,19 @@ class HostChunks:
     are the same data in the same order, so states stacked for
     ``jax.vmap`` (one per sampler chain) are served one read of each
     chunk for all lanes (256 such states read the data 256 times a pass
-    and peaked at 1.70 GB above the start when each had its own)."""
+    and peaked at 1.70 GB above the start when each had its own). A
+    loader written the predecessor's way gives each call its own chain:
+    one without ``save_state`` cannot go back to a pass's start, which a
+    fresh ``init_fn()`` per pass then did."""
     check_keywords("init_fn of a full-data pipeline", kwargs, ())
-    if self._chain is None:
+    self.host.check_open()
+    chain = self._chain
+    if chain is None:
       spec = self.host.loader.chain_spec(True, **self._shard)
-      self._chain = self.host.register(spec)
-    return CacheState.start(self.id, self._chain, self._plan.mb_size)
+      chain = self.host.register(spec)
+      if not self.host.loader.predecessor_style:
+        self._chain = chain
+    return CacheState.start(self.id, chain, self._plan.mb_size)
 
   def check_open(self) -> None:
     self.host.check_open()

@@ -357,6 +357,14 @@ class HostDataLoader(DataLoader):
     :meth:`register_ordered_pipeline`."""
     return self._parts()[0].count
 
+  @property
+  def predecessor_style(self) -> bool:
+    """Whether the loader is written the predecessor's way (its own
+    ``get_batches``, no ``open_chain``): its chains may not go back to an
+    earlier chunk, so a full-data pipeline gives each ``init_fn`` a chain
+    of its own."""
+    return self._predecessors()
+
   def _predecessors(self) -> bool:
     """Whether the loader is written the predecessor's way: its own
     ``get_batches`` and no ``open_chain``."""
