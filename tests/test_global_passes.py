@@ -84,6 +84,22 @@ def test_a_mesh_of_explicit_axes(pipelines):
   np.testing.assert_array_equal(results[0][0], 2 * np.arange(count))
   for got, want in zip(*results):
     np.testing.assert_array_equal(got, want)
+  # A carry sharded over the explicit axis enters each block whole; an
+  # array fun closes over must be replicated, which the error says.
+  split_fn, release = pipelines.full_data_mapper(loader, 3, 5, mesh=explicit,
+                                                 batch_axis="data")
+  sharded = jax.device_put(jnp.arange(4.0), jax.sharding.NamedSharding(
+      explicit, jax.sharding.PartitionSpec("data")))
+  sums, carries = jax.jit(lambda c: split_fn(
+      lambda b, m, c: (jnp.sum(jnp.where(m, b["x"], 0.0)) * c.sum(), c), c,
+      masking=True))(sharded)
+  np.testing.assert_allclose(np.sum(sums), 6 * np.sum(np.arange(count)))
+  assert carries.shape == (4, 4)
+  with pytest.raises(ValueError, match="replicate it first"):
+    jax.jit(lambda: split_fn(
+        lambda b, m, c: (jnp.sum(b["x"]) * sharded.sum(), c), None,
+        masking=True))()
+  release()
 
 
 def test_a_gradient_over_all_data_inside_jit():

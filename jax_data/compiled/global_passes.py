@@ -158,9 +158,20 @@ class GlobalMapperPipeline(pl.Pipeline):
       traced.append(self._full.trace(fun, state, carry, masking))
       return jnp.zeros((1,), jnp.int32)
 
-    jax.eval_shape(jax.shard_map(
-        local, mesh=self._axes.mesh, in_specs=P(),
-        out_specs=P(self._axes.batch_axis)), carry)
+    try:
+      jax.eval_shape(lambda carry: jax.shard_map(
+          local, mesh=self._axes.mesh, in_specs=P(),
+          out_specs=P(self._axes.batch_axis))(_replicated(self._axes,
+                                                         carry)), carry)
+    except NotImplementedError as e:
+      if "Closing over inputs to shard_map" not in str(e):
+        raise
+      raise ValueError(
+          "fun reads an array sharded over an explicit axis of the mesh, "
+          "which JAX cannot close over inside the pass's shard_map: "
+          "replicate it first (jax.sharding.reshard(a, "
+          "jax.sharding.PartitionSpec())), or pass it in the carry. "
+          f"JAX said: {str(e).splitlines()[0]}") from e
     return traced[0]
 
   def release_fn(self) -> None:
@@ -177,7 +188,7 @@ def _split_pass(full: pl.Pipeline, axes: MeshAxes, split: PassSplit,
   back to pass order."""
   axis = axes.batch_axis
 
-  def local(carry):
+  def local(carry, consts):
     # Each device's chain, and so its carry, goes its own way from here.
     state = full.template._replace(
         chain=jnp.asarray(chains)[lax.axis_index(axis)])
@@ -186,18 +197,27 @@ def _split_pass(full: pl.Pipeline, axes: MeshAxes, split: PassSplit,
     return results, jax.tree_util.tree_map(lambda c: c[None], carry)
 
   results, carries = jax.shard_map(
-      local, mesh=axes.mesh, in_specs=P(), out_specs=(P(axis), P(axis)))(
-          carry)
+      local, mesh=axes.mesh, in_specs=(P(), P()),
+      out_specs=(P(axis), P(axis)))(_replicated(axes, carry),
+                                    _replicated(axes, consts))
   order = split.order(per_observation=not masking)
-  if any(kind == jax.sharding.AxisType.Explicit
-         for kind in getattr(axes.mesh, "axis_types", ())):
-    # A mesh of explicit axes (jax.make_mesh's default) types the blocks
-    # as sharded over the batch axis; their gather back to pass order
-    # would need an output sharding: they are replicated first.
-    results = jax.tree_util.tree_map(
-        lambda r: jax.sharding.reshard(
-            r, jax.sharding.NamedSharding(axes.mesh, P())), results)
-  return jax.tree_util.tree_map(lambda r: r[order], results), carries
+  return jax.tree_util.tree_map(
+      lambda r: r[order], _replicated(axes, results)), carries
+
+
+def _replicated(axes: MeshAxes, tree: Any) -> Any:
+  """``tree`` replicated over the mesh where it has explicit axes
+  (jax.make_mesh's default), which type arrays by their sharding: the
+  carry and the arrays ``fun`` reads, maybe sharded over the batch axis,
+  enter every device's block whole, and the blocks' results are gathered
+  back to pass order (each of these failed with a sharding error). On
+  other meshes, ``tree`` as it is."""
+  if not any(kind == jax.sharding.AxisType.Explicit
+             for kind in getattr(axes.mesh, "axis_types", ())):
+    return tree
+  whole = jax.sharding.NamedSharding(axes.mesh, P())
+  return jax.tree_util.tree_map(lambda a: jax.sharding.reshard(a, whole),
+                                tree)
 
 
 def split_axes(mesh: Any, batch_axis: Any, sharded: bool) -> MeshAxes:
