@@ -345,11 +345,10 @@ def ordered_batches(first: Any, count: int, mb_size: int,
 
   ``xp`` is the array module: NumPy on the host, ``jax.numpy`` for a
   device-resident loader (``first`` may then be traced). A pass of
-  more ``batches_per_pass`` than the observations fill (a full-data
-  pass's last chunk) ends in invalid batches of observation 0 alone:
-  wrapped round to the pass's start, a cache of 100 batches of 1,000 over
-  100,003 observations read its second chunk's 99 invalid batches from
-  the data, nearly a second pass.
+  more ``batches_per_pass`` than the observations fill (a device's share
+  of a split pass, padded) ends in whole invalid batches of its first
+  observation alone, one row to read, not rows wrapped round to the
+  pass's start.
   """
   n = observations.count
   batches_per_pass = batches_per_pass or -(-n // mb_size)
