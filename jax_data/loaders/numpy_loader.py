@@ -170,8 +170,8 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
       memmaps stay on disk.
     drop_file_pages: Unmap the pages of memmaps (and mapped HDF5 datasets)
       as they are read (a few rows at a time), so they do not count in the
-      process's RSS. Every read then faults its pages in again: several
-      times slower.
+      process's RSS (on Linux; elsewhere the kernel may keep them). Every
+      read then faults its pages in again: several times slower.
     **reference_data: The arrays, one per keyword.
 
   Raises:
