@@ -324,9 +324,12 @@ def _copy_repeated(first: np.ndarray, inverse: np.ndarray,
 
 def _malloc_trim() -> Optional[Callable[[int], int]]:
   try:
-    return ctypes.CDLL(None).malloc_trim
+    trim = ctypes.CDLL(None).malloc_trim
   except (OSError, AttributeError, TypeError):  # not glibc
     return None
+  trim.argtypes = [ctypes.c_size_t]
+  trim.restype = ctypes.c_int
+  return trim
 
 
 _MALLOC_TRIM = _malloc_trim()
@@ -337,8 +340,8 @@ def give_back_heap() -> None:
   the C library is glibc (elsewhere nothing). A read's index arrays (5 MiB
   each for 1,024 chains) are freed into the producing thread's arena,
   which kept them resident: 1,024 chains with caches of 10 peaked at
-  +507 MiB above the start against a bound of 422, and at +338 with the
-  copy in blocks and this."""
+  +502 MiB above the start against a bound of 422, and at +332 with the
+  copy in blocks and this (``benchmarks/chains.py --source-memory``)."""
   if _MALLOC_TRIM is not None:
     _MALLOC_TRIM(0)
 
