@@ -174,62 +174,6 @@ def test_stacked_pass_states_read_the_data_once_for_all_lanes(pipelines):
   assert reads[1] == reads[0]
 
 
-class _UnsavingRows(jax_data.HostDataLoader):
-  """A loader written the predecessor's way whose chains cannot save or
-  restore their position: each goes on pass after pass."""
-
-  def __init__(self, n):
-    self.n, self.chains = n, []
-
-  @property
-  def _format(self):
-    return {"row": jax.ShapeDtypeStruct((), jnp.int32)}
-
-  @property
-  def static_information(self):
-    return {"observation_count": self.n}
-
-  def register_random_pipeline(self, cache_size=1, mb_size=None, **kwargs):
-    self.chains.append([cache_size, mb_size, 0])
-    return len(self.chains) - 1
-
-  register_ordered_pipeline = register_random_pipeline
-
-  def get_batches(self, chain):
-    cache, mb, at = self.chains[chain]
-    rows = (at + np.arange(cache * mb)) % self.n
-    self.chains[chain][2] = (at + cache * mb) % self.n
-    return {"row": rows.reshape(cache, mb).astype(np.int32)}, None
-
-  def save_state(self, chain):
-    raise NotImplementedError("no positions")
-
-  def load_state(self, chain, data):
-    raise NotImplementedError("no positions")
-
-
-def test_a_fresh_state_per_pass_of_a_loader_that_cannot_seek():
-  """A loader written the predecessor's way without save_state cannot go
-  back to a pass's start: each init_fn gives it a chain of its own, so a
-  fresh state per pass passes over the data each time. After release,
-  init_fn says the pipeline was released."""
-  loader = _UnsavingRows(100)
-  init_fn, map_fn, release_fn = jax_data.full_reference_data(loader, 2, 5)
-  total = lambda b, m, c: (jnp.sum(jnp.where(m, b["row"], 0)), c)
-  for passes in range(1, 4):
-    _, (sums, _) = map_fn(total, init_fn(), None, masking=True)
-    assert int(sums.sum()) == 4950 and len(loader.chains) == passes
-  release_fn()
-  with pytest.raises(jax_data.PipelineReleasedError):
-    init_fn()
-  init_fn, _, release_fn = jax_data.full_reference_data(
-      NumpyDataLoader(x=np.arange(10.0)), 2, 5)
-  init_fn()
-  release_fn()
-  with pytest.raises(jax_data.PipelineReleasedError):
-    init_fn()  # the chain it gave before is released with the pipeline
-
-
 def test_shards_cover_the_data_once(pipelines):
   x = np.arange(11.0)
   total = 0.0

@@ -282,3 +282,27 @@ def test_a_loaders_own_keywords_reach_it_alike_after_a_restore(tmp_path):
                      "cannot be saved in a checkpoint"):
     jax_data.save_checkpoint(tmp_path / "e.npz", pipeline, state)
   release_fn()
+
+
+def test_a_fresh_full_pass_state_per_pass_of_a_loader_that_cannot_seek():
+  """A loader without save_state cannot go back to a pass's start: each
+  init_fn of a full-data pipeline gives it a chain of its own, so a fresh
+  state per pass passes over the data each time (one chain shared by
+  every init_fn, as other loaders get, refused the second pass). After
+  release, init_fn says the pipeline was released."""
+  loader = Unsaving()
+  init_fn, map_fn, release_fn = jax_data.full_reference_data(loader, 1, 5)
+  total = lambda b, m, c: (jnp.sum(jnp.where(m, b["base"], 0)), c)
+  for passes in range(1, 4):
+    _, (sums, _) = map_fn(total, init_fn(), None, masking=True)
+    assert int(sums.sum()) == N * (N - 1) // 2
+    assert len(loader.chains) == passes
+  release_fn()
+  with pytest.raises(jax_data.PipelineReleasedError):
+    init_fn()
+  init_fn, _, release_fn = jax_data.full_reference_data(
+      jax_data.NumpyDataLoader(x=np.arange(10.0)), 2, 5)
+  init_fn()
+  release_fn()
+  with pytest.raises(jax_data.PipelineReleasedError):
+    init_fn()  # the chain it gave before is released with the pipeline
