@@ -174,6 +174,32 @@ def test_stacked_pass_states_read_the_data_once_for_all_lanes(pipelines):
   assert reads[1] == reads[0]
 
 
+@pytest.mark.parametrize("n,mb,cache", [(23, 5, 2), (103, 10, 2)])
+def test_a_pass_reads_its_own_batches_alone(pipelines, n, mb, cache):
+  """A pass reads each record once, and the padding of its last batch (the
+  pass's first records) again, not the next pass's batches that filled its
+  last chunk. XLA asks for that chunk before the others, which replayed the
+  pass from its start: the first pass over 23 records read 48 of them."""
+  source = _CountedRows(np.arange(n, dtype=np.float32))
+  loader = jax_data.SourceDataLoader(source, workers=0)
+  init_fn, map_fn, release_fn = pipelines.full_reference_data(loader, cache,
+                                                             mb)
+  source.reads = 0
+  run = jax.jit(lambda state: map_fn(
+      lambda b, m, c: (jnp.sum(jnp.where(m, b["x"], 0.0)), c), state, None,
+      masking=True))
+  state = init_fn()
+  once = n + (-n) % mb
+  for passes in range(1, 4):
+    state, (sums, _) = run(state)
+    assert float(sums.sum()) == n * (n - 1) / 2
+    if n == 23:  # the pass's 3 chunks stay stored
+      assert source.reads == once
+    else:  # its 6 do not: the next pass's first chunks are read ahead
+      assert passes * once <= source.reads <= passes * once + 3 * cache * mb
+  release_fn()
+
+
 def test_shards_cover_the_data_once(pipelines):
   x = np.arange(11.0)
   total = 0.0

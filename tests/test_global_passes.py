@@ -120,6 +120,38 @@ def test_a_gradient_over_all_data_inside_jit():
   release_fn()
 
 
+class _CountedRows:
+  """A random-access source of rows ``{"x": x[i]}`` that counts its reads."""
+
+  def __init__(self, x):
+    self.x, self.reads = x, 0
+
+  def __len__(self):
+    return len(self.x)
+
+  def __getitem__(self, i):
+    self.reads += 1
+    return {"x": self.x[i]}
+
+
+def test_a_split_pass_reads_each_share_once(pipelines):
+  """Each device's share of 3 batches is served in 2 chunks of 2: the last
+  one ends in an invalid batch of the share's first record, read again,
+  not the share's first batch (23 records read 31 times a pass before)."""
+  source = _CountedRows(np.arange(23, dtype=np.float32))
+  mapper_fn, release_fn = pipelines.full_data_mapper(
+      jax_data.SourceDataLoader(source, workers=0), 2, 2, mesh=_mesh(4),
+      batch_axis="data")
+  source.reads = 0
+  sums, _ = mapper_fn(lambda b, m, c: (jnp.sum(jnp.where(m, b["x"], 0.0)),
+                                       c), None, masking=True)
+  assert float(jnp.sum(sums)) == 253.0
+  # Each record once, each share's first again (the last share's also
+  # pads its last batch).
+  assert source.reads == 23 + 4
+  release_fn()
+
+
 def test_the_split_covers_every_batch_once():
   for count, mb, devices in [(1001, 16, 4), (10, 2, 4), (17, 4, 2),
                              (100, 1, 7)]:

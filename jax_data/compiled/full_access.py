@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 from typing import Callable
@@ -35,6 +36,7 @@ from jax_data.compiled.pass_loop import varying_axes
 from jax_data.compiled.pass_loop import vectorised
 from jax_data.lifetime import PASSES
 from jax_data.lifetime import Shared
+from jax_data.loaders.chains import OrderedChain
 from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.loader import DataLoader
 from jax_data.loaders.loader import DeviceDataLoader
@@ -208,7 +210,15 @@ class HostChunks:
     self.host.check_open()
     chain = self._chain
     if chain is None:
-      spec = self.host.loader.chain_spec(True, **self._shard)
+      loader = self.host.loader
+      spec = loader.chain_spec(True, **self._shard)
+      if (isinstance(spec, OrderedChain) and loader.reads_by_index
+          and not loader.predecessor_style):
+        # The pass's last chunk ends in invalid batches of one row (the
+        # pass's first, see ordered_batches): it read the next pass's
+        # first batches, up to a chunk more a pass (100 batches of 1,000
+        # over 100,003 rows: 199,004 rows read for the first pass).
+        spec = dataclasses.replace(spec, batches=self._plan.chunk_batches)
       chain = self.host.register(spec)
       if not self.host.loader.predecessor_style:
         self._chain = chain

@@ -106,9 +106,12 @@ class GlobalMapperPipeline(pl.Pipeline):
     # reads at its axis index (a global array would span other processes'
     # devices, which code that closes over the pipeline may not hold).
     here = jax.process_index()
+    # Each share padded to whole chunks: its last chunk's batches past the
+    # share are invalid batches of one row, not the share's first ones.
+    cache = full.sizes[0]
+    batches = -(-split.per_device // cache) * cache
     self._chains = np.array(
-        [host.register(OrderedChain(split.observations(d, start),
-                                    split.per_device))
+        [host.register(OrderedChain(split.observations(d, start), batches))
          if device.process_index == here else -1
          for d, device in enumerate(axes.mesh.devices.reshape(-1))],
         np.int32)

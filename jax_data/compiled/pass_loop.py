@@ -73,6 +73,8 @@ class PassPlan:
     self.cache_size = min(cache_size, self.batches)
     self.full_chunks, self.tail = divmod(self.batches, self.cache_size)
     self.chunks = self.full_chunks + (1 if self.tail else 0)
+    #: The batches of the pass's chunks, its padded last chunk whole.
+    self.chunk_batches = self.chunks * self.cache_size
 
   def valid(self, chunk: jax.Array, shape: Tuple[int, ...]) -> Any:
     """Which places of chunk ``chunk`` of a pass (a mask of ``shape``,

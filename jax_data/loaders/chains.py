@@ -429,8 +429,9 @@ class ChainCursor(abc.ABC):
 
   def position_at(self, index: int) -> Optional[Position]:
     """The position before chunk ``index``, if the cursor can tell it
-    without producing the chunks before (a counter-based stream); None
-    (the default): the host seeks to a snapshot and replays from there."""
+    without producing the chunks before (a counter-based stream, an
+    ordered one over rows read by index); None (the default): the host
+    seeks to a snapshot and replays from there."""
     del index
     return None
 

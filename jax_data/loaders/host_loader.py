@@ -172,6 +172,11 @@ class HostDataLoader(DataLoader):
   #: With ``"stream"`` among the random keywords: ``stream="auto"`` draws
   #: counter-based streams above this many observations (None: never).
   auto_counter_above: ClassVar[Optional[int]] = AUTO_COUNTER_ABOVE
+  #: Whether the loader reads rows by index (its cursors serve a random
+  #: chain's ``part`` and an ordered chain's ``batches``): a full-data
+  #: pass then ends in whole invalid batches of one row, not in batches
+  #: of the next pass read to fill its last chunk.
+  reads_by_index: ClassVar[bool] = False
   #: What the pipelines over this loader keep (:class:`StoreLimits`); set
   #: another value on a loader before making pipelines over it.
   store_limits: StoreLimits = StoreLimits()

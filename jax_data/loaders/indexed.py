@@ -277,7 +277,9 @@ class IndexedCursor(ChainCursor):
     return {"version": _POSITION_VERSION, "stream": self._stream.get_state()}
 
   def position_at(self, index: int) -> Optional[Position]:
-    if not isinstance(self._stream, CounterStream):
+    # Counter-based and ordered streams reach any batch from its index
+    # (an ordered one modulo its pass); exact random ones do not.
+    if not isinstance(self._stream, (CounterStream, OrderedStream)):
       return None
     state = self._stream.get_state()
     state["batch"] = index * self._layout.cache_size

@@ -180,6 +180,7 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
   """
 
   random_keywords = HostDataLoader.random_keywords + ("stream",)
+  reads_by_index = True
 
   def __init__(self, copy: bool = True, drop_file_pages: bool = False,
                **reference_data: Any):

@@ -161,6 +161,7 @@ class SourceDataLoader(HostDataLoader):
   """
 
   random_keywords = HostDataLoader.random_keywords + ("stream",)
+  reads_by_index = True
 
   def __init__(self, source: RandomAccessSource,
                transform: Optional[Callable] = None, *,

@@ -89,8 +89,9 @@ class ChainRecord:
     devices: The largest ``device_count`` a request for the chain named.
     requested: The chunk of the chain's latest request (None before one):
       chunks are produced ahead only after it.
-    keep: Served chunks kept besides those produced ahead; 0 for a chain
-      whose cursor reaches any chunk at once (:attr:`regenerates`).
+    keep: Served chunks kept besides those produced ahead; 0 for a random
+      chain whose cursor reaches any chunk at once, a counter-based one
+      (:attr:`regenerates`).
   """
   number: int
   spec: ChainSpec
@@ -127,8 +128,8 @@ class ChainRecord:
 
   def stand_at(self, index: int) -> bool:
     """Moves the cursor to chunk ``index`` if it can seek there directly (a
-    counter-based stream), with ``produce_lock`` held; whether it stands
-    there."""
+    counter-based stream, an ordered one over rows read by index), with
+    ``produce_lock`` held; whether it stands there."""
     if self.next_index == index:
       return True
     direct = self.cursor.position_at(index)
@@ -377,9 +378,13 @@ class ChainTable:
       except BaseException:
         cursor.close()
         raise
-    direct = cursor.position_at(index + 1) is not None
+    # A counter-based chain's chunks are produced again as cheaply as
+    # kept; an ordered one (full-data passes) keeps its served chunks, as
+    # the next pass asks for them again, even where its cursor seeks.
+    regenerates = (isinstance(spec, RandomChain)
+                   and cursor.position_at(index + 1) is not None)
     record = ChainRecord(number, spec, cursor, {index: cursor.position()},
-                         index, keep=0 if direct else self.keep)
+                         index, keep=0 if regenerates else self.keep)
     with self._lock:
       # Released while the cursor opened (a file, a tf.data iterator):
       # release closed the cursors it found, not this one.
