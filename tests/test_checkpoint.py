@@ -538,3 +538,49 @@ def test_a_foreign_or_corrupt_file_is_named_no_jax_data_checkpoint(
   assert pipeline.host.chains() == chains
   # The checkpoint itself still restores.
   jax_data.restore_checkpoint(checkpoint, pipeline)
+
+
+class _CountedRows:
+  """A random-access source of rows ``{"x": x[i]}`` that counts its reads."""
+
+  def __init__(self, x):
+    self.x, self.reads = x, 0
+
+  def __len__(self):
+    return len(self.x)
+
+  def __getitem__(self, i):
+    self.reads += 1
+    return {"x": self.x[i]}
+
+
+def test_restored_stacked_pass_states_share_a_chain():
+  """Stacked full-pass states share one host chain, restored too: a pass
+  of 4 restored lanes reads what one lane's does (each lane got its own
+  chain, and read the data once per lane), and gives the same results."""
+  x = np.arange(23, dtype=np.float32)
+  thetas = jnp.asarray([0.0, 1.0, 2.0, 3.0])
+
+  def run(pipeline, states):
+    return jax.jit(jax.vmap(lambda state, theta: pipeline[1](
+        lambda b, m, c: (jnp.sum(jnp.where(m, (b["x"] - theta) ** 2, 0.0)),
+                         c), state, None, masking=True)))(states, thetas)
+
+  source = _CountedRows(x)
+  made = jax_data.full_reference_data(
+      jax_data.SourceDataLoader(source, workers=0), 2, 5)
+  states = jax.tree_util.tree_map(lambda *s: jnp.stack(s),
+                                  *[made[0]() for _ in thetas])
+  states, (expected, _) = run(made, states)
+  tree = jax_data.state_to_pytree(made, states)
+  made[2]()
+  again = _CountedRows(x)
+  fresh = jax_data.full_reference_data(
+      jax_data.SourceDataLoader(again, workers=0), 2, 5)
+  restored = jax_data.state_from_pytree(fresh, tree)
+  assert len(set(np.asarray(restored.chain).tolist())) == 1
+  again.reads = 0
+  _, (got, _) = run(fresh, restored)
+  np.testing.assert_allclose(got, expected, rtol=1e-6)
+  assert again.reads == 23 + 2  # once, and the last batch's padding
+  fresh[2]()

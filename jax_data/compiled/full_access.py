@@ -292,6 +292,9 @@ class FullPipeline(pl.Pipeline):
                                                    plan.mb_size),
                      loader, plan.cache_size, plan.mb_size, plan.count)
     self.sizes = (plan.cache_size, plan.mb_size, plan.count)
+    # Restored stacked states share a chain, as init_fn's do.
+    self.shares_chains = (isinstance(loader, HostDataLoader)
+                          and not loader.predecessor_style)
     self._compiled = Shared(self.max_compiled)
     # One batch and its mask as fetched, by device_count and state shapes.
     self._batch_shapes: Dict[Any, Tuple[PyTree, jax.ShapeDtypeStruct]] = {}

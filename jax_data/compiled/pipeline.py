@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import collections.abc
 import dataclasses
+import json
 import math
 import secrets
 import warnings
@@ -74,6 +75,10 @@ class Pipeline(collections.abc.Sequence):
   #: the same chains in every process (global batches), rather than each
   #: process's own chains.
   global_state: ClassVar[bool] = False
+  #: Whether lanes restored with the same saved chain at the same chunk
+  #: share one host chain, as the states of a full-data pipeline's
+  #: ``init_fn`` do (see :meth:`restore_lanes`).
+  shares_chains: bool = False
 
   def __init__(self, host: Optional[Host], template: CacheState,
                loader: DataLoader, cache_size: int, mb_size: int,
@@ -122,14 +127,21 @@ class Pipeline(collections.abc.Sequence):
     """A state of the checked saved lanes: each lane's chain (``saved``,
     from :meth:`Host.save_chain`) registered anew at its ``chunk``, or
     ``chain`` (device chains' kinds) without a host; no chain is left
-    registered if one fails."""
+    registered if one fails. Where the pipeline :attr:`shares_chains`,
+    lanes of equal saved chains at the same chunk get one chain: 64
+    stacked full-pass states restored read the data once a pass, not 64
+    times."""
     if self.host is not None:
       chain, restored = chain.copy(), []
+      made: Dict[Tuple[str, int], int] = {}
       try:
         for lane, one in zip(np.ndindex(*lanes), saved):
-          chain[lane] = self.host.restore_chain(one,
-                                                int(arrays["chunk"][lane]))
-          restored.append(int(chain[lane]))
+          chunk = int(arrays["chunk"][lane])
+          key = (json.dumps(one, sort_keys=True, default=repr), chunk)
+          if not self.shares_chains or key not in made:
+            made[key] = self.host.restore_chain(one, chunk)
+            restored.append(made[key])
+          chain[lane] = made[key]
       except BaseException:
         for number in restored:
           self.host.remove_chain(number)
