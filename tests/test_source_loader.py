@@ -2,6 +2,7 @@
 NumpyDataLoader's streams over the stacked records."""
 
 import collections
+import concurrent.futures
 import gc
 import io
 import multiprocessing
@@ -25,6 +26,7 @@ from jax import lax
 import jax_data
 from jax_data import NumpyDataLoader
 from jax_data import SourceDataLoader
+from jax_data.loaders import source_workers
 
 N = 23
 MODES = [dict(), dict(shuffle=True), dict(shuffle=True, in_epochs=True)]
@@ -508,6 +510,26 @@ def _mapped(loader):
     return np.asarray(mapper_fn(lambda b, c: (b["x"], c), None)[0]).tolist()
   finally:
     release_fn()
+
+
+def test_an_ended_pool_fails_its_blocks_as_broken_never_cancelled(
+    monkeypatch):
+  """Ending a pool of worker processes fails the blocks it was reading
+  and those waiting with BrokenProcessPool, which a read reads again; it
+  cancels none (Python 3.14's terminate_workers would: emulated, a read at
+  the interpreter's exit then waited for ever)."""
+  monkeypatch.setattr(concurrent.futures.ProcessPoolExecutor,
+                      "terminate_workers", lambda pool: pytest.fail(
+                          "terminate_workers cancels futures"),
+                      raising=False)
+  pool = concurrent.futures.ProcessPoolExecutor(
+      1, mp_context=multiprocessing.get_context("spawn"))
+  futures = [pool.submit(time.sleep, 60) for _ in range(3)]
+  source_workers.terminate(pool)
+  done, _ = concurrent.futures.wait(futures, timeout=60)
+  assert len(done) == 3
+  assert all(source_workers.broke(future) and not future.cancelled()
+             for future in futures)
 
 
 def test_a_worker_process_that_dies_once_is_replaced(tmp_path):

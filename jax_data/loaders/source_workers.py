@@ -207,19 +207,22 @@ def submit(pool: concurrent.futures.Executor, fn: Callable, *args: Any
 
 
 def broke(future: concurrent.futures.Future) -> bool:
-  """Whether a done future failed because a worker process died."""
-  return not future.cancelled() and isinstance(
+  """Whether a done future failed because a worker process died, or was
+  cancelled (its block is read again as well)."""
+  return future.cancelled() or isinstance(
       future.exception(), concurrent.futures.process.BrokenProcessPool)
 
 
 def terminate(pool: concurrent.futures.Executor) -> None:
   """Shuts a process pool down without waiting, and ends its workers, so
   that none stuck in a source outlives it (and holds up the interpreter's
-  exit)."""
-  terminate = getattr(pool, "terminate_workers", None)  # Python >= 3.14
-  if terminate is not None:
-    terminate()
-    return
+  exit).
+
+  Not Python 3.14's ``terminate_workers``: it shuts the pool down with
+  ``cancel_futures=True``, and another thread's read waits for its blocks
+  to be answered or to fail with BrokenProcessPool (then read again, see
+  :meth:`WorkerPool.read`). Emulated on 3.11, a read of a thread running
+  at the interpreter's exit then waited for ever (1 run in 7)."""
   # The pool's dict, taken before shutdown, which forgets it, and read
   # after: shutdown waits for a submit that is starting a worker, which
   # lands in the dict. Futures are not cancelled (see wait): those left
