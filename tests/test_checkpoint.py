@@ -584,3 +584,42 @@ def test_restored_stacked_pass_states_share_a_chain():
   np.testing.assert_allclose(got, expected, rtol=1e-6)
   assert again.reads == 23 + 2  # once, and the last batch's padding
   fresh[2]()
+
+
+@pytest.mark.parametrize("edit,match", [
+    ({"observations": [0, 13, 0, 1]}, "observations.*13"),
+    ({"observations": [10, 13, 0, 1]}, "observations.*10, 13"),
+    ({"batches": 1}, "'batches': 1"),
+    ({"kind": "RandomChain", "seed": 0}, "RandomChain"),
+])
+def test_edited_full_pass_chains_are_refused(edit, match):
+  """A full pass's chain is padded to whole chunks (its spec's batches),
+  which the loader checks only as a split pass's share: observations
+  within the data. The pipeline refuses any other spec; an edited one
+  passed 13 rows off as the pass of 23."""
+  def fresh():
+    return jax_data.full_reference_data(
+        NumpyDataLoader(x=np.arange(23.0)), 2, 5)
+  pipeline = fresh()
+  tree = jax_data.state_to_pytree(pipeline, pipeline[0]())
+  other = fresh()
+  with pytest.raises(jax_data.CheckpointError, match=match):
+    jax_data.state_from_pytree(other, _edit(
+        lambda c: c["spec"].update(edit))(tree))
+  assert other.host.chains() == []
+
+
+def test_a_full_pass_saved_unpadded_restores():
+  """A checkpoint written before full passes were padded to whole chunks
+  (no batches in its spec) restores, and its passes are the same."""
+  def fresh():
+    return jax_data.full_reference_data(
+        NumpyDataLoader(x=np.arange(23.0)), 2, 5)
+  pipeline = fresh()
+  tree = jax_data.state_to_pytree(pipeline, pipeline[0]())
+  old = _edit(lambda c: c["spec"].pop("batches"))(tree)
+  other = fresh()
+  state = jax_data.state_from_pytree(other, old)
+  for _ in range(2):
+    state, (values, _) = other[1](lambda b, c: (b["x"], c), state, None)
+    assert values.tolist() == list(range(23))

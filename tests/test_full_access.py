@@ -200,6 +200,27 @@ def test_a_pass_reads_its_own_batches_alone(pipelines, n, mb, cache):
   release_fn()
 
 
+def test_a_loader_that_extends_get_batches_passes_over_the_data(pipelines):
+  """A NumpyDataLoader subclass with a get_batches of its own serves its
+  chains through that, not by index: its passes are not padded to whole
+  chunks (they were refused as split passes)."""
+  class Logged(NumpyDataLoader):
+    def get_batches(self, chain_id):
+      return super().get_batches(chain_id)
+
+  for n in (10, 8):
+    loader = Logged(x=np.arange(float(n)))
+    mapper_fn, release_mapper = pipelines.full_data_mapper(loader, 2, 4)
+    sums, _ = mapper_fn(lambda b, m, c: (jnp.sum(b["x"] * m), c), None,
+                        masking=True)
+    assert float(jnp.sum(sums)) == n * (n - 1) / 2
+    init_fn, map_fn, release_fn = pipelines.full_reference_data(loader, 2, 4)
+    _, (values, _) = map_fn(lambda b, c: (b["x"], c), init_fn(), None)
+    assert values.tolist() == list(range(n))
+    release_fn()
+    release_mapper()
+
+
 def test_shards_cover_the_data_once(pipelines):
   x = np.arange(11.0)
   total = 0.0

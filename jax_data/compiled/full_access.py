@@ -34,9 +34,13 @@ from jax_data.compiled.pass_loop import map_pass
 from jax_data.compiled.pass_loop import progress_reporter
 from jax_data.compiled.pass_loop import varying_axes
 from jax_data.compiled.pass_loop import vectorised
+from jax_data.errors import CheckpointError
 from jax_data.lifetime import PASSES
 from jax_data.lifetime import Shared
+from jax_data.loaders.chains import ChainSpec
 from jax_data.loaders.chains import OrderedChain
+from jax_data.loaders.chains import spec_from_json
+from jax_data.loaders.chains import spec_to_json
 from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.loader import DataLoader
 from jax_data.loaders.loader import DeviceDataLoader
@@ -210,19 +214,44 @@ class HostChunks:
     self.host.check_open()
     chain = self._chain
     if chain is None:
-      loader = self.host.loader
-      spec = loader.chain_spec(True, **self._shard)
-      if (isinstance(spec, OrderedChain) and loader.reads_by_index
-          and not loader.predecessor_style):
-        # The pass's last chunk ends in invalid batches of one row (the
-        # pass's first, see ordered_batches): it read the next pass's
-        # first batches, up to a chunk more a pass (100 batches of 1,000
-        # over 100,003 rows: 199,004 rows read for the first pass).
-        spec = dataclasses.replace(spec, batches=self._plan.chunk_batches)
-      chain = self.host.register(spec)
+      chain = self.host.register(self._spec())
       if not self.host.loader.predecessor_style:
         self._chain = chain
     return CacheState.start(self.id, chain, self._plan.mb_size)
+
+  def _spec(self) -> ChainSpec:
+    """The spec of the chain :meth:`init` registers."""
+    loader = self.host.loader
+    spec = loader.chain_spec(True, **self._shard)
+    if isinstance(spec, OrderedChain) and loader.chains_read_by_index:
+      # The pass's last chunk ends in invalid batches of one row (the
+      # pass's first, see ordered_batches): it read the next pass's first
+      # batches, up to a chunk more a pass (100 batches of 1,000 over
+      # 100,003 rows: 199,004 rows read for the first pass).
+      spec = dataclasses.replace(spec, batches=self._plan.chunk_batches)
+    return spec
+
+  def check_saved(self, saved: Any) -> None:
+    """Raises :class:`~jax_data.CheckpointError` unless ``saved`` (a lane's
+    chain in a checkpoint) holds the spec :meth:`init` registers, or the
+    same unpadded (written before passes were padded to whole chunks):
+    the loader checks only that a padded pass's observations lie in the
+    data."""
+    spec = self._spec()
+    allowed = [spec_to_json(spec)]
+    if isinstance(spec, OrderedChain) and spec.batches is not None:
+      allowed.append(spec_to_json(dataclasses.replace(spec, batches=None)))
+    got = saved.get("spec") if isinstance(saved, dict) else None
+    try:
+      got = spec_to_json(spec_from_json(got))
+    except (TypeError, ValueError):
+      pass  # the chain's restore names what is wrong with it
+    else:
+      if got not in allowed:
+        raise CheckpointError(
+            f"the saved chain {got} is not this full-data pipeline's "
+            f"chain {allowed[0]}: a checkpoint of another pipeline, or "
+            "edited")
 
   def check_open(self) -> None:
     self.host.check_open()
@@ -305,6 +334,10 @@ class FullPipeline(pl.Pipeline):
   def init_fn(self, **kwargs: Any) -> CacheState:
     """The state of a new ordered chain (no keywords)."""
     return self._chunks.init(**kwargs)
+
+  def check_saved_chain(self, saved: Any) -> None:
+    if isinstance(self._chunks, HostChunks):
+      self._chunks.check_saved(saved)
 
   def data_digest(self) -> Optional[str]:
     if self.host is None:  # a device loader's passes

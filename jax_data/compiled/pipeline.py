@@ -134,6 +134,8 @@ class Pipeline(collections.abc.Sequence):
     if self.host is not None:
       chain, restored = chain.copy(), []
       made: Dict[Tuple[str, int], int] = {}
+      for one in saved:
+        self.check_saved_chain(one)
       try:
         for lane, one in zip(np.ndindex(*lanes), saved):
           chunk = int(arrays["chunk"][lane])
@@ -156,6 +158,13 @@ class Pipeline(collections.abc.Sequence):
         position=jnp.asarray(arrays["position"], jnp.int32),
         cached_chunk=jnp.full(lanes, -1, jnp.int32),
         key=jnp.asarray(arrays["key"], jnp.uint32))
+
+  def check_saved_chain(self, saved: Any) -> None:
+    """Raises :class:`~jax_data.CheckpointError` if ``saved`` (a lane's
+    chain in a checkpoint, from :meth:`Host.save_chain`) is not one this
+    pipeline makes, where the loader's own checks of a restored chain do
+    not tell; the default checks nothing more."""
+    del saved
 
   def check_open(self) -> None:
     """Raises :class:`~jax_data.PipelineReleasedError` once released."""

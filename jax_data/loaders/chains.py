@@ -107,8 +107,9 @@ class OrderedChain:
   Attributes:
     observations: The observations of a pass.
     batches: None: a pass is the batches the observations fill; else this
-      many, the rest all masked (one device's share of a pass split over a
-      mesh axis, :mod:`jax_data.compiled.global_passes`).
+      many, the rest all masked (a full-data pass padded to whole chunks;
+      one device's share of a pass split over a mesh axis,
+      :mod:`jax_data.compiled.global_passes`).
     options: The keywords a loader takes beyond jax_data's own (those its
       ``ordered_keywords`` add), as ``(name, value)`` pairs sorted by name.
   """

@@ -172,10 +172,10 @@ class HostDataLoader(DataLoader):
   #: With ``"stream"`` among the random keywords: ``stream="auto"`` draws
   #: counter-based streams above this many observations (None: never).
   auto_counter_above: ClassVar[Optional[int]] = AUTO_COUNTER_ABOVE
-  #: Whether the loader reads rows by index (its cursors serve a random
-  #: chain's ``part`` and an ordered chain's ``batches``): a full-data
-  #: pass then ends in whole invalid batches of one row, not in batches
-  #: of the next pass read to fill its last chunk.
+  #: Whether the cursors of the class's :meth:`open_chain` read rows by
+  #: index (they serve a random chain's ``part`` and an ordered chain's
+  #: ``batches``); a subclass whose ``open_chain`` opens other cursors sets
+  #: it False. See :attr:`chains_read_by_index`.
   reads_by_index: ClassVar[bool] = False
   #: What the pipelines over this loader keep (:class:`StoreLimits`); set
   #: another value on a loader before making pipelines over it.
@@ -298,8 +298,10 @@ class HostDataLoader(DataLoader):
     """Numbers a chain (:class:`ChainNumbering`) whose spec the loader
     accepts (:meth:`check_spec`) and opens its cursor with
     ``open_cursor(number, spec)``; nothing is numbered if that raises."""
-    # A device's share of a split pass (``OrderedChain.batches``) may be
-    # only the pass's last batch, partial: its padding fills the batch.
+    # An ordered chain of ``batches`` (a device's share of a split pass, a
+    # full-data pass padded to whole chunks) may be only a pass's last
+    # batch, partial: its padding fills the batch. Its pipeline checks
+    # the spec of a restored one (FullPipeline.check_saved_chain).
     share = getattr(spec, "batches", None) is not None
     self._check_observations(spec, share)
     check_int("mb_size", batch_rows(spec, layout.mb_size), minimum=1,
@@ -331,8 +333,9 @@ class HostDataLoader(DataLoader):
   def _check_observations(self, spec: ChainSpec, share: bool) -> None:
     """Raises if ``spec``'s observations are not ones this loader gives a
     chain (a spec read back from a checkpoint may have been edited): the
-    range of its shard, or for a device's share of a split pass a range
-    within the data."""
+    range of its shard, or for an ordered chain of ``batches`` (a device's
+    share of a split pass, a padded full-data pass, whose pipeline checks
+    more) a range within the data."""
     have = spec.observations
     if share:
       total = self.observation_count
@@ -361,6 +364,16 @@ class HostDataLoader(DataLoader):
     and by :meth:`register_random_pipeline` and
     :meth:`register_ordered_pipeline`."""
     return self._parts()[0].count
+
+  @property
+  def chains_read_by_index(self) -> bool:
+    """Whether this loader's chains read rows by index: its class's
+    cursors do (:attr:`reads_by_index`), and it serves them, not a
+    ``get_batches`` of its own (a subclass's chains then go through
+    that). A full-data pass then ends in whole invalid batches of one row,
+    not in batches of the next pass read to fill its last chunk."""
+    return (self.reads_by_index
+            and type(self).get_batches is HostDataLoader.get_batches)
 
   @property
   def predecessor_style(self) -> bool:

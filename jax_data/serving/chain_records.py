@@ -110,8 +110,10 @@ class ChainRecord:
 
   @property
   def regenerates(self) -> bool:
-    """Whether the cursor reaches any chunk at once (a counter-based
-    stream): the chain's chunks need not be stored."""
+    """Whether the chain's chunks need not be stored: a random chain whose
+    cursor reaches any chunk at once (a counter-based stream). An ordered
+    chain's cursor may reach any chunk too, but it keeps its served
+    chunks, which the next pass asks for again."""
     return self.keep == 0
 
   def close(self, blocking: bool) -> None:

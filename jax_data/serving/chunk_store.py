@@ -13,14 +13,16 @@ with bounded memory:
   recently used first out, so memory does not grow with the number of
   chains created (:class:`~jax_data.serving.chain_records.Shelf`);
   a chain keeps ``keep`` served chunks besides the ``ahead`` produced
-  ahead (none for chains whose cursors reach any chunk directly,
+  ahead (none for random chains whose cursors reach any chunk directly,
   counter-based streams: a chunk asked for again is produced again, as
   cheaply), and chunks still awaited by some of ``device_count`` devices,
   up to ``keep + ahead + 2 * device_count`` (at most ``max_stored``: the
   loader's :class:`~jax_data.loaders.host_loader.StoreLimits`);
 * the loader cursor's position is saved before each chunk, and the
   snapshots thin out logarithmically with age; a chunk no longer kept is
-  produced again from the nearest earlier snapshot
+  produced again from the nearest earlier snapshot, or at once where the
+  cursor reaches any chunk (counter-based and ordered streams over rows
+  read by index)
   (:class:`~jax_data.serving.production.Producer`).
 
 :class:`ChainStore` is the one owner of serving: it answers "chunk k of

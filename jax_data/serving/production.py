@@ -1,9 +1,10 @@
 """Producing chains' chunks through their loader cursors.
 
 A :class:`Producer` moves a chain's cursor to the chunk asked for (at once
-for a counter-based stream, else by replaying from the nearest snapshot of
-its position), has it produce the chunk and settles the future that the
-chunk's requests wait on, with the chunk or with the failure, named. The
+where the cursor can, a counter-based or ordered stream over rows read by
+index, else by replaying from the nearest snapshot of its position), has
+it produce the chunk and settles the future that the chunk's requests
+wait on, with the chunk or with the failure, named. The
 vmapped chains of one request whose cursors produce together are produced
 in one call. The chunk lands in the producer's reused buffers, or straight
 in compiled code's own where a request passes them; what the cursors hold

@@ -297,7 +297,8 @@ class OrderedStream:
     self.observations = observations
     self.mb_size = mb_size
     # More batches than the observations fill: the rest are all invalid
-    # (a device's share of a pass split over a mesh axis).
+    # (a full-data pass padded to whole chunks, a device's share of a pass
+    # split over a mesh axis).
     self.batches_per_pass = batches_per_pass or math.ceil(
         observations.count / mb_size)
     self._batch = 0
@@ -345,10 +346,10 @@ def ordered_batches(first: Any, count: int, mb_size: int,
 
   ``xp`` is the array module: NumPy on the host, ``jax.numpy`` for a
   device-resident loader (``first`` may then be traced). A pass of
-  more ``batches_per_pass`` than the observations fill (a device's share
-  of a split pass, padded) ends in whole invalid batches of its first
-  observation alone, one row to read, not rows wrapped round to the
-  pass's start.
+  more ``batches_per_pass`` than the observations fill (a full-data pass
+  padded to whole chunks, a device's share of a split pass) ends in whole
+  invalid batches of its first observation alone, one row to read, not
+  rows wrapped round to the pass's start.
   """
   n = observations.count
   batches_per_pass = batches_per_pass or -(-n // mb_size)
