@@ -586,6 +586,33 @@ def test_full_data_maps_inside_jit_equal_numpy_results():
   release_fn()
 
 
+def test_a_streamed_pass_reads_the_data_once():
+  """A streamed pipeline cannot seek: the host reaches a chunk by reading
+  the ones before it. XLA asked for a pass's last chunk before the loop's,
+  so the first pass read the data up to it, then again from the start
+  (220 elements for 103); the last chunk's request now depends on the
+  loop's."""
+  n, reads = 103, [0]
+
+  def records():
+    for i in range(n):
+      reads[0] += 1
+      yield {"x": np.float32(i)}
+
+  pipeline = tf.data.Dataset.from_generator(
+      records, output_signature={"x": tf.TensorSpec((), tf.float32)}
+  ).apply(tf.data.experimental.assert_cardinality(n))
+  init_fn, map_fn, release_fn = jax_data.full_reference_data(
+      TensorflowDataLoader(pipeline), 2, 10)
+  state, (values, _) = jax.jit(lambda s: map_fn(
+      lambda b, c: (b["x"], c), s, None))(init_fn())
+  assert values.tolist() == list(range(n))
+  # Once, the last chunk's filling, and maybe the next pass's first
+  # chunks, read ahead meanwhile (at most 163 in all).
+  assert reads[0] < 2 * n
+  release_fn()
+
+
 @pytest.mark.parametrize("kind", ["random", "full"])
 def test_checkpoint_restores_into_a_new_loader(kind):
   pipeline = _pipeline(19)

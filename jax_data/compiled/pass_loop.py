@@ -46,8 +46,8 @@ def progress_reporter(progress: Progress, plan: "PassPlan"
   asked = [0]  # chunks asked for in the current pass
 
   def report(chunk: int) -> None:
-    # Counted, not read off the chunk index: XLA may ask for the last
-    # chunk of a pass before the others.
+    # Counted, not read off the chunk index: XLA asked for the last chunk
+    # of a pass before the others until map_pass made it wait for them.
     del chunk
     with lock:
       asked[0] = asked[0] % plan.chunks + 1
@@ -153,18 +153,23 @@ def map_pass(fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]],
     return batches, mask & plan.valid(chunk, mask.shape)
 
   def outer(carry, chunk):
-    return over_chunk(carry, *fetch(chunk))
+    batches, mask = fetch(chunk)
+    carry, results = over_chunk(carry, batches, mask)
+    # Zero, from the fetched mask: see the last chunk's request below.
+    return carry, (results, jnp.minimum(mask[0, 0].astype(jnp.int32), 0))
 
-  carry, results = lax.scan(outer, carry,
-                            jnp.arange(plan.full_chunks, dtype=jnp.int32))
+  carry, (results, zeros) = lax.scan(
+      outer, carry, jnp.arange(plan.full_chunks, dtype=jnp.int32))
   results = jax.tree_util.tree_map(
       lambda r: r.reshape((plan.full_chunks * plan.cache_size,) + r.shape[2:]),
       results)
   if plan.tail:
-    # XLA may run this request before the loop's (it does not depend on
-    # them); the host copes with any order.
-    chunk = jnp.int32(plan.full_chunks)
-    batches, mask = fetch(chunk)
+    # The last chunk's index depends on the loop's last fetch (plus a zero
+    # that XLA cannot fold away; a barrier it removed), so its request
+    # comes after the loop's. Independent of them, XLA asked for it first,
+    # and a loader that cannot seek (tf.data) read the pass up to it, then
+    # again from its start.
+    batches, mask = fetch(jnp.int32(plan.full_chunks) + zeros[-1])
     head = lambda x: x[:plan.tail]
     carry, tail = over_chunk(carry, jax.tree_util.tree_map(head, batches),
                              head(mask))
