@@ -54,6 +54,12 @@ def test_a_split_pass_gives_the_results_of_one_pass(pipelines, count,
   np.testing.assert_allclose(float(jnp.sum(sums)), float(np.sum(
       x.astype(np.float64))), rtol=1e-5)
 
+  # Unmasked rows too: the last batch's fillers are the pass's first
+  # observations (they were the last device's block's first).
+  rows, _ = split_fn(lambda b, m, c: (b["index"], c), None, masking=True)
+  np.testing.assert_array_equal(
+      rows, one_fn(lambda b, m, c: (b["index"], c), None, masking=True)[0])
+
   plus_one, _ = split_fn(lambda o, c: (o["index"] + 1, c), None,
                          batched=False)
   np.testing.assert_array_equal(plus_one, np.arange(count) + 1)
@@ -146,9 +152,9 @@ def test_a_split_pass_reads_each_share_once(pipelines):
   sums, _ = mapper_fn(lambda b, m, c: (jnp.sum(jnp.where(m, b["x"], 0.0)),
                                        c), None, masking=True)
   assert float(jnp.sum(sums)) == 253.0
-  # Each record once, each share's first again (the last share's also
-  # pads its last batch).
-  assert source.reads == 23 + 4
+  # Each record once, each share's first again, and the pass's first,
+  # which fills its last batch.
+  assert source.reads == 23 + 4 + 1
   release_fn()
 
 

@@ -110,8 +110,11 @@ class GlobalMapperPipeline(pl.Pipeline):
     # share are invalid batches of one row, not the share's first ones.
     cache = full.sizes[0]
     batches = -(-split.per_device // cache) * cache
+    # The last share's fillers are the pass's first observations, as they
+    # are without a mesh (they were the share's own first).
     self._chains = np.array(
-        [host.register(OrderedChain(split.observations(d, start), batches))
+        [host.register(OrderedChain(split.observations(d, start), batches,
+                                    fillers_from=start))
          if device.process_index == here else -1
          for d, device in enumerate(axes.mesh.devices.reshape(-1))],
         np.int32)

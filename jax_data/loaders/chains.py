@@ -110,11 +110,15 @@ class OrderedChain:
       many, the rest all masked (a full-data pass padded to whole chunks;
       one device's share of a pass split over a mesh axis,
       :mod:`jax_data.compiled.global_passes`).
+    fillers_from: The first observation of the fillers of the pass's last
+      batch; None: the chain's first. A device's share of a split pass
+      fills as the whole pass does, from the pass's first.
     options: The keywords a loader takes beyond jax_data's own (those its
       ``ordered_keywords`` add), as ``(name, value)`` pairs sorted by name.
   """
   observations: ObservationRange
   batches: Optional[int] = None
+  fillers_from: Optional[int] = None
   options: Options = ()
 
 
@@ -134,7 +138,7 @@ def spec_to_json(spec: ChainSpec) -> Dict[str, Any]:
   # Without the options: asdict would deep-copy their values.
   fields = dataclasses.asdict(dataclasses.replace(spec, options=()))
   fields["observations"] = list(dataclasses.astuple(spec.observations))
-  for name in ("part", "batches"):  # the format of plain chains
+  for name in ("part", "batches", "fillers_from"):  # as plain chains
     if name in fields and fields[name] is None:
       del fields[name]
   del fields["options"]
@@ -165,10 +169,15 @@ def spec_from_json(data: Mapping[str, Any]) -> ChainSpec:
       raise ValueError(f"options must map names to values, got {options!r}")
     options = tuple(sorted(options.items()))
     if kind is OrderedChain:
-      check_keywords("an ordered chain's spec", fields, ("batches",))
-      batches = fields.get("batches")
-      return OrderedChain(observations, None if batches is None else
-                          check_int("batches", batches, minimum=1), options)
+      check_keywords("an ordered chain's spec", fields,
+                     ("batches", "fillers_from"))
+      batches, fillers = fields.get("batches"), fields.get("fillers_from")
+      return OrderedChain(
+          observations,
+          None if batches is None else check_int("batches", batches,
+                                                 minimum=1),
+          None if fillers is None else check_int("fillers_from", fillers,
+                                                 minimum=0), options)
     check_keywords("a random chain's spec", fields,
                    ("seed", "shuffle", "in_epochs", "stream", "part"))
     shuffle = check_bool("shuffle", fields.get("shuffle", False))

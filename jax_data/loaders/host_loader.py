@@ -304,6 +304,11 @@ class HostDataLoader(DataLoader):
     # the spec of a restored one (FullPipeline.check_saved_chain).
     share = getattr(spec, "batches", None) is not None
     self._check_observations(spec, share)
+    fillers = getattr(spec, "fillers_from", None)
+    if fillers is not None:  # the last batch's fillers lie in the data
+      check_int("fillers_from", fillers, minimum=0,
+                maximum=(self.observation_count or 0) - layout.mb_size,
+                what="the observation count less mb_size")
     check_int("mb_size", batch_rows(spec, layout.mb_size), minimum=1,
               maximum=None if share else spec.observations.count,
               what="the observation count")

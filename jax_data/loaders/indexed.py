@@ -53,7 +53,8 @@ def stream_of(spec: ChainSpec, mb_size: int
               ) -> Union[RandomStream, CounterStream, OrderedStream]:
   """The index stream of a chain (``spec/SAMPLING.md``)."""
   if isinstance(spec, OrderedChain):
-    return OrderedStream(spec.observations, mb_size, spec.batches)
+    return OrderedStream(spec.observations, mb_size, spec.batches,
+                         spec.fillers_from)
   stream = CounterStream if spec.stream == "counter" else RandomStream
   return stream(spec.observations, mb_size, spec.seed, spec.shuffle,
                 spec.in_epochs)

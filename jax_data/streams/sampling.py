@@ -293,9 +293,11 @@ class OrderedStream:
   """
 
   def __init__(self, observations: ObservationRange, mb_size: int,
-               batches_per_pass: Optional[int] = None):
+               batches_per_pass: Optional[int] = None,
+               fillers_from: Optional[int] = None):
     self.observations = observations
     self.mb_size = mb_size
+    self.fillers_from = fillers_from  # see ordered_batches
     # More batches than the observations fill: the rest are all invalid
     # (a full-data pass padded to whole chunks, a device's share of a pass
     # split over a mesh axis).
@@ -332,14 +334,16 @@ class OrderedStream:
       mask = np.ones((count, mb), bool)
     else:
       indices, mask = ordered_batches(first, count, mb, self.observations,
-                                      batches_per_pass=self.batches_per_pass)
+                                      batches_per_pass=self.batches_per_pass,
+                                      fillers_from=self.fillers_from)
     self._batch = int((first + count) % self.batches_per_pass)
     return indices, mask
 
 
 def ordered_batches(first: Any, count: int, mb_size: int,
                     observations: ObservationRange, xp: Any = np,
-                    batches_per_pass: Optional[int] = None
+                    batches_per_pass: Optional[int] = None,
+                    fillers_from: Optional[int] = None
                     ) -> Tuple[Any, Any]:
   """Indices and mask of ``count`` batches of the ordered stream, from
   batch ``first`` of a pass on (:class:`OrderedStream`).
@@ -349,7 +353,10 @@ def ordered_batches(first: Any, count: int, mb_size: int,
   more ``batches_per_pass`` than the observations fill (a full-data pass
   padded to whole chunks, a device's share of a split pass) ends in whole
   invalid batches of its first observation alone, one row to read, not
-  rows wrapped round to the pass's start.
+  rows wrapped round to the pass's start. The fillers of the last batch
+  are the observations from ``fillers_from`` on (a device's share of a
+  split pass: the whole pass's first, as without a mesh); None: from the
+  chain's first.
   """
   n = observations.count
   batches_per_pass = batches_per_pass or -(-n // mb_size)
@@ -360,6 +367,10 @@ def ordered_batches(first: Any, count: int, mb_size: int,
   positions = (batch[:, None] * mb_size
                + xp.arange(mb_size, dtype=index)[None, :])
   indices = positions % n
+  if fillers_from is not None:
+    indices = xp.where(positions >= n,
+                       positions - n + (fillers_from - observations.start),
+                       indices)
   if batches_per_pass * mb_size >= n + mb_size:  # whole invalid batches
     indices = xp.where(batch[:, None] * mb_size >= n, 0 * indices, indices)
   return indices + observations.start, positions < n
