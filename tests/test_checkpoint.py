@@ -20,6 +20,7 @@ from jax import lax
 import jax_data
 from jax_data import NumpyDataLoader
 from jax_data.host_loader import StoreLimits
+from tests.counted import CountedRows
 
 MODES = [dict(), dict(shuffle=True), dict(shuffle=True, in_epochs=True)]
 N, CACHE, MB = 37, 4, 5
@@ -540,20 +541,6 @@ def test_a_foreign_or_corrupt_file_is_named_no_jax_data_checkpoint(
   jax_data.restore_checkpoint(checkpoint, pipeline)
 
 
-class _CountedRows:
-  """A random-access source of rows ``{"x": x[i]}`` that counts its reads."""
-
-  def __init__(self, x):
-    self.x, self.reads = x, 0
-
-  def __len__(self):
-    return len(self.x)
-
-  def __getitem__(self, i):
-    self.reads += 1
-    return {"x": self.x[i]}
-
-
 def test_restored_stacked_pass_states_share_a_chain():
   """Stacked full-pass states share one host chain, restored too: a pass
   of 4 restored lanes reads what one lane's does (each lane got its own
@@ -566,7 +553,7 @@ def test_restored_stacked_pass_states_share_a_chain():
         lambda b, m, c: (jnp.sum(jnp.where(m, (b["x"] - theta) ** 2, 0.0)),
                          c), state, None, masking=True)))(states, thetas)
 
-  source = _CountedRows(x)
+  source = CountedRows(x)
   made = jax_data.full_reference_data(
       jax_data.SourceDataLoader(source, workers=0), 2, 5)
   states = jax.tree_util.tree_map(lambda *s: jnp.stack(s),
@@ -574,7 +561,7 @@ def test_restored_stacked_pass_states_share_a_chain():
   states, (expected, _) = run(made, states)
   tree = jax_data.state_to_pytree(made, states)
   made[2]()
-  again = _CountedRows(x)
+  again = CountedRows(x)
   fresh = jax_data.full_reference_data(
       jax_data.SourceDataLoader(again, workers=0), 2, 5)
   restored = jax_data.state_from_pytree(fresh, tree)

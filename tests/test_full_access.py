@@ -16,6 +16,7 @@ import jax_data
 from jax_data import DeviceNumpyDataLoader
 from jax_data import NumpyDataLoader
 from jax_data import pass_loop
+from tests.counted import CountedRows
 
 # Tests that build pipelines with the `pipelines` fixture run with both ways
 # chunks reach compiled code (conftest.py).
@@ -133,20 +134,6 @@ def test_mapper_with_default_sizes_and_vmap_over_parameters(pipelines):
   np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
-class _CountedRows:
-  """A random-access source of rows ``{"x": x[i]}`` that counts its reads."""
-
-  def __init__(self, x):
-    self.x, self.reads = x, 0
-
-  def __len__(self):
-    return len(self.x)
-
-  def __getitem__(self, i):
-    self.reads += 1
-    return {"x": self.x[i]}
-
-
 def test_stacked_pass_states_read_the_data_once_for_all_lanes(pipelines):
   """One full-pass state per chain, stacked for vmap: the results are each
   lane's pass, and a pass reads each record as often as one state's does
@@ -156,7 +143,7 @@ def test_stacked_pass_states_read_the_data_once_for_all_lanes(pipelines):
   thetas = jnp.asarray([0.0, 0.5, 1.0, 2.0])
   reads = []
   for chains in (1, 4):
-    source = _CountedRows(x)
+    source = CountedRows(x)
     init_fn, map_fn, release_fn = pipelines.full_reference_data(
         jax_data.SourceDataLoader(source, workers=0), 2, 5)
     states = jax.tree_util.tree_map(lambda *s: jnp.stack(s),
@@ -178,9 +165,10 @@ def test_stacked_pass_states_read_the_data_once_for_all_lanes(pipelines):
 def test_a_pass_reads_its_own_batches_alone(pipelines, n, mb, cache):
   """A pass reads each record once, and the padding of its last batch (the
   pass's first records) again, not the next pass's batches that filled its
-  last chunk. XLA asks for that chunk before the others, which replayed the
-  pass from its start: the first pass over 23 records read 48 of them."""
-  source = _CountedRows(np.arange(n, dtype=np.float32))
+  last chunk. XLA asked for that chunk before the others, which replayed
+  the pass from its start: the first pass over 23 records read 48 of
+  them."""
+  source = CountedRows(np.arange(n, dtype=np.float32))
   loader = jax_data.SourceDataLoader(source, workers=0)
   init_fn, map_fn, release_fn = pipelines.full_reference_data(loader, cache,
                                                              mb)
@@ -200,16 +188,37 @@ def test_a_pass_reads_its_own_batches_alone(pipelines, n, mb, cache):
   release_fn()
 
 
+class _Wrapped(jax_data.chains.ChainCursor):
+  """A cursor that hands every call on to another one."""
+
+  def __init__(self, inner):
+    self.inner = inner
+
+  def produce(self, index, out):
+    return self.inner.produce(index, out)
+
+  def position(self):
+    return self.inner.position()
+
+  def seek(self, position):
+    self.inner.seek(position)
+
+
 def test_a_loader_that_extends_get_batches_passes_over_the_data(pipelines):
   """A NumpyDataLoader subclass with a get_batches of its own serves its
-  chains through that, not by index: its passes are not padded to whole
-  chunks (they were refused as split passes)."""
+  chains through that, and one whose open_chain wraps the cursors through
+  those, which do not read rows by index: their passes are not padded to
+  whole chunks (they were refused as split passes)."""
   class Logged(NumpyDataLoader):
     def get_batches(self, chain_id):
       return super().get_batches(chain_id)
 
-  for n in (10, 8):
-    loader = Logged(x=np.arange(float(n)))
+  class Wrapping(NumpyDataLoader):  # its open_chain wraps the cursors
+    def open_chain(self, spec, layout):
+      return _Wrapped(super().open_chain(spec, layout))
+
+  for n, loader_cls in ((10, Logged), (8, Logged), (23, Wrapping)):
+    loader = loader_cls(x=np.arange(float(n)))
     mapper_fn, release_mapper = pipelines.full_data_mapper(loader, 2, 4)
     sums, _ = mapper_fn(lambda b, m, c: (jnp.sum(b["x"] * m), c), None,
                         masking=True)

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 import jax_data
 from jax_data import NumpyDataLoader
 from jax_data.compiled.global_passes import PassSplit
+from tests.counted import CountedRows
 
 
 def _mesh(devices=4):
@@ -126,25 +127,11 @@ def test_a_gradient_over_all_data_inside_jit():
   release_fn()
 
 
-class _CountedRows:
-  """A random-access source of rows ``{"x": x[i]}`` that counts its reads."""
-
-  def __init__(self, x):
-    self.x, self.reads = x, 0
-
-  def __len__(self):
-    return len(self.x)
-
-  def __getitem__(self, i):
-    self.reads += 1
-    return {"x": self.x[i]}
-
-
 def test_a_split_pass_reads_each_share_once(pipelines):
   """Each device's share of 3 batches is served in 2 chunks of 2: the last
   one ends in an invalid batch of the share's first record, read again,
   not the share's first batch (23 records read 31 times a pass before)."""
-  source = _CountedRows(np.arange(23, dtype=np.float32))
+  source = CountedRows(np.arange(23, dtype=np.float32))
   mapper_fn, release_fn = pipelines.full_data_mapper(
       jax_data.SourceDataLoader(source, workers=0), 2, 2, mesh=_mesh(4),
       batch_axis="data")

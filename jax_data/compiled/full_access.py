@@ -39,6 +39,7 @@ from jax_data.lifetime import PASSES
 from jax_data.lifetime import Shared
 from jax_data.loaders.chains import ChainSpec
 from jax_data.loaders.chains import OrderedChain
+from jax_data.loaders.chains import RowsByIndexNeeded
 from jax_data.loaders.chains import spec_from_json
 from jax_data.loaders.chains import spec_to_json
 from jax_data.loaders.host_loader import HostDataLoader
@@ -214,21 +215,31 @@ class HostChunks:
     self.host.check_open()
     chain = self._chain
     if chain is None:
-      chain = self.host.register(self._spec())
+      plain = self._spec()
+      padded = self._padded(plain)
+      try:
+        chain = self.host.register(padded)
+      except RowsByIndexNeeded:  # a subclass's open_chain wraps cursors
+        if padded is plain:
+          raise
+        chain = self.host.register(plain)
       if not self.host.loader.predecessor_style:
         self._chain = chain
     return CacheState.start(self.id, chain, self._plan.mb_size)
 
   def _spec(self) -> ChainSpec:
-    """The spec of the chain :meth:`init` registers."""
-    loader = self.host.loader
-    spec = loader.chain_spec(True, **self._shard)
-    if isinstance(spec, OrderedChain) and loader.chains_read_by_index:
-      # The pass's last chunk ends in invalid batches of one row (the
-      # pass's first, see ordered_batches): it read the next pass's first
-      # batches, up to a chunk more a pass (100 batches of 1,000 over
-      # 100,003 rows: 199,004 rows read for the first pass).
-      spec = dataclasses.replace(spec, batches=self._plan.chunk_batches)
+    """The spec of the chain of a pass, unpadded."""
+    return self.host.loader.chain_spec(True, **self._shard)
+
+  def _padded(self, spec: ChainSpec) -> ChainSpec:
+    """``spec`` padded to whole chunks where the loader's chains read rows
+    by index: the pass's last chunk ends in invalid batches of one row
+    (the pass's first, see ordered_batches). It read the next pass's first
+    batches, up to a chunk more a pass (100 batches of 1,000 over 100,003
+    rows: 199,004 rows read for the first pass)."""
+    if (isinstance(spec, OrderedChain)
+        and self.host.loader.chains_read_by_index):
+      return dataclasses.replace(spec, batches=self._plan.chunk_batches)
     return spec
 
   def check_saved(self, saved: Any) -> None:
@@ -237,10 +248,8 @@ class HostChunks:
     same unpadded (written before passes were padded to whole chunks):
     the loader checks only that a padded pass's observations lie in the
     data."""
-    spec = self._spec()
-    allowed = [spec_to_json(spec)]
-    if isinstance(spec, OrderedChain) and spec.batches is not None:
-      allowed.append(spec_to_json(dataclasses.replace(spec, batches=None)))
+    plain = self._spec()
+    allowed = [spec_to_json(self._padded(plain)), spec_to_json(plain)]
     got = saved.get("spec") if isinstance(saved, dict) else None
     try:
       got = spec_to_json(spec_from_json(got))
@@ -484,8 +493,8 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
     chunks = HostChunks(config.loader, plan, {},
                         progress_reporter(progress, plan), config.callback)
     pipeline: pl.Pipeline = global_passes.GlobalMapperPipeline(
-        FullPipeline(chunks, plan, config.loader), axes, split,
-        config.observations.start, config.loader)
+        FullPipeline(chunks, plan, config.loader), plan.chunk_batches, axes,
+        split, config.observations.start, config.loader)
   else:
     pipeline = MapperPipeline(_full_pipeline(
         data_loader, cached_batches_count, mb_size, shard_index, shard_count,

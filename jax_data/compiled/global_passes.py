@@ -86,6 +86,8 @@ class GlobalMapperPipeline(pl.Pipeline):
     full: The pass of one device's block: a ``FullPipeline`` (which
       ``full_access`` builds and hands in) whose pass is
       ``split.per_device`` batches.
+    chunk_batches: The batches of the chunks of that pass
+      (``PassPlan.chunk_batches``): each device's share is padded to them.
     axes: The mesh and its batch axis (no chain axis).
     split: How the pass splits.
     start: The first observation of the pass.
@@ -94,8 +96,8 @@ class GlobalMapperPipeline(pl.Pipeline):
 
   kind = "mapper"
 
-  def __init__(self, full: pl.Pipeline, axes: MeshAxes, split: PassSplit,
-               start: int, loader: DataLoader):
+  def __init__(self, full: pl.Pipeline, chunk_batches: int, axes: MeshAxes,
+               split: PassSplit, start: int, loader: DataLoader):
     self._full, self._axes, self._split = full, axes, split
     host = full.host
     super().__init__(host, full.template, loader, full.sizes[0],
@@ -108,13 +110,11 @@ class GlobalMapperPipeline(pl.Pipeline):
     here = jax.process_index()
     # Each share padded to whole chunks: its last chunk's batches past the
     # share are invalid batches of one row, not the share's first ones.
-    cache = full.sizes[0]
-    batches = -(-split.per_device // cache) * cache
     # The last share's fillers are the pass's first observations, as they
     # are without a mesh (they were the share's own first).
     self._chains = np.array(
-        [host.register(OrderedChain(split.observations(d, start), batches,
-                                    fillers_from=start))
+        [host.register(OrderedChain(split.observations(d, start),
+                                    chunk_batches, fillers_from=start))
          if device.process_index == here else -1
          for d, device in enumerate(axes.mesh.devices.reshape(-1))],
         np.int32)

@@ -373,6 +373,13 @@ def spanned(chunks: Sequence[Chunk]) -> Optional[Span]:
 UNSAVED = "unsaved"
 
 
+class RowsByIndexNeeded(ValueError):
+  """Raised when a chain of a :attr:`RandomChain.part` or an
+  :attr:`OrderedChain.batches` is opened on a cursor that does not read
+  rows by index (:attr:`ChainCursor.serves_parts`); nothing was numbered
+  and the cursor is closed."""
+
+
 class SeekRefused(ValueError):
   """Raised by :meth:`ChainCursor.seek` of a cursor that cannot reach the
   position, before it moved: it still stands where it stood."""

@@ -46,6 +46,7 @@ from jax_data.loaders.chains import ChunkLayout
 from jax_data.loaders.chains import LeafFormat
 from jax_data.loaders.chains import OrderedChain
 from jax_data.loaders.chains import RandomChain
+from jax_data.loaders.chains import RowsByIndexNeeded
 from jax_data.loaders.chains import batch_rows
 from jax_data.loaders.legacy_loader import LegacyCursor
 from jax_data.loaders.legacy_loader import OwnChain
@@ -174,8 +175,7 @@ class HostDataLoader(DataLoader):
   auto_counter_above: ClassVar[Optional[int]] = AUTO_COUNTER_ABOVE
   #: Whether the cursors of the class's :meth:`open_chain` read rows by
   #: index (they serve a random chain's ``part`` and an ordered chain's
-  #: ``batches``); a subclass whose ``open_chain`` opens other cursors sets
-  #: it False. See :attr:`chains_read_by_index`.
+  #: ``batches``). See :attr:`chains_read_by_index`.
   reads_by_index: ClassVar[bool] = False
   #: What the pipelines over this loader keep (:class:`StoreLimits`); set
   #: another value on a loader before making pipelines over it.
@@ -322,7 +322,7 @@ class HostDataLoader(DataLoader):
         readers = ("NumpyDataLoader, SourceDataLoader" if share else
                    "NumpyDataLoader, SourceDataLoader, TensorflowDataLoader("
                    "in_memory=True) with stream='counter'")
-        raise ValueError(
+        raise RowsByIndexNeeded(
             f"{'passes' if share else 'global batches'} split the data "
             "over devices, which needs a loader that reads rows by index "
             f"({readers}); {type(self).__name__} serves this chain "
@@ -376,7 +376,10 @@ class HostDataLoader(DataLoader):
     cursors do (:attr:`reads_by_index`), and it serves them, not a
     ``get_batches`` of its own (a subclass's chains then go through
     that). A full-data pass then ends in whole invalid batches of one row,
-    not in batches of the next pass read to fill its last chunk."""
+    not in batches of the next pass read to fill its last chunk; where a
+    subclass's ``open_chain`` opens other cursors, the chain is refused
+    (:class:`~jax_data.loaders.chains.RowsByIndexNeeded`) and the pass
+    is not padded."""
     return (self.reads_by_index
             and type(self).get_batches is HostDataLoader.get_batches)
 
