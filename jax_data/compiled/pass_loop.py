@@ -155,6 +155,8 @@ def map_pass(fetch_chunk: Callable[[jax.Array], Tuple[PyTree, jax.Array]],
   def outer(carry, chunk):
     batches, mask = fetch(chunk)
     carry, results = over_chunk(carry, batches, mask)
+    if not plan.tail:
+      return carry, (results, None)
     # Zero, from the fetched mask: see the last chunk's request below.
     return carry, (results, jnp.minimum(mask[0, 0].astype(jnp.int32), 0))
 
