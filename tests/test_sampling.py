@@ -231,6 +231,35 @@ def test_buffer_shuffle_does_not_depend_on_chunks_or_seeks(chunk):
                             whole[:100])
 
 
+def _buffer_stream_by_definition(count, size, seed, passes):
+  """The stream as the class docstring (and spec/SAMPLING.md) defines it,
+  one step at a time, each block of slot draws made whole."""
+  out = []
+  for p in range(passes):
+    buffer = list(p * count + np.arange(size))
+    for t in range(count - size):
+      if t % 2**16 == 0:
+        block = np.random.default_rng([seed, p, 0, t // 2**16]).integers(
+            0, size, 2**16)
+      slot = block[t % 2**16]
+      out.append(buffer[slot])
+      buffer[slot] = p * count + size + t
+    order = np.random.default_rng([seed, p, 1]).permutation(size)
+    out.extend(buffer[i] for i in order)
+  return np.array(out)
+
+
+@pytest.mark.parametrize("size", [3, 300, 70_000])
+def test_buffer_shuffle_follows_its_definition(size):
+  """Slot draws are taken from a generator a chunk at a time, not as whole
+  blocks of 2**16: the same values, over a block's end and across
+  passes, for slots of one, two and three bytes."""
+  count = 2**16 + size + 5
+  expected = _buffer_stream_by_definition(count, size, 4, 2)
+  assert np.array_equal(_buffer_stream(count, size, 4, 2 * count, 997),
+                        expected)
+
+
 def test_buffer_shuffle_buffered_is_read_but_not_emitted():
   count, size = 12, 5
   stream = sampling.BufferShuffle(count, size, 0)

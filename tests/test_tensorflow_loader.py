@@ -777,10 +777,9 @@ def _array_bytes(cursor):
 @pytest.mark.parametrize("in_memory", [False, True])
 def test_a_trimmed_chain_keeps_no_more_than_a_fresh_one(in_memory):
   """``held_bytes`` counts every array a random chain keeps beyond a new
-  cursor's (the shuffle's block of 2**16 slot draws too, a byte each
-  for a buffer of 64), and ``trim``
-  frees all of it: chains used one after another past the budget do not
-  grow memory."""
+  cursor's (the shuffle buffer's slots and rows), and ``trim`` frees all
+  of it: chains used one after another past the budget do not grow
+  memory."""
   loader = TensorflowDataLoader(_pipeline(300), shuffle_cache=64,
                                 in_memory=in_memory)
   pipeline = jax_data.random_reference_data(loader, 2, 8)
@@ -794,7 +793,7 @@ def test_a_trimmed_chain_keeps_no_more_than_a_fresh_one(in_memory):
   with record.produce_lock:
     cursor = record.cursor
     assert _array_bytes(cursor) - fresh <= cursor.held_bytes()
-    assert cursor.held_bytes() >= 2**16  # the block of draws
+    assert cursor.held_bytes() >= 64 * 8  # the buffer's 64 slots
     cursor.trim()
     assert cursor.held_bytes() == 0
     assert _array_bytes(cursor) <= fresh

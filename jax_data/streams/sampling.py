@@ -406,8 +406,11 @@ class BufferShuffle:
     self.count = count
     self.buffer_size = min(buffer_size, count)
     self.seed = seed
-    self._draws: Tuple[Tuple[int, int], np.ndarray] = ((-1, -1),
-                                                       np.empty(0, np.int64))
+    # The generator of the slot draws of block ``_block`` (a (pass, block)
+    # pair) and how many it has drawn; None: none yet.
+    self._block: Optional[Tuple[int, int]] = None
+    self._rng: Optional[np.random.Generator] = None
+    self._drawn = 0
     self.position: Optional[int] = None  # steps emitted; None: unknown
     self._pass = 0
     self._step = 0
@@ -435,18 +438,16 @@ class BufferShuffle:
     return np.concatenate(parts)
 
   def trim(self) -> None:
-    """Drops the block of slot draws (64-512 KiB) and the buffer's slots (8
-    bytes each); the position becomes unknown: :meth:`seek` computes them
+    """Drops the buffer's slots (8 bytes each) and the generator of slot
+    draws; the position becomes unknown: :meth:`seek` computes them
     again."""
     self.position = None
-    self._draws = ((-1, -1), np.empty(0, np.int64))
+    self._block, self._rng, self._drawn = None, None, 0
     self._buffer = None
 
   def held_bytes(self) -> int:
-    """The bytes of the slot draws and buffer slots kept (see
-    :meth:`trim`)."""
-    buffer = 0 if self._buffer is None else self._buffer.nbytes
-    return self._draws[1].nbytes + buffer
+    """The bytes of the buffer slots kept (see :meth:`trim`)."""
+    return 0 if self._buffer is None else self._buffer.nbytes
 
   def buffered(self) -> np.ndarray:
     """The element numbers read into the buffer and not yet emitted."""
@@ -484,20 +485,26 @@ class BufferShuffle:
         self.buffer_size)
 
   def _slots(self, k: int) -> np.ndarray:
-    """The slots drawn at the next ``k`` fill steps, all in one block."""
+    """The slots drawn at the next ``k`` fill steps, all in one block.
+
+    The block's draws come from a generator kept between calls, ``k`` at
+    a time: NumPy's ``integers`` draws one value after another from the
+    bit generator, whose state carries any bits left over, so the pieces
+    are the block's ``integers(0, buffer_size, 2**16)`` exactly. A chain
+    keeps a generator, not the block's 2**16 draws (64-512 KiB, 64 MiB
+    for 1,024 chains)."""
     block, first = divmod(self._step, self._BLOCK)
-    key, draws = self._draws
-    if key != (self._pass, block):
-      draws = np.random.default_rng([self.seed, self._pass, 0, block]
-                                    ).integers(0, self.buffer_size,
-                                               self._BLOCK)
-      # Kept in the least integer type that holds a slot: a chain keeps a
-      # block of 2**16 (512 KiB as int64; 64 KiB as uint8 for buffers of up
-      # to 256 elements, 128 KiB as uint16 up to 2**16), and many chains
-      # keep one each.
-      draws = draws.astype(np.min_scalar_type(self.buffer_size - 1))
-      self._draws = ((self._pass, block), draws)
-    return draws[first:first + k]
+    if self._block != (self._pass, block) or self._drawn > first:
+      self._block = (self._pass, block)
+      self._rng = np.random.default_rng([self.seed, self._pass, 0, block])
+      self._drawn = 0
+    if self._drawn < first:  # a seek within the block: draws passed over
+      self._rng.integers(0, self.buffer_size, first - self._drawn)
+    self._drawn = first + k
+    # In the least integer type that holds a slot: _fill's stable argsort
+    # of them is then a radix sort.
+    return self._rng.integers(0, self.buffer_size, k).astype(
+        np.min_scalar_type(self.buffer_size - 1))
 
   def _fill(self, k: int) -> np.ndarray:
     """``k`` fill steps: each emits a slot and refills it."""
