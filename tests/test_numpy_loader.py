@@ -429,3 +429,25 @@ def test_eager_device_counter_batches_compile_once():
     logger.setLevel(level)
   assert compiled == []
   release_fn()
+
+
+def test_a_buffer_pool_gives_buffers_again_once_free():
+  """Buffers come back once nothing but the pool holds them, looked for
+  round robin from the last one given: a pool of many buffers, freed in
+  about the order they were given, does not grow past its capacity, and
+  one still held is never given again."""
+  from jax_data.loaders.gather import BufferPool
+  pool = BufferPool()
+  pool.reserve(100)
+  held = [pool.empty((4,), np.float32) for _ in range(100)]
+  assert len({id(b) for b in held}) == 100
+  for _ in range(5):  # the oldest 30 go, 30 new come, round after round
+    freed_ids = {id(b) for b in held[:30]}
+    del held[:30]
+    new = [pool.empty((4,), np.float32) for _ in range(30)]
+    assert {id(b) for b in new} == freed_ids  # all used again
+    held.extend(new)
+  assert len(pool._free[((4,), np.dtype(np.float32))]) == 100  # pylint: disable=protected-access
+  # Past its capacity a pool makes buffers it does not keep.
+  extra = pool.empty((4,), np.float32)
+  assert all(extra is not b for b in held)

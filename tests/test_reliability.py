@@ -245,6 +245,42 @@ def test_a_new_chain_per_epoch_keeps_host_memory_flat():
   assert grown < 40 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB"
 
 
+def test_many_chains_that_cannot_regenerate_keep_only_their_chunks_ahead():
+  """Vmapped chains of the exact streams (a chunk made again replays from
+  a snapshot) where the budget cannot keep served chunks for every lane:
+  the store keeps only the chunks produced ahead, not a few lanes' served
+  ones on top (1,024 chains kept 1.5 chunks each, 40 MiB beyond them),
+  and the producer's buffers are used again rather than made anew; the
+  streams are those of the same chains one by one."""
+  loader = NumpyDataLoader(x=np.arange(4_000.0 * 8).reshape(4_000, 8))
+  lanes, cache, mb = 16, 4, 8
+  chunk = cache * mb * 8 * 8  # bytes of x
+  # Room for 2 chunks a lane, not the 4 of keep + ahead.
+  loader.store_limits = StoreLimits(store_bytes=2 * lanes * (chunk + 4096))
+  pipeline = jax_data.random_reference_data(loader, cache, mb)
+  init_fn, batch_fn, release_fn = pipeline
+
+  def one(state):
+    return lax.scan(lambda s, _: batch_fn(s), state, None, length=3 * cache)
+
+  run = jax.jit(jax.vmap(one))
+  states = init_fn(seed=range(lanes), stream="exact")
+  got = []
+  for _ in range(4):
+    states, batches = run(states)
+    got.append(np.asarray(batches["x"]))
+    assert pipeline.host.wait_idle()
+    stored = [len(pipeline.host.chain(int(c)).chunks) for c in states.chain]
+    assert sum(stored) <= 2 * lanes, stored  # ahead: 2, none kept besides
+  solo = jax.jit(one)
+  for lane in range(lanes):
+    state = init_fn(seed=lane, stream="exact")
+    for call in range(4):
+      state, batches = solo(state)
+      np.testing.assert_array_equal(got[call][lane], batches["x"])
+  release_fn()
+
+
 def test_a_chain_whose_chunks_were_dropped_continues_exactly():
   rows = np.arange(20_000, dtype=np.float32)[:, None]
   loader = NumpyDataLoader(x=rows + np.zeros((1, 187), np.float32))

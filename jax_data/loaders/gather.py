@@ -273,7 +273,16 @@ class BufferPool:
   Gathering a large chunk into fresh memory costs a page fault per page;
   a recycled buffer does not. A buffer is free when only the pool holds it
   (the chunk store dropped the chunk and XLA copied it), which
-  ``sys.getrefcount`` tells exactly.
+  ``sys.getrefcount`` tells exactly. Buffers are looked at round robin
+  from the one after the last given out, a few at a time: they come free
+  in about the order they were given out, so a pool of thousands costs
+  no more than a small one.
+
+  It keeps :attr:`capacity` buffers of each format (shape and dtype);
+  :meth:`reserve` raises it to what many vmapped chains have in use at
+  once. Chunks allocated fresh and freed, thousands a refresh, from
+  threads with arenas of their own, left 1,024 chains 160 MiB of
+  fragmented heap beyond what they used.
 
   Args:
     pin: Called once on each buffer the pool keeps, before its first use
@@ -282,25 +291,43 @@ class BufferPool:
   """
 
   _PER_FORMAT = 6
+  # Buffers looked at for a free one before a new one is made.
+  _LOOK = 8
 
   def __init__(self, pin: Optional[Callable[[np.ndarray], Any]] = None):
     self._free: Dict[Tuple[Tuple[int, ...], np.dtype], List[np.ndarray]] = {}
+    self._at: Dict[Tuple[Tuple[int, ...], np.dtype], int] = {}
     self._lock = threading.Lock()
     self._pin = pin
+    self.capacity = self._PER_FORMAT
+
+  def reserve(self, buffers: int) -> None:
+    """Keeps up to ``buffers`` of each format from now on."""
+    with self._lock:
+      self.capacity = max(self.capacity, buffers)
 
   def empty(self, shape, dtype) -> np.ndarray:
     """An array of that shape and dtype, recycled if one is free."""
+    key = (tuple(shape), np.dtype(dtype))
     with self._lock:
-      pool = self._free.setdefault((tuple(shape), np.dtype(dtype)), [])
-      for buffer in pool:
-        # References: the pool's list, this loop variable, the argument.
+      pool = self._free.setdefault(key, [])
+      at = self._at.get(key, 0)
+      looked = min(len(pool), self._LOOK)
+      for i in range(looked):
+        j = (at + i) % len(pool)
+        buffer = pool[j]
+        # References: the pool's list, this variable, the argument.
         if sys.getrefcount(buffer) <= 3:
+          self._at[key] = j + 1
           return buffer
       buffer = np.empty(shape, dtype)
-      if len(pool) < self._PER_FORMAT:
+      if len(pool) < self.capacity:
         pool.append(buffer)
         if self._pin is not None:
           self._pin(buffer)
+        self._at[key] = 0  # the oldest come free first
+      else:  # the next call looks at the buffers after these
+        self._at[key] = (at + looked) % len(pool)
       return buffer
 
 

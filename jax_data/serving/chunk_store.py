@@ -363,6 +363,9 @@ class ChainStore:
     for ``keep + ahead`` chunks per lane of the largest such request (the
     served ones kept and those produced ahead)."""
     self._shelf.lanes = max(self._shelf.lanes, lanes)
+    # Each lane's chunks produced ahead and the one served.
+    self._producer.reserve_buffers(
+        (self._shelf.ahead() + 1) * self._shelf.lanes)
 
   def _following(self, index: int) -> int:
     """The chunk requested after chunk ``index``."""

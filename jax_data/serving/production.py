@@ -122,6 +122,11 @@ class Producer:
     self._buffers = BufferPool(pin=pin if limits.page_locked else None)
     self._released: Optional[str] = None
 
+  def reserve_buffers(self, chunks: int) -> None:
+    """Keeps the buffers of up to ``chunks`` chunks for reuse
+    (:meth:`~jax_data.loaders.gather.BufferPool.reserve`)."""
+    self._buffers.reserve(chunks)
+
   def release(self, message: str) -> None:
     """Productions not started yet fail with :class:`PipelineReleasedError`
     (``message``); running ones close their chain's cursor when done."""
