@@ -22,6 +22,7 @@ collect_ignore = ["docs/conf.py", "examples", "benchmarks", "setup.py"]
 if importlib.util.find_spec("tensorflow") is None:
   collect_ignore += ["jax_data/loaders/tensorflow_loader.py",
                      "jax_data/loaders/tensorflow_rows.py",
+                     "jax_data/loaders/tensorflow_reads.py",
                      "jax_data/loaders/tensorflow_streams.py",
                      "docs/tensorflow.rst",
                      # one section of the guide reads a tf.data pipeline

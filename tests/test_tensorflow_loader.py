@@ -754,11 +754,14 @@ def test_a_random_chain_reports_the_rows_it_holds_and_trims_them():
 
 def _array_bytes(cursor):
   """The bytes of the NumPy arrays a cursor reaches through jax_data
-  objects and containers (whole buffers, each counted once)."""
+  objects and containers (whole buffers, each counted once), but for the
+  blocks of the reads its shard's chains share (a few chunks' rows for
+  them all, not trimmed chain by chain)."""
+  from jax_data.loaders.tensorflow_reads import SharedReads
   arrays, seen, todo = {}, set(), [cursor]
   while todo:
     obj = todo.pop()
-    if id(obj) in seen:
+    if id(obj) in seen or isinstance(obj, SharedReads):
       continue
     seen.add(id(obj))
     if isinstance(obj, np.ndarray):
@@ -800,12 +803,16 @@ def test_a_trimmed_chain_keeps_no_more_than_a_fresh_one(in_memory):
   release_fn()
 
 
-def test_a_trimmed_chain_drops_its_iterator_in_a_background_thread():
+@pytest.mark.parametrize("share_reads", [True, False])
+def test_a_trimmed_chain_drops_its_iterator_in_a_background_thread(
+    share_reads):
   """Dropping a tf.data iterator can take seconds: a trim (the host's, or
   a chain's own seek to another pass) never drops it in the calling
-  thread."""
+  thread, whether the chain reads its own iterator or, the last chain of
+  its shard, the shared one."""
   dropped = []
-  loader = TensorflowDataLoader(_pipeline(100), shuffle_cache=8)
+  loader = TensorflowDataLoader(_pipeline(100), shuffle_cache=8,
+                                share_reads=share_reads)
   pipeline = jax_data.random_reference_data(loader, 2, 4)
   init_fn, batch_fn, release_fn = pipeline
   state, _ = jax.jit(batch_fn)(init_fn(seed=1))
@@ -813,6 +820,9 @@ def test_a_trimmed_chain_drops_its_iterator_in_a_background_thread():
   with record.produce_lock:  # no production meanwhile
     # The iterator the chain reads its pipeline through.
     rows = record.cursor._source  # pylint: disable=protected-access
+    assert rows.reads_shared() == share_reads
+    if share_reads:
+      rows = rows._shared  # pylint: disable=protected-access
     iterator = rows._iterator  # pylint: disable=protected-access
     assert iterator is not None
     weakref.finalize(iterator, lambda: dropped.append(

@@ -1,10 +1,12 @@
 """Where the rows of the chains of
 :class:`~jax_data.loaders.tensorflow_loader.TensorflowDataLoader` come from.
 
-Either the pipeline, read in order pass after pass (:class:`PipelineRows`,
-its iterators made by :func:`in_order` and dropped in a background thread by
-an :class:`IteratorCloser`, since dropping one can take seconds), or NumPy
-arrays read once (:class:`MemoryRows`, ``in_memory=True``). The cursors of
+Either the pipeline, read in order pass after pass
+(:mod:`jax_data.loaders.tensorflow_reads`, through iterators made by
+:func:`in_order`, read in the threads of :class:`Reader` and dropped in a
+background thread by an :class:`IteratorCloser`, since dropping one can take
+seconds), or NumPy arrays read once (:class:`MemoryRows`,
+``in_memory=True``). The cursors of
 :mod:`jax_data.loaders.tensorflow_streams` take rows from them.
 """
 
@@ -15,6 +17,7 @@ import dataclasses
 import queue
 import threading
 from typing import Any
+from typing import Callable
 from typing import Deque
 from typing import Iterator
 from typing import List
@@ -94,6 +97,11 @@ _RELEASED = ("this pipeline was released by its release_fn while a chunk "
              "was read from its tf.data pipeline")
 
 
+def released_error() -> PipelineReleasedError:
+  """The error of a read given up on because its pipeline was released."""
+  return PipelineReleasedError(_RELEASED)
+
+
 class Reader:
   """Reads the elements of a chain's iterators in a daemon thread of its
   own (started on first use, ended by :meth:`close` or after
@@ -116,22 +124,31 @@ class Reader:
   def next(self, iterator: Iterator) -> Any:
     """``next(iterator)``, read in the reader's thread."""
     if self._stop.is_set():
-      raise PipelineReleasedError(_RELEASED)
+      raise released_error()
     done, outcome = threading.Event(), []
+    self._put((iterator.__next__, done, outcome))
+    del iterator
+    while not done.wait(_STOP_POLL_S):
+      if self._stop.is_set():
+        raise released_error()
+    ok, value = outcome[0]
+    if not ok:
+      raise value
+    return value
+
+  def submit(self, work: Callable[[], None]) -> None:
+    """Runs ``work()`` in the reader's thread, after the reads and work
+    queued before; nothing waits for it, and it handles its own errors."""
+    self._put((work, None, None))
+
+  def _put(self, job: Tuple[Callable[[], Any], Optional[threading.Event],
+                            Optional[List[Any]]]) -> None:
     with self._lock:
       if self._jobs is None:
         self._jobs = queue.SimpleQueue()
         threading.Thread(target=self._read_jobs, args=(self._jobs,),
                          name="jax_data-tf-read", daemon=True).start()
-      self._jobs.put((iterator, done, outcome))
-    del iterator
-    while not done.wait(_STOP_POLL_S):
-      if self._stop.is_set():
-        raise PipelineReleasedError(_RELEASED)
-    ok, value = outcome[0]
-    if not ok:
-      raise value
-    return value
+      self._jobs.put(job)
 
   def cancel(self) -> None:
     self._stop.set()
@@ -156,14 +173,24 @@ class Reader:
         continue
       if job is None:
         return
-      iterator, done, outcome = job
+      work, done, outcome = job
       try:
-        outcome.append((True, next(iterator)))
+        value = work()
+        if done is not None:
+          outcome.append((True, value))
       except BaseException as e:  # pylint: disable=broad-except
-        outcome.append((False, e))
+        if outcome is not None:
+          outcome.append((False, e))
+        else:  # submitted work handles its errors: report a bug, go on
+          threading.excepthook(threading.ExceptHookArgs(
+              (type(e), e, e.__traceback__, threading.current_thread())))
       finally:
-        del iterator, job
-      done.set()
+        # The iterator's last reference may be the job's; the thread
+        # drops it, not the caller.
+        del work, job
+        value = None
+      if done is not None:
+        done.set()
 
 
 def in_order(dataset: tf.data.Dataset) -> Iterator:
@@ -262,6 +289,12 @@ class MemoryRows:
     """Nothing to do: rows are read by index."""
     del first
 
+  def close(self) -> None:
+    """Nothing to do: the arrays are the loader's."""
+
+  def cancel(self) -> None:
+    """Nothing to do: a gather is not given up on."""
+
   def held_bytes(self) -> int:
     """Nothing beyond the loader's arrays, which stay."""
     return 0
@@ -278,111 +311,3 @@ class MemoryRows:
       return [array[first:first + flat.size] for array in self._arrays]
     self._gatherer.take_all(list(zip(self._arrays, out)), flat)
     return list(out)
-
-
-def _lookup(numbers: np.ndarray, wanted: np.ndarray
-            ) -> Tuple[np.ndarray, np.ndarray]:
-  """Where the ``wanted`` numbers are in the sorted ``numbers``: a row of
-  ``numbers`` for each (clipped to the range where absent), and whether it
-  is there."""
-  at = np.minimum(np.searchsorted(numbers, wanted), numbers.size - 1)
-  return at, numbers[at] == wanted
-
-
-def _gather_from(blocks: List[Tuple[np.ndarray, Rows]], wanted: np.ndarray,
-                 out: Rows) -> None:
-  """Fills ``out`` with the rows of the elements ``wanted``, each held by
-  one of the blocks; the block holding most is gathered in one pass."""
-  found = [_lookup(numbers, wanted) for numbers, _ in blocks]
-  counts = [np.count_nonzero(there) for _, there in found]
-  if sum(counts) != wanted.size:  # blocks are disjoint
-    raise RuntimeError(
-        f"internal error: {wanted.size - sum(counts)} of the elements wanted "
-        "are not held; please report it")
-  most = int(np.argmax(counts))
-  for b in [most] + [b for b in range(len(blocks)) if b != most]:
-    at, there = found[b]
-    rows = blocks[b][1]
-    if b == most:  # every row; those held elsewhere are overwritten below
-      for leaf, row in zip(out, rows):
-        np.take(row, at, axis=0, out=leaf, mode="clip")
-    elif there.any():
-      positions = np.flatnonzero(there)
-      for leaf, row in zip(out, rows):
-        leaf[positions] = row[at[positions]]
-
-
-class PipelineRows:
-  """A chain's observations read from the pipeline in order, pass after
-  pass (the default, ``in_memory=False``).
-
-  Elements are numbered along the passes (element ``i`` of pass ``p`` is
-  ``p * count + i``). The source holds the blocks it read and still needs:
-  the elements a shuffle buffer holds (copied into one small block) and
-  those read ahead (views of the last block read).
-  """
-
-  def __init__(self, data: tf.data.Dataset, count: int, rows_per_read: int,
-               reading: Reading, closer: IteratorCloser):
-    self._data = data
-    self._rows_per_read = rows_per_read
-    self._reading = reading
-    self._closer = closer
-    self.count = count
-    self._iterator: Optional[Iterator] = None
-    self.reader = Reader()
-    self.restart(0)
-
-  def restart(self, first: int) -> None:
-    """Reads again from element ``first``, the start of a pass; the
-    iterator read so far is dropped in the background."""
-    held, self._iterator = [self._iterator], None
-    self._closer.close_later(held)
-    self._blocks: List[Tuple[np.ndarray, Rows]] = []  # numbers, rows
-    self._next = first  # the number of the element read next
-
-  def held_bytes(self) -> int:
-    """The bytes of the rows held (the whole blocks that views keep
-    alive)."""
-    arrays = {id(a): a for numbers, rows in self._blocks
-              for a in [numbers] + [_base(row) for row in rows]}
-    return sum(a.nbytes for a in arrays.values())
-
-  def _read(self) -> None:
-    fresh = self._iterator is None
-    if fresh:
-      self._iterator = in_order(
-          self._data.repeat().batch(self._rows_per_read))
-    rows = self._reading.next_rows(self._iterator, fresh, self.reader)
-    size = len(rows[0])
-    self._blocks.append((np.arange(self._next, self._next + size), rows))
-    self._next += size
-
-  def rows(self, wanted: np.ndarray, keep: np.ndarray, out: Rows) -> Rows:
-    """The rows of elements ``wanted`` written into ``out``; afterwards only
-    the elements ``keep`` and those after all ``wanted`` and ``keep`` stay
-    held."""
-    keep = np.sort(keep)  # numbers of a block are sorted, for _lookup
-    frontier = int(max(wanted.max(), keep[-1] if keep.size else -1)) + 1
-    while self._next < frontier:
-      self._read()
-    held = [np.empty((keep.size,) + fmt.shape, fmt.dtype)
-            for fmt in self._reading.formats]
-    blocks, self._blocks = self._blocks, []
-    _gather_from(blocks, wanted, out)
-    if keep.size:
-      _gather_from(blocks, keep, held)
-    for numbers, rows in blocks:
-      ahead = np.searchsorted(numbers, frontier)
-      if ahead < numbers.size:
-        self._blocks.append((numbers[ahead:], [r[ahead:] for r in rows]))
-    if keep.size:
-      self._blocks.insert(0, (keep, held))
-    return out
-
-
-def _base(array: np.ndarray) -> np.ndarray:
-  """The array whose memory ``array`` views (itself if it owns it)."""
-  while isinstance(array.base, np.ndarray):
-    array = array.base
-  return array

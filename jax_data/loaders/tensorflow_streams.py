@@ -6,7 +6,7 @@ Random chains stream the observations through a shuffle buffer computed in
 NumPy (:class:`~jax_data.streams.sampling.BufferShuffle`), cut into batches;
 ordered chains serve them in pipeline order, each pass padded up to whole
 batches. Rows come either from the pipeline, read in order pass after pass
-(:class:`~jax_data.loaders.tensorflow_rows.PipelineRows`), or from NumPy
+(:class:`~jax_data.loaders.tensorflow_reads.PipelineRows`), or from NumPy
 arrays read once (:class:`~jax_data.loaders.tensorflow_rows.MemoryRows`,
 ``in_memory=True``). A chain's position is the number of batches it served,
 so restoring one replays less than one pass.
@@ -106,14 +106,10 @@ class ShuffleCursor(ChainCursor):
 
   def close(self) -> None:
     self.trim()
-    reader = getattr(self._source, "reader", None)  # rows in memory: none
-    if reader is not None:
-      reader.close()
+    self._source.close()
 
   def cancel(self) -> None:
-    reader = getattr(self._source, "reader", None)
-    if reader is not None:
-      reader.cancel()
+    self._source.cancel()
 
   def held_bytes(self) -> int:
     return self._source.held_bytes() + self._shuffle.held_bytes()

@@ -1,0 +1,421 @@
+"""The rows of random chains of
+:class:`~jax_data.loaders.tensorflow_loader.TensorflowDataLoader` read from
+the pipeline (``in_memory=False``): :class:`PipelineRows`.
+
+A chain's shuffle buffer asks for stream elements in order, pass after pass.
+Chains of one shard that are at the same place in their streams (every chain
+of ``init_fn(seed=range(C))``, stepped together under ``vmap``) need the same
+elements at the same time, and only their shuffles differ; so they read one
+iterator between them, a :class:`SharedReads`, and gather from the elements
+it holds. A chain that is too far from the others for the elements held
+(restored elsewhere, left behind) reads an iterator of its own until it
+meets them again. Measured with 256 chains (N = 1e5, caches of 10 batches
+of 64 rows of 133 bytes, 2 cores), an iterator each against one shared:
+1,055 against 35 threads, 22 against 4-6 ms a step, 445 against 255-298 MiB
+of peak resident set above the start.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Dict
+from typing import Iterator
+from typing import List
+from typing import Optional
+from typing import Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from jax_data.loaders.tensorflow_rows import IteratorCloser
+from jax_data.loaders.tensorflow_rows import Reader
+from jax_data.loaders.tensorflow_rows import Reading
+from jax_data.loaders.tensorflow_rows import Rows
+from jax_data.loaders.tensorflow_rows import in_order
+from jax_data.loaders.tensorflow_rows import released_error
+
+Block = Tuple[np.ndarray, Rows]  # element numbers (sorted), their rows
+
+# How often a chain that waits for a shared read looks at its stop event.
+_STOP_POLL_S = 0.05
+
+
+def _not_held(count: int) -> RuntimeError:
+  return RuntimeError(
+      f"internal error: {count} of the elements wanted are not held; please "
+      "report it")
+
+
+def _gather(held: Optional[Block], runs: List[Block], wanted: np.ndarray,
+            out: Rows) -> None:
+  """Fills ``out`` with the rows of the elements ``wanted``. ``runs`` are
+  blocks of consecutive numbers that follow one another; elements before
+  the first are in ``held`` (sorted numbers). The first run is gathered
+  for every element at once (found by subtraction); the elements of the
+  others, and the held ones, overwrite theirs."""
+  old = None
+  runs = [run for run in runs if run[0].size]
+  if runs:
+    base = int(runs[0][0][0])
+    offset = wanted - base
+    end = 0
+    for i, (numbers, rows) in enumerate(runs):
+      start, end = int(numbers[0]) - base, int(numbers[-1]) - base + 1
+      if i == 0:
+        at = np.clip(offset, 0, end - 1)
+        for leaf, row in zip(out, rows):
+          np.take(row, at, axis=0, out=leaf)
+      else:
+        positions = np.flatnonzero((offset >= start) & (offset < end))
+        for leaf, row in zip(out, rows):
+          leaf[positions] = row[offset[positions] - start]
+    beyond = np.count_nonzero(offset >= end)
+    if beyond:
+      raise _not_held(beyond)
+    old = np.flatnonzero(offset < 0)
+  if old is not None and not old.size:
+    return
+  numbers, rows = held if held else (np.empty(0, np.int64), [])
+  asked = wanted if old is None else wanted[old]
+  at = np.minimum(np.searchsorted(numbers, asked), max(numbers.size - 1, 0))
+  missing = asked.size if not numbers.size else np.count_nonzero(
+      numbers[at] != asked)
+  if missing:
+    raise _not_held(missing)
+  for leaf, row in zip(out, rows):
+    if old is None:
+      np.take(row, at, axis=0, out=leaf)
+    else:
+      leaf[old] = row[at]
+
+
+def _from(block: Block, first: int) -> Optional[Block]:
+  """The part of ``block`` with numbers from ``first`` on (views), or None
+  if empty."""
+  numbers, rows = block
+  start = int(np.searchsorted(numbers, first))
+  if start >= numbers.size:
+    return None
+  if start == 0:
+    return block
+  return numbers[start:], [row[start:] for row in rows]
+
+
+def _base(array: np.ndarray) -> np.ndarray:
+  """The array whose memory ``array`` views (itself if it owns it)."""
+  while isinstance(array.base, np.ndarray):
+    array = array.base
+  return array
+
+
+def _bytes(blocks: List[Block]) -> int:
+  """The bytes of the rows of ``blocks`` (the whole arrays that views keep
+  alive)."""
+  arrays = {id(a): a for numbers, rows in blocks
+            for a in [numbers] + [_base(row) for row in rows]}
+  return sum(a.nbytes for a in arrays.values())
+
+
+class SharedReads:
+  """One iterator over a shard's pipeline, read pass after pass in blocks
+  of ``rows_per_read`` elements, for the chains that read the shard at
+  about the same place (:class:`PipelineRows` with ``shared``).
+
+  Elements are numbered along the passes as a chain numbers them. The
+  elements read last, up to ``reach`` behind the newest, are held as one
+  window of consecutive elements (copied into it at each read: a few
+  chunks' rows once for all chains, where a chain then gathers from one
+  array by subtraction, not from several blocks by search). Chains are
+  served one after another, so the window is not cut where the chains
+  served so far are: those after them need the same elements.
+
+  Each chain that reads here has a mark: the first element it has not
+  taken yet. A chain whose mark the window leaves behind is let go
+  (:meth:`take` answers None) and reads on by itself. A chain joins
+  (:meth:`join`) where the window, or the next read, reaches its mark;
+  once no chain reads here the iterator is dropped, and the next chain to
+  join starts it again at the start of its pass.
+
+  Reads run in a thread of their own (a :class:`Reader`): a chain waiting
+  for one gives up when its own stop event is set (a release), and the
+  read goes on for the others. A read that fails lets every chain go; the
+  chains waiting for it raise its error.
+  """
+
+  def __init__(self, data: tf.data.Dataset, count: int, rows_per_read: int,
+               reading: Reading, closer: IteratorCloser, reach: int):
+    self._data = data
+    self._count = count
+    self._rows_per_read = rows_per_read
+    self._reading = reading
+    self._closer = closer
+    self._reach = reach
+    self._cond = threading.Condition()
+    self._iterator: Optional[Iterator] = None
+    # The elements held: numbers first .. next - 1 and their rows.
+    self._window: Optional[Block] = None
+    self._next = 0  # the number of the element read next
+    self._marks: Dict[int, int] = {}  # id of a chain's rows -> its mark
+    self._busy = False  # a read is queued or under way
+    # Bumped whenever every chain is let go (the last one left, or a read
+    # failed); a read of an older generation is dropped.
+    self._generation = 0
+    self._failure: Optional[Tuple[int, BaseException]] = None
+    self._reader = Reader()
+
+  def chains(self) -> int:
+    """Chains reading here now."""
+    with self._cond:
+      return len(self._marks)
+
+  def held_bytes(self) -> int:
+    """The bytes of the elements held."""
+    with self._cond:
+      return _bytes([self._window] if self._window else [])
+
+  def _first(self) -> int:
+    """The number of the first element held. (With the lock held.)"""
+    return int(self._window[0][0]) if self._window else self._next
+
+  def join(self, key: int, mark: int) -> bool:
+    """Whether the chain ``key``, whose mark is ``mark``, now reads here.
+    With no chain reading here, it starts the shared iterator again at the
+    start of its mark's pass (a chain that read by itself replays less
+    than a pass once, and the others join it as they meet it)."""
+    with self._cond:
+      if not self._marks:
+        if self._iterator is not None or self._window:
+          self._let_all_go()
+        self._next = mark - mark % self._count
+        self._marks[key] = mark
+        return True
+      if self._first() <= mark <= self._next + self._rows_per_read:
+        self._marks[key] = mark
+        return True
+      return False
+
+  def leave(self, key: int) -> None:
+    """The chain ``key`` no longer reads here; the last one to leave drops
+    the iterator (in the background) and the elements held."""
+    with self._cond:
+      if self._marks.pop(key, None) is not None and not self._marks:
+        self._let_all_go()
+
+  def take(self, key: int, stop: int, cancelled: threading.Event
+           ) -> Optional[Block]:
+    """Views of the elements held from the chain's mark on, read up to
+    ``stop`` first if need be; None if the chain was let go (it reads by
+    itself).
+
+    Raises:
+      PipelineReleasedError: ``cancelled`` was set while the chain waited.
+      Exception: the read the chain waited for failed (its error).
+    """
+    with self._cond:
+      generation = self._generation
+      while True:
+        if self._generation != generation or key not in self._marks:
+          failure = self._failure
+          if failure is not None and failure[0] == generation:
+            raise failure[1]
+          return None
+        if self._next >= stop:
+          break
+        if not self._busy:
+          self._busy = True
+          self._reader.submit(self._read)
+        self._cond.wait(_STOP_POLL_S)
+        if cancelled.is_set():
+          raise released_error()
+      numbers, rows = self._window
+      skip = self._marks[key] - int(numbers[0])  # >= 0: not let go
+      return numbers[skip:], [row[skip:] for row in rows]
+
+  def advance(self, key: int, mark: int) -> None:
+    """The chain ``key`` took every element before ``mark``."""
+    with self._cond:
+      if key in self._marks:
+        self._marks[key] = mark
+
+  def _let_all_go(self) -> None:
+    """(With the lock held.)"""
+    self._generation += 1
+    self._marks.clear()
+    self._window = None
+    held, self._iterator = [self._iterator], None
+    self._closer.close_later(held)
+
+  def _read(self) -> None:
+    """Reads the next block and makes the next window (in the reader's
+    thread)."""
+    with self._cond:
+      generation, iterator = self._generation, self._iterator
+      window, first = self._window, self._next
+    fresh = iterator is None
+    try:
+      if fresh:
+        iterator = in_order(self._data.repeat().batch(self._rows_per_read))
+      rows = self._reading.next_rows(iterator, fresh)
+      stop = first + len(rows[0])
+      if window:  # the elements within reach stay, with the new ones
+        first = max(int(window[0][0]), stop - self._reach)
+        kept = first - int(window[0][0])
+        rows = [np.concatenate([old[kept:], new])
+                for old, new in zip(window[1], rows)]
+      window = (np.arange(first, stop), rows)
+    except BaseException as e:  # pylint: disable=broad-except
+      with self._cond:
+        if self._generation == generation:
+          self._let_all_go()
+          self._failure = (generation, e)
+        self._busy = False
+        self._cond.notify_all()
+      return
+    with self._cond:
+      self._busy = False
+      if self._generation == generation:
+        if fresh:
+          self._iterator = iterator
+        self._window, self._next = window, stop
+        behind = [key for key, mark in self._marks.items() if mark < first]
+        for key in behind:
+          del self._marks[key]
+        if behind and not self._marks:
+          self._let_all_go()
+      elif fresh:  # every chain left meanwhile
+        held = [iterator]
+        del iterator
+        self._closer.close_later(held)
+      self._cond.notify_all()
+
+
+class PipelineRows:
+  """A chain's observations read from the pipeline in order, pass after
+  pass (the default, ``in_memory=False``).
+
+  Elements are numbered along the passes (element ``i`` of pass ``p`` is
+  ``p * count + i``). The chain holds what it read and still needs: the
+  elements its shuffle buffer holds (copied into one small block) and, when
+  it reads by itself, those read ahead (views of the last block read).
+  With ``shared``, it reads through the :class:`SharedReads` of its shard
+  whenever it can join it.
+  """
+
+  def __init__(self, data: tf.data.Dataset, count: int, rows_per_read: int,
+               reading: Reading, closer: IteratorCloser,
+               shared: Optional[SharedReads] = None):
+    self._data = data
+    self._rows_per_read = rows_per_read
+    self._reading = reading
+    self._closer = closer
+    self._shared = shared
+    self._in_shared = False
+    self.count = count
+    self._iterator: Optional[Iterator] = None
+    self._reader = Reader()
+    self._cancelled = threading.Event()
+    self.restart(0)
+    if shared is not None:  # a chain dropped unclosed leaves too
+      weakref.finalize(self, shared.leave, id(self))
+
+  def restart(self, first: int) -> None:
+    """Reads again from element ``first``, the start of a pass; the
+    iterator read so far is dropped in the background."""
+    self._leave_shared()
+    self._own_from(first)
+    self._held: Optional[Block] = None  # the shuffle buffer's elements
+    self._mark = first  # every element this chain took is before it
+
+  def _own_from(self, first: int) -> None:
+    """Reads by itself from the start of ``first``'s pass on."""
+    held, self._iterator = [self._iterator], None
+    self._closer.close_later(held)
+    self._ahead: List[Block] = []  # read, not taken yet
+    self._next = first - first % self.count  # the number read next
+
+  def _leave_shared(self) -> None:
+    if self._in_shared:
+      self._in_shared = False
+      self._shared.leave(id(self))
+
+  def close(self) -> None:
+    """Drops what it holds and ends its reads' thread."""
+    self.restart(0)
+    self._reader.close()
+
+  def cancel(self) -> None:
+    """A release: a read it waits for, and every later one, raises
+    :class:`~jax_data.PipelineReleasedError`."""
+    self._cancelled.set()
+    self._reader.cancel()
+
+  def held_bytes(self) -> int:
+    """The bytes of the rows it holds (the whole blocks that views keep
+    alive; not the shared blocks)."""
+    return _bytes(([self._held] if self._held else []) + self._ahead)
+
+  def reads_shared(self) -> bool:
+    """Whether it reads through its shard's :class:`SharedReads` now."""
+    return self._in_shared
+
+  def rows(self, wanted: np.ndarray, keep: np.ndarray, out: Rows) -> Rows:
+    """The rows of elements ``wanted`` written into ``out``; afterwards only
+    the elements ``keep`` and those after all ``wanted`` and ``keep`` stay
+    held."""
+    if self._cancelled.is_set():
+      raise released_error()
+    keep = np.sort(keep)  # the held numbers are sorted, for a search
+    stop = int(max(wanted.max(), keep[-1] if keep.size else -1)) + 1
+    taken = self._take_shared(stop)
+    if taken is None:
+      while self._next < stop:
+        self._read()
+      taken = self._ahead
+    _gather(self._held, taken, wanted, out)
+    held = None
+    if keep.size:
+      held = (keep, [np.empty((keep.size,) + fmt.shape, fmt.dtype)
+                     for fmt in self._reading.formats])
+      _gather(self._held, taken, keep, held[1])
+    # (A buffer emptied at a pass's end reads nothing new: the mark stays.)
+    self._held, self._mark = held, max(self._mark, stop)
+    if self._in_shared:
+      self._shared.advance(id(self), self._mark)
+    else:
+      self._ahead = [part for part in (_from(block, self._mark)
+                                       for block in self._ahead) if part]
+    return out
+
+  def _take_shared(self, stop: int) -> Optional[List[Block]]:
+    """The elements from the mark up to ``stop`` read through the shared
+    reads, or None: read them by itself."""
+    if self._shared is None:
+      return None
+    for _ in range(2):  # once more after being let go: it may join again
+      if not self._in_shared:
+        if not self._shared.join(id(self), self._mark):
+          return None
+        self._in_shared = True
+        self._own_from(self._mark)  # drops its own iterator and blocks
+      taken = self._shared.take(id(self), stop, self._cancelled)
+      if taken is not None:
+        return [taken]
+      # Let go: reads by itself from the start of its pass, unless it
+      # joins again (every chain was let go: the shared reads restart).
+      self._in_shared = False
+      self._own_from(self._mark)
+    return None
+
+  def _read(self) -> None:
+    fresh = self._iterator is None
+    if fresh:
+      self._iterator = in_order(
+          self._data.repeat().batch(self._rows_per_read))
+    rows = self._reading.next_rows(self._iterator, fresh, self._reader)
+    size = len(rows[0])
+    block = _from((np.arange(self._next, self._next + size), rows),
+                  self._mark)
+    self._next += size
+    if block is not None:  # elements before the mark were taken already
+      self._ahead.append(block)

@@ -1,0 +1,263 @@
+"""Random chains of a streamed TensorflowDataLoader that read one pipeline
+iterator between them (``jax_data.loaders.tensorflow_reads``): the same
+streams as chains that read their own, the data read once, and each chain
+on its own when it is elsewhere, released or failing."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import jax_data
+
+tf = pytest.importorskip("tensorflow")
+tensorflow_loader = pytest.importorskip("jax_data.tensorflow_loader")
+TensorflowDataLoader = tensorflow_loader.TensorflowDataLoader
+
+
+def _pipeline(n):
+  return tf.data.Dataset.from_tensor_slices(
+      {"x": np.arange(n), "y": np.arange(n, dtype=np.float32) / 2})
+
+
+class _Counted:
+  """A pipeline over ``range(n)`` that counts the elements it yields."""
+
+  def __init__(self, n):
+    self.read = 0
+    self._lock = threading.Lock()
+
+    def count(x):
+      with self._lock:
+        self.read += 1
+      return x
+
+    self.pipeline = tf.data.Dataset.range(n).map(
+        lambda x: {"x": tf.ensure_shape(
+            tf.py_function(count, [x], tf.int64), [])})
+
+
+def _chunk_x(cursor, layout):
+  return cursor.produce(0, layout.new_chunk()).leaves[0].copy()
+
+
+def test_share_reads_must_be_a_bool():
+  with pytest.raises(TypeError, match="share_reads"):
+    TensorflowDataLoader(_pipeline(10), share_reads="yes")
+
+
+@pytest.mark.parametrize("shard", [None, (1, 3)])
+def test_chains_in_step_read_the_pipeline_once_and_keep_their_streams(
+    shard):
+  """Eight vmapped chains: the same batches as chains that read their own
+  iterators (and as chains held in memory), from one read of the data;
+  one reader thread, not eight."""
+  counted = _Counted(300)
+  keywords = {} if shard is None else dict(shard_index=shard[0],
+                                           shard_count=shard[1])
+
+  def run(loader):
+    init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+        loader, 3, 5)
+    states = init_fn(seed=range(8), **keywords)
+    step = jax.jit(jax.vmap(batch_fn))
+    xs = []
+    for _ in range(70):  # 350 steps: more than a pass of each shard
+      states, batch = step(states)
+      xs.append(np.asarray(batch["x"]))
+    release_fn()
+    return np.stack(xs)
+
+  shared = run(TensorflowDataLoader(counted.pipeline, shuffle_cache=7))
+  read_shared, counted.read = counted.read, 0
+  own = run(TensorflowDataLoader(counted.pipeline, shuffle_cache=7,
+                                 share_reads=False))
+  read_own = counted.read
+  held = run(TensorflowDataLoader(counted.pipeline, shuffle_cache=7,
+                                  in_memory=True))
+  np.testing.assert_array_equal(shared, own)
+  np.testing.assert_array_equal(shared, held)
+  # The chains' seeds differ, so do their streams.
+  assert (shared[:, 0] != shared[:, 1]).any()
+  steps = 70 * 5 + 7  # steps served, the shuffle buffer
+  read_once = steps if shard is None else steps * 3  # a shard's skip
+  assert read_shared <= read_once + 3 * 3 * 5 * 5  # and reads ahead
+  assert read_own >= 8 * steps
+
+
+def test_many_chains_keep_one_reader_thread():
+  loader = TensorflowDataLoader(_pipeline(500), shuffle_cache=10)
+  before = {t for t in threading.enumerate() if t.name == "jax_data-tf-read"}
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 2,
+                                                                 4)
+  states = init_fn(seed=range(64))
+  step = jax.jit(jax.vmap(batch_fn))
+  for _ in range(10):
+    states, _ = step(states)
+  jax.block_until_ready(states)
+  readers = {t for t in threading.enumerate()
+             if t.name == "jax_data-tf-read"} - before
+  assert len(readers) == 1
+  release_fn()
+
+
+def _cursors(loader, seeds, layout, **keywords):
+  return [loader.open_chain(loader.chain_spec(False, seed=s, **keywords),
+                            layout) for s in seeds]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chains_served_in_any_order_and_moved_anywhere_keep_their_streams(
+    seed):
+  """Chains produced in a random order, some moved to other positions
+  (their own reads, then back with the others once they meet them),
+  trimmed or restarted, serve exactly the chunks of the same chains held
+  in memory; at the end every chain in step reads the shared iterator."""
+  rng = np.random.default_rng(seed)
+  n, chains = int(rng.integers(40, 120)), 5
+  data = _pipeline(n)
+  shared = TensorflowDataLoader(data, shuffle_cache=int(rng.integers(1, 30)))
+  held = TensorflowDataLoader(data, shuffle_cache=shared._shuffle_cache,  # pylint: disable=protected-access
+                              in_memory=True)
+  layout = shared.chunk_layout(int(rng.integers(1, 4)),
+                               int(rng.integers(1, 9)))
+  cursors = _cursors(shared, range(chains), layout)
+  references = _cursors(held, range(chains), layout)
+  for _ in range(200):
+    c = int(rng.integers(chains))
+    action = rng.random()
+    if action < 0.08:  # a restore elsewhere
+      position = cursors[c].position()
+      position["position"] = int(rng.integers(0, 3 * n))
+      cursors[c].seek(position)
+      references[c].seek(position)
+    elif action < 0.12:
+      cursors[c].trim()
+    else:
+      np.testing.assert_array_equal(_chunk_x(cursors[c], layout),
+                                    _chunk_x(references[c], layout))
+  # All chains to one place: they read together again.
+  for cursor, reference in zip(cursors, references):
+    position = cursor.position()
+    position["position"] = n
+    cursor.seek(position)
+    reference.seek(position)
+  for _ in range(3):
+    for cursor, reference in zip(cursors, references):
+      np.testing.assert_array_equal(_chunk_x(cursor, layout),
+                                    _chunk_x(reference, layout))
+  assert all(cursor._source.reads_shared() for cursor in cursors)  # pylint: disable=protected-access
+  for cursor in cursors:
+    cursor.close()
+
+
+def test_a_chain_left_far_behind_reads_by_itself_exactly():
+  """One chain stays while the others move on many chunks: the window of
+  shared reads leaves it behind, it reads its own iterator, and its
+  stream goes on exactly."""
+  n = 1000
+  shared = TensorflowDataLoader(_pipeline(n), shuffle_cache=5)
+  held = TensorflowDataLoader(_pipeline(n), shuffle_cache=5, in_memory=True)
+  layout = shared.chunk_layout(2, 4)
+  lagging, leading = _cursors(shared, [0, 1], layout)
+  reference = _cursors(held, [0], layout)[0]
+  for _ in range(2):
+    np.testing.assert_array_equal(_chunk_x(lagging, layout),
+                                  _chunk_x(reference, layout))
+  for _ in range(20):
+    _chunk_x(leading, layout)
+  for _ in range(3):
+    np.testing.assert_array_equal(_chunk_x(lagging, layout),
+                                  _chunk_x(reference, layout))
+  assert not lagging._source.reads_shared()  # pylint: disable=protected-access
+  assert leading._source.reads_shared()  # pylint: disable=protected-access
+  lagging.close()
+  leading.close()
+
+
+def test_release_ends_only_the_released_chains_wait():
+  """Two chains wait for the same shared read of a stalled pipeline; the
+  release of one (its cursor's cancel) ends its wait at once with
+  PipelineReleasedError, and the other gets its rows once the read
+  ends."""
+  stalled, go_on = threading.Event(), threading.Event()
+
+  def slow(x):
+    if int(x) == 3:
+      stalled.set()
+      go_on.wait(30)
+    return x
+
+  data = tf.data.Dataset.range(30).map(
+      lambda x: {"x": tf.ensure_shape(tf.py_function(slow, [x], tf.int64),
+                                      [])})
+  loader = TensorflowDataLoader(data, shuffle_cache=2)
+  layout = loader.chunk_layout(1, 4)
+  first, second = _cursors(loader, [0, 1], layout)
+  outcomes = {}
+
+  def read(name, cursor):
+    try:
+      outcomes[name] = _chunk_x(cursor, layout)
+    except Exception as e:  # pylint: disable=broad-except
+      outcomes[name] = e
+
+  threads = [threading.Thread(target=read, args=(name, cursor), daemon=True)
+             for name, cursor in (("first", first), ("second", second))]
+  for thread in threads:
+    thread.start()
+  try:
+    assert stalled.wait(30)
+    time.sleep(0.2)  # both wait for the read now
+    first.cancel()
+    threads[0].join(10)
+    assert isinstance(outcomes.get("first"), jax_data.PipelineReleasedError)
+    assert "second" not in outcomes
+  finally:
+    go_on.set()
+  threads[1].join(30)
+  assert sorted(outcomes["second"].reshape(-1).tolist()) != []
+  assert set(outcomes["second"].reshape(-1).tolist()) <= set(range(6))
+  first.close()
+  second.close()
+
+
+def test_a_failed_read_fails_every_waiting_chain_and_is_tried_again():
+  """A pipeline that fails once: every chain that needed the read gets
+  its error, and the next chunks are read again from the start of the
+  pass, the same as with no failure."""
+  failures = [1]
+
+  def flaky(x):
+    if int(x) == 6 and failures:
+      failures.pop()
+      raise ValueError("a flaky element")
+    return x
+
+  data = tf.data.Dataset.range(40).map(
+      lambda x: {"x": tf.ensure_shape(tf.py_function(flaky, [x], tf.int64),
+                                      [])})
+  loader = TensorflowDataLoader(data, shuffle_cache=3)
+  held = TensorflowDataLoader(tf.data.Dataset.range(40).map(
+      lambda x: {"x": x}), shuffle_cache=3, in_memory=True)
+  layout = loader.chunk_layout(2, 4)
+  cursors = _cursors(loader, range(3), layout)
+  references = _cursors(held, range(3), layout)
+  errors = 0
+  for cursor, reference in zip(cursors, references):
+    try:
+      got = _chunk_x(cursor, layout)
+    except Exception as e:  # pylint: disable=broad-except
+      assert "flaky" in str(e)
+      errors += 1
+      got = _chunk_x(cursor, layout)  # the same chunk, asked again
+    np.testing.assert_array_equal(got, _chunk_x(reference, layout))
+  assert errors == 1  # the read failed once, for the chain that waited
+  for _ in range(4):
+    for cursor, reference in zip(cursors, references):
+      np.testing.assert_array_equal(_chunk_x(cursor, layout),
+                                    _chunk_x(reference, layout))
+  for cursor in cursors:
+    cursor.close()
