@@ -352,7 +352,9 @@ def _jax_data(request, data, theta, keys, step_size, stream, loader=None,
 
   # The many-chain form the docs give: the chains' states made stacked,
   # and donated, so a call's returned states take the given ones' buffers.
-  states = init_fn(seed=range(request["chains"]), stream=stream, **init)
+  if stream is not None:
+    init = {**init, "stream": stream}
+  states = init_fn(seed=range(request["chains"]), **init)
   return (jax.jit(jax.vmap(one), donate_argnums=1), (theta, states, keys),
           release_fn)
 
@@ -432,21 +434,38 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
     jax.block_until_ready(theta)
     # The loader's copy of the data (NumpyDataLoader's default copy=True)
     # is in the baseline: it does not grow with the chains.
-    loader = (jax_data.SourceDataLoader(Records(data["x"], data["y"]))
-              if request.get("loader") == "source" else
-              jax_data.NumpyDataLoader(**data))
+    stream = "counter"
+    if request.get("loader") == "source":
+      loader = jax_data.SourceDataLoader(Records(data["x"], data["y"]))
+    elif request.get("loader") == "tensorflow":
+      import tensorflow as tf
+      # Streamed: the pipeline read pass after pass, through its own
+      # shuffle buffer (its only random stream).
+      loader = jax_data.TensorflowDataLoader(
+          tf.data.Dataset.from_tensor_slices(data), shuffle_cache=100,
+          share_reads=request.get("share_reads", True))
+      stream = None
+    else:
+      loader = jax_data.NumpyDataLoader(**data)
     before = _rss()
     with open("/proc/self/clear_refs", "w") as f:
       f.write("5")  # resets VmHWM to the current resident set
     run_fn, carry, release_fn = _jax_data(request, data, theta, keys, 1e-5,
-                                          "counter", loader)
+                                          stream, loader)
+    import time
+    calls = []
     for _ in range(request.get("calls", 3)):
+      start = time.perf_counter()
       carry = jax.block_until_ready(run_fn(*carry))
+      calls.append((time.perf_counter() - start) / request["steps"])
     peak = _rss("VmHWM") - before
+    threads = len(os.listdir("/proc/self/task"))
     release_fn()
     caches = request["chains"] * request["cache"] * request["mb"] * (
         4 * (request["features"] + 1) + 1)
-    return {"peak": peak, "caches": caches}
+    # The first call compiles.
+    return {"peak": peak, "caches": caches, "threads": threads,
+            "step": float(np.median(calls[1:] or calls))}
   import time
 
   contenders, theta, keys, step_size = _samplers(request, data)
@@ -521,6 +540,36 @@ def source_memory(n: int = 100_000, chains: int = 1024,
   return rows
 
 
+def streamed_chains(n: int = 100_000, chains: tuple[int, ...] = (16, 256,
+                                                                  1024),
+                    calls: int = 3) -> list[dict[str, Any]]:
+  """Many random chains of a streamed ``TensorflowDataLoader`` (the
+  pipeline read pass after pass, ``from_tensor_slices`` of the case's
+  data; ``shuffle_cache=100``; caches of 10 batches of 64), reading one
+  shared iterator and, with ``share_reads=False``, one each: threads,
+  time a step (median of the calls after the first, of 100 steps) and
+  peak RSS above the start against twice the caches plus 256 MiB, each
+  in a fresh process. Printed as a table
+  (``python chains.py --streamed``)."""
+  rows = []
+  for count in chains:
+    for share in (True, False):
+      request = {**dataclasses.asdict(FULL), "n": n, "chains": count,
+                 "cache": 10, "steps": 100, "calls": calls,
+                 "what": "memory", "loader": "tensorflow",
+                 "share_reads": share}
+      del request["rows"]
+      memory = _child_run(request)
+      bound = 2 * memory["caches"] + (256 << 20)
+      rows.append({"chains": count, "share_reads": share, **memory,
+                   "bound": bound})
+      print(f"| {count} | {share} | {memory['threads']} | "
+            f"{memory['step'] * 1e3:.2f} ms | +{format_bytes(memory['peak'])}"
+            f" | {format_bytes(bound)} | "
+            f"{'yes' if memory['peak'] <= bound else 'no'} |", flush=True)
+  return rows
+
+
 if __name__ == "__main__":
   if len(sys.argv) == 3 and sys.argv[1] == "--child":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -529,3 +578,7 @@ if __name__ == "__main__":
     print("| chains | cache | peak RSS above the start | bound | holds |\n"
           "|---|---|---|---|---|")
     source_memory()
+  elif sys.argv[1:] == ["--streamed"]:
+    print("| chains | share_reads | threads | a step | peak RSS above the "
+          "start | bound | holds |\n|---|---|---|---|---|---|---|")
+    streamed_chains()
