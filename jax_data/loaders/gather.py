@@ -274,13 +274,13 @@ class BufferPool:
   a recycled buffer does not. A buffer is free when only the pool holds it
   (the chunk store dropped the chunk and XLA copied it), which
   ``sys.getrefcount`` tells exactly. Buffers are looked at round robin
-  from the one after the last given out, a few at a time: they come free
-  in about the order they were given out, so a pool of thousands costs
-  no more than a small one.
+  from the one after the last given out, at most 64 at a time: they come
+  free in about the order they were given out, so a pool of thousands
+  costs no more than a small one.
 
-  It keeps :attr:`capacity` buffers of each format (shape and dtype);
-  :meth:`reserve` raises it to what many vmapped chains have in use at
-  once. Chunks allocated fresh and freed, thousands a refresh, from
+  It keeps six buffers of each format (shape and dtype); :meth:`reserve`
+  raises that, for a chunk's formats, to what many vmapped chains have in
+  use at once. Chunks allocated fresh and freed, thousands a refresh, from
   threads with arenas of their own, left 1,024 chains 160 MiB of
   fragmented heap beyond what they used.
 
@@ -291,20 +291,26 @@ class BufferPool:
   """
 
   _PER_FORMAT = 6
-  # Buffers looked at for a free one before a new one is made.
-  _LOOK = 8
+  # Buffers looked at for a free one before a new one is made: more than
+  # a few held for long (a cache's chunks kept) hide, and few enough that a
+  # pool where all are in use costs little to grow.
+  _LOOK = 64
 
   def __init__(self, pin: Optional[Callable[[np.ndarray], Any]] = None):
     self._free: Dict[Tuple[Tuple[int, ...], np.dtype], List[np.ndarray]] = {}
     self._at: Dict[Tuple[Tuple[int, ...], np.dtype], int] = {}
+    self._capacity: Dict[Tuple[Tuple[int, ...], np.dtype], int] = {}
     self._lock = threading.Lock()
     self._pin = pin
-    self.capacity = self._PER_FORMAT
 
-  def reserve(self, buffers: int) -> None:
-    """Keeps up to ``buffers`` of each format from now on."""
+  def reserve(self, buffers: int, formats: Sequence[Tuple[Any, Any]]
+              ) -> None:
+    """Keeps up to ``buffers`` of each of ``formats`` (shape, dtype pairs:
+    those of one chunk) from now on; other formats keep six."""
     with self._lock:
-      self.capacity = max(self.capacity, buffers)
+      for shape, dtype in formats:
+        key = (tuple(shape), np.dtype(dtype))
+        self._capacity[key] = max(self._capacity.get(key, 0), buffers)
 
   def empty(self, shape, dtype) -> np.ndarray:
     """An array of that shape and dtype, recycled if one is free."""
@@ -321,13 +327,13 @@ class BufferPool:
           self._at[key] = j + 1
           return buffer
       buffer = np.empty(shape, dtype)
-      if len(pool) < self.capacity:
+      if len(pool) < self._capacity.get(key, self._PER_FORMAT):
         pool.append(buffer)
         if self._pin is not None:
           self._pin(buffer)
-        self._at[key] = 0  # the oldest come free first
-      else:  # the next call looks at the buffers after these
-        self._at[key] = (at + looked) % len(pool)
+      # The next call looks at the buffers after these (a few held long
+      # at the front must not make every call a new buffer).
+      self._at[key] = (at + looked) % len(pool) if pool else 0
       return buffer
 
 

@@ -311,9 +311,10 @@ class Shelf:
     more than the :meth:`ahead` chunks per lane: served chunks kept beyond
     the budget would grow with the chains (1,024 vmapped chains keeping 3
     chunks each held 3 times their device caches), and kept for some lanes
-    only they serve little. Chunks still being
-    produced, or awaited by more devices, stay; a dropped chunk is
-    produced again if asked for. A chain left with no chunk is noted
+    only they serve little. Served chunks go first, then those produced
+    ahead and not asked for yet (a request for a dropped one produces it
+    again, by replay where the chain cannot reach it directly); chunks
+    still being produced stay. A chain left with no chunk is noted
     :attr:`idle`, to trim its cursor's caches."""
     limit = self._limits.store_bytes // (self._nbytes + CHUNK_OVERHEAD)
     if limit < (self.keep + self.ahead()) * self.lanes:
@@ -322,16 +323,18 @@ class Shelf:
     excess = len(self._stored) - limit
     if excess <= 0:
       return
-    # Chosen in one walk from the oldest, which stops once enough are
-    # found: a walk over every stored chunk on each put cost 1,024 chains
-    # a third of their step.
-    chosen = []
-    for (_, index), record in self._stored.items():
-      entry = record.chunks[index]
-      if entry.future.done() and (entry.pending or 0) <= 0:
-        chosen.append((record, index))
+    # Chosen in walks from the oldest that stop once enough are found: a
+    # walk over every stored chunk on each put cost 1,024 chains a third
+    # of their step. A claim moves a served chunk to the newest end, so
+    # the oldest may be chunks produced ahead that a lane needs next.
+    chosen: List[Tuple[ChainRecord, int]] = []
+    for served in (True, False):
+      for (_, index), record in self._stored.items():
         if len(chosen) == excess:
           break
+        entry = record.chunks[index]
+        if entry.future.done() and (entry.pending is not None) == served:
+          chosen.append((record, index))
     for record, index in chosen:
       self.drop(record, index)
       if not record.chunks:

@@ -124,8 +124,12 @@ class Producer:
 
   def reserve_buffers(self, chunks: int) -> None:
     """Keeps the buffers of up to ``chunks`` chunks for reuse
-    (:meth:`~jax_data.loaders.gather.BufferPool.reserve`)."""
-    self._buffers.reserve(chunks)
+    (:meth:`~jax_data.loaders.gather.BufferPool.reserve`); not those of
+    other formats (a group's buffers of every lane)."""
+    layout = self.layout
+    self._buffers.reserve(chunks, list(zip(
+        layout.leaf_shapes(), [leaf.dtype for leaf in layout.leaves])) + [
+            (layout.lead, np.dtype(bool))])
 
   def release(self, message: str) -> None:
     """Productions not started yet fail with :class:`PipelineReleasedError`
