@@ -261,3 +261,147 @@ def test_a_failed_read_fails_every_waiting_chain_and_is_tried_again():
                                     _chunk_x(reference, layout))
   for cursor in cursors:
     cursor.close()
+
+
+def test_a_chain_that_joins_idle_mid_pass_brings_its_own_reads(
+    monkeypatch):
+  """A chain that read by itself to the middle of a pass finds no chain
+  reading together (they were closed): its own iterator becomes the shared
+  one, so it reads on shared from where it stood, exactly, without
+  reading the pass again from its start."""
+  from jax_data.loaders import tensorflow_reads
+  n = 2000
+  counted = _Counted(n)
+  loader = TensorflowDataLoader(counted.pipeline, shuffle_cache=5)
+  held = TensorflowDataLoader(tf.data.Dataset.range(n).map(
+      lambda x: {"x": x}), shuffle_cache=5, in_memory=True)
+  layout = loader.chunk_layout(2, 4)
+  lagging, leading = _cursors(loader, [0, 1], layout)
+  reference = _cursors(held, [0], layout)[0]
+  np.testing.assert_array_equal(_chunk_x(lagging, layout),
+                                _chunk_x(reference, layout))
+  for _ in range(60):  # far ahead: the lagging chain is let go
+    _chunk_x(leading, layout)
+  for _ in range(40):  # it reads by itself to the middle of the pass
+    np.testing.assert_array_equal(_chunk_x(lagging, layout),
+                                  _chunk_x(reference, layout))
+  assert not lagging._source.reads_shared()  # pylint: disable=protected-access
+  leading.close()  # no chain reads shared now
+  counted.read = 0
+  joins = []
+  join = tensorflow_reads.SharedReads.join
+  monkeypatch.setattr(tensorflow_reads.SharedReads, "join", (
+      lambda self, *args: joins.append(args[1]) or join(self, *args)))
+  for _ in range(5):
+    np.testing.assert_array_equal(_chunk_x(lagging, layout),
+                                  _chunk_x(reference, layout))
+  assert lagging._source.reads_shared()  # pylint: disable=protected-access
+  assert len(joins) == 1
+  assert counted.read <= 5 * 8 + 8  # its chunks and a block read ahead
+  lagging.close()
+
+
+def test_a_chain_restored_mid_pass_replays_once_then_reads_shared():
+  """The first chunk after a seek into a pass needs elements from the
+  pass's start, more than the shared window holds: the chain reads them
+  by itself (as without sharing), then brings its iterator to the shared
+  reads instead of reading the pass again."""
+  n = 3000
+  counted = _Counted(n)
+  loader = TensorflowDataLoader(counted.pipeline, shuffle_cache=5)
+  held = TensorflowDataLoader(tf.data.Dataset.range(n).map(
+      lambda x: {"x": x}), shuffle_cache=5, in_memory=True)
+  layout = loader.chunk_layout(2, 4)
+  cursor, = _cursors(loader, [0], layout)
+  reference, = _cursors(held, [0], layout)
+  for c in (cursor, reference):
+    position = c.position()
+    position["position"] = 250  # batch 250: step 2,000 of the first pass
+    c.seek(position)
+  for _ in range(4):
+    np.testing.assert_array_equal(_chunk_x(cursor, layout),
+                                  _chunk_x(reference, layout))
+  assert cursor._source.reads_shared()  # pylint: disable=protected-access
+  assert counted.read <= 2000 + 5 + 4 * 8 + 2 * 8  # one replay
+  cursor.close()
+
+
+def test_new_chains_never_wait_behind_a_read_of_released_ones():
+  """Every chain of a shared read that stalls is released and closed; new
+  chains of the same loader (a new pipeline after release_fn) read at
+  once, not behind the stalled read, which may never end."""
+  first, stalled, go_on = [True], threading.Event(), threading.Event()
+
+  def slow(x):
+    if int(x) == 3 and first[0]:
+      first[0] = False
+      stalled.set()
+      go_on.wait(60)
+    return x
+
+  data = tf.data.Dataset.range(30).map(
+      lambda x: {"x": tf.ensure_shape(tf.py_function(slow, [x], tf.int64),
+                                      [])})
+  loader = TensorflowDataLoader(data, shuffle_cache=2)
+  layout = loader.chunk_layout(1, 4)
+  old = _cursors(loader, [0, 1], layout)
+  outcomes = {}
+
+  def read(name, cursor):
+    try:
+      outcomes[name] = _chunk_x(cursor, layout)
+    except Exception as e:  # pylint: disable=broad-except
+      outcomes[name] = e
+
+  threads = [threading.Thread(target=read, args=(i, c), daemon=True)
+             for i, c in enumerate(old)]
+  try:
+    for thread in threads:
+      thread.start()
+    assert stalled.wait(30)
+    time.sleep(0.2)
+    for cursor in old:  # release_fn: cancel, then close
+      cursor.cancel()
+    for thread in threads:
+      thread.join(10)
+    for cursor in old:
+      cursor.close()
+    assert all(isinstance(outcomes.get(i), jax_data.PipelineReleasedError)
+               for i in range(2))
+    new = _cursors(loader, [0], layout)[0]
+    thread = threading.Thread(target=read, args=("new", new), daemon=True)
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive()
+    assert sorted(outcomes["new"].reshape(-1).tolist()) != []
+    new.close()
+  finally:
+    go_on.set()
+
+
+def test_a_chain_dropped_unclosed_leaves_without_taking_a_lock():
+  """A chain's rows dropped without close leave the shared reads from a
+  finalizer, which the garbage collector runs wherever it runs, even
+  inside the iterator closer's lock: it takes no lock, so that it cannot
+  deadlock there; the reads notice at their next use."""
+  import gc
+  loader = TensorflowDataLoader(_pipeline(100), shuffle_cache=3)
+  layout = loader.chunk_layout(1, 4)
+  cursor, other = _cursors(loader, [0, 1], layout)
+  _chunk_x(cursor, layout)
+  _chunk_x(other, layout)
+  shared = cursor._source._shared  # pylint: disable=protected-access
+  closer = loader._closer  # pylint: disable=protected-access
+  done = threading.Event()
+
+  def drop():
+    nonlocal cursor, other
+    with closer._lock:  # pylint: disable=protected-access
+      cursor = other = None
+      gc.collect()
+    done.set()
+
+  thread = threading.Thread(target=drop, daemon=True)
+  thread.start()
+  assert done.wait(20), "deadlocked in the finalizer"
+  assert shared.chains() == 0

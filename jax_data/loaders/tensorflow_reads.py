@@ -17,8 +17,13 @@ of peak resident set above the start.
 
 from __future__ import annotations
 
+import collections
+import copy
+import functools
 import threading
+import traceback
 import weakref
+from typing import Deque
 from typing import Dict
 from typing import Iterator
 from typing import List
@@ -137,10 +142,13 @@ class SharedReads:
   once no chain reads here the iterator is dropped, and the next chain to
   join starts it again at the start of its pass.
 
-  Reads run in a thread of their own (a :class:`Reader`): a chain waiting
-  for one gives up when its own stop event is set (a release), and the
-  read goes on for the others. A read that fails lets every chain go; the
-  chains waiting for it raise its error.
+  Reads run in a thread of their own (a :class:`Reader`, a new one each
+  time every chain is let go, so that new chains never wait behind a read
+  of chains gone): a chain waiting for one gives up when its own stop
+  event is set (a release), and the read goes on for the others. A read
+  that fails lets every chain go (the iterator's position is unknown);
+  the chains waiting for it raise its error, and the chains read again
+  from the start of their pass, once for all those that meet there.
   """
 
   def __init__(self, data: tf.data.Dataset, count: int, rows_per_read: int,
@@ -150,14 +158,17 @@ class SharedReads:
     self._rows_per_read = rows_per_read
     self._reading = reading
     self._closer = closer
-    self._reach = reach
+    self.reach = reach
     self._cond = threading.Condition()
     self._iterator: Optional[Iterator] = None
     # The elements held: numbers first .. next - 1 and their rows.
     self._window: Optional[Block] = None
     self._next = 0  # the number of the element read next
     self._marks: Dict[int, int] = {}  # id of a chain's rows -> its mark
-    self._busy = False  # a read is queued or under way
+    # Chains dropped unclosed (appended by their finalizers, which may run
+    # anywhere, even where a lock of the closer's is held: no lock here).
+    self._gone: Deque[int] = collections.deque()
+    self._busy = False  # a read of this generation is queued or under way
     # Bumped whenever every chain is let go (the last one left, or a read
     # failed); a read of an older generation is dropped.
     self._generation = 0
@@ -167,6 +178,7 @@ class SharedReads:
   def chains(self) -> int:
     """Chains reading here now."""
     with self._cond:
+      self._forget_gone()
       return len(self._marks)
 
   def held_bytes(self) -> int:
@@ -174,33 +186,61 @@ class SharedReads:
     with self._cond:
       return _bytes([self._window] if self._window else [])
 
+  def gone(self, key: int) -> None:
+    """The chain ``key`` was dropped unclosed (from its finalizer)."""
+    self._gone.append(key)
+
+  def _forget_gone(self) -> None:
+    """(With the lock held.)"""
+    while self._gone:
+      self._leave(self._gone.popleft())
+
   def _first(self) -> int:
     """The number of the first element held. (With the lock held.)"""
     return int(self._window[0][0]) if self._window else self._next
 
-  def join(self, key: int, mark: int) -> bool:
-    """Whether the chain ``key``, whose mark is ``mark``, now reads here.
-    With no chain reading here, it starts the shared iterator again at the
-    start of its mark's pass (a chain that read by itself replays less
+  def join(self, key: int, mark: int,
+           own: Optional[Tuple[Iterator, int, List[Block]]] = None
+           ) -> Optional[bool]:
+    """Whether the chain ``key``, whose mark is ``mark``, now reads here:
+    None if not, True if its ``own`` reads were taken, False if not.
+
+    With no chain reading here, the chain's ``own`` reads (its iterator,
+    the number it reads next, and the blocks it read from its mark on)
+    become the shared ones, if it has them; else the shared iterator
+    starts again at the start of its mark's pass (the chain replays less
     than a pass once, and the others join it as they meet it)."""
     with self._cond:
+      self._forget_gone()
       if not self._marks:
-        if self._iterator is not None or self._window:
-          self._let_all_go()
-        self._next = mark - mark % self._count
+        self._let_all_go()
+        self._failure = None
         self._marks[key] = mark
+        if own is None:
+          self._next = mark - mark % self._count
+          return False
+        self._iterator, self._next, blocks = own
+        if blocks:
+          self._window = (np.concatenate([b[0] for b in blocks]), [
+              np.concatenate(leaves) for leaves in zip(*[
+                  b[1] for b in blocks])])
         return True
       if self._first() <= mark <= self._next + self._rows_per_read:
         self._marks[key] = mark
-        return True
-      return False
+        return False
+      return None
 
   def leave(self, key: int) -> None:
     """The chain ``key`` no longer reads here; the last one to leave drops
     the iterator (in the background) and the elements held."""
     with self._cond:
-      if self._marks.pop(key, None) is not None and not self._marks:
-        self._let_all_go()
+      self._forget_gone()
+      self._leave(key)
+
+  def _leave(self, key: int) -> None:
+    """(With the lock held.)"""
+    if self._marks.pop(key, None) is not None and not self._marks:
+      self._let_all_go()
 
   def take(self, key: int, stop: int, cancelled: threading.Event
            ) -> Optional[Block]:
@@ -210,24 +250,28 @@ class SharedReads:
 
     Raises:
       PipelineReleasedError: ``cancelled`` was set while the chain waited.
-      Exception: the read the chain waited for failed (its error).
+      Exception: the read the chain waited for failed (a copy of its
+        error).
     """
     with self._cond:
+      self._forget_gone()
       generation = self._generation
       while True:
         if self._generation != generation or key not in self._marks:
           failure = self._failure
           if failure is not None and failure[0] == generation:
-            raise failure[1]
+            raise _copy(failure[1])
           return None
         if self._next >= stop:
           break
         if not self._busy:
           self._busy = True
-          self._reader.submit(self._read)
+          self._reader.submit(functools.partial(self._read, generation))
         self._cond.wait(_STOP_POLL_S)
         if cancelled.is_set():
           raise released_error()
+      if self._window is None:  # it needs nothing new (a buffer emptied)
+        return np.empty(0, np.int64), []
       numbers, rows = self._window
       skip = self._marks[key] - int(numbers[0])  # >= 0: not let go
       return numbers[skip:], [row[skip:] for row in rows]
@@ -245,12 +289,18 @@ class SharedReads:
     self._window = None
     held, self._iterator = [self._iterator], None
     self._closer.close_later(held)
+    if self._busy:  # that read may never end: later ones go elsewhere
+      self._busy = False
+      self._reader.close()
+      self._reader = Reader()
 
-  def _read(self) -> None:
+  def _read(self, generation: int) -> None:
     """Reads the next block and makes the next window (in the reader's
-    thread)."""
+    thread), for the chains of ``generation``."""
     with self._cond:
-      generation, iterator = self._generation, self._iterator
+      if generation != self._generation:
+        return
+      iterator = self._iterator
       window, first = self._window, self._next
     fresh = iterator is None
     try:
@@ -259,22 +309,28 @@ class SharedReads:
       rows = self._reading.next_rows(iterator, fresh)
       stop = first + len(rows[0])
       if window:  # the elements within reach stay, with the new ones
-        first = max(int(window[0][0]), stop - self._reach)
+        first = max(int(window[0][0]), stop - self.reach)
         kept = first - int(window[0][0])
         rows = [np.concatenate([old[kept:], new])
                 for old, new in zip(window[1], rows)]
       window = (np.arange(first, stop), rows)
     except BaseException as e:  # pylint: disable=broad-except
+      # The error's traceback holds the frames it passed: not the
+      # iterator, nor the rows (the iterator goes to the closer, as every
+      # dropped one).
+      held, iterator, window, rows = [iterator if fresh else None], None, (
+          None), None
+      traceback.clear_frames(e.__traceback__)
       with self._cond:
         if self._generation == generation:
           self._let_all_go()
           self._failure = (generation, e)
-        self._busy = False
         self._cond.notify_all()
+      self._closer.close_later(held)
       return
     with self._cond:
-      self._busy = False
       if self._generation == generation:
+        self._busy = False
         if fresh:
           self._iterator = iterator
         self._window, self._next = window, stop
@@ -288,6 +344,20 @@ class SharedReads:
         del iterator
         self._closer.close_later(held)
       self._cond.notify_all()
+
+
+def _copy(error: BaseException) -> BaseException:
+  """A copy of ``error`` with its traceback, to raise in one of several
+  threads: raising the same one in each would add every thread's frames
+  to it."""
+  try:
+    copied = copy.copy(error)
+  except Exception:  # pylint: disable=broad-except
+    return error
+  if type(copied) is not type(error) or copied.args != error.args:
+    return error
+  copied.__cause__, copied.__context__ = error.__cause__, error.__context__
+  return copied.with_traceback(error.__traceback__)
 
 
 class PipelineRows:
@@ -317,7 +387,9 @@ class PipelineRows:
     self._cancelled = threading.Event()
     self.restart(0)
     if shared is not None:  # a chain dropped unclosed leaves too
-      weakref.finalize(self, shared.leave, id(self))
+      # Not at the interpreter's exit: no TensorFlow iterator is dropped
+      # while it finalizes.
+      weakref.finalize(self, shared.gone, id(self)).atexit = False
 
   def restart(self, first: int) -> None:
     """Reads again from element ``first``, the start of a pass; the
@@ -390,15 +462,28 @@ class PipelineRows:
   def _take_shared(self, stop: int) -> Optional[List[Block]]:
     """The elements from the mark up to ``stop`` read through the shared
     reads, or None: read them by itself."""
-    if self._shared is None:
+    shared = self._shared
+    if shared is None:
       return None
     for _ in range(2):  # once more after being let go: it may join again
       if not self._in_shared:
-        if not self._shared.join(id(self), self._mark):
+        if stop - self._mark > shared.reach:
+          # More than the shared window holds (the first chunk after a
+          # seek into a pass): read by itself, and join with its own
+          # iterator once it has read them.
+          return None
+        own = None
+        if self._iterator is not None:
+          own = (self._iterator, self._next, self._ahead)
+        joined = shared.join(id(self), self._mark, own)
+        del own
+        if joined is None:
           return None
         self._in_shared = True
-        self._own_from(self._mark)  # drops its own iterator and blocks
-      taken = self._shared.take(id(self), stop, self._cancelled)
+        if joined:  # its reads are the shared ones now
+          self._iterator = None
+        self._own_from(self._mark)  # drops its own iterator, if it has one
+      taken = shared.take(id(self), stop, self._cancelled)
       if taken is not None:
         return [taken]
       # Let go: reads by itself from the start of its pass, unless it
