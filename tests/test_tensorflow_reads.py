@@ -43,6 +43,40 @@ def _chunk_x(cursor, layout):
   return cursor.produce(0, layout.new_chunk()).leaves[0].copy()
 
 
+class _Stalling:
+  """A pipeline over ``range(30)`` whose element 3 stalls (the first time
+  only, with ``once``) until :attr:`go_on` is set; :attr:`stalled` is set
+  when it does. :meth:`read` reads a cursor's chunk in a daemon thread
+  into :attr:`outcomes` (the chunk's x, or the error)."""
+
+  def __init__(self, once=False):
+    self.stalled, self.go_on = threading.Event(), threading.Event()
+    self.outcomes = {}
+    first = [True]
+
+    def slow(x):
+      if int(x) == 3 and (first[0] or not once):
+        first[0] = False
+        self.stalled.set()
+        self.go_on.wait(60)
+      return x
+
+    self.pipeline = tf.data.Dataset.range(30).map(
+        lambda x: {"x": tf.ensure_shape(tf.py_function(slow, [x], tf.int64),
+                                        [])})
+
+  def read(self, name, cursor, layout):
+    def run():
+      try:
+        self.outcomes[name] = _chunk_x(cursor, layout)
+      except Exception as e:  # pylint: disable=broad-except
+        self.outcomes[name] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_share_reads_must_be_a_bool():
   with pytest.raises(TypeError, match="share_reads"):
     TensorflowDataLoader(_pipeline(10), share_reads="yes")
@@ -182,41 +216,22 @@ def test_release_ends_only_the_released_chains_wait():
   release of one (its cursor's cancel) ends its wait at once with
   PipelineReleasedError, and the other gets its rows once the read
   ends."""
-  stalled, go_on = threading.Event(), threading.Event()
-
-  def slow(x):
-    if int(x) == 3:
-      stalled.set()
-      go_on.wait(30)
-    return x
-
-  data = tf.data.Dataset.range(30).map(
-      lambda x: {"x": tf.ensure_shape(tf.py_function(slow, [x], tf.int64),
-                                      [])})
-  loader = TensorflowDataLoader(data, shuffle_cache=2)
+  stalling = _Stalling()
+  loader = TensorflowDataLoader(stalling.pipeline, shuffle_cache=2)
   layout = loader.chunk_layout(1, 4)
   first, second = _cursors(loader, [0, 1], layout)
-  outcomes = {}
-
-  def read(name, cursor):
-    try:
-      outcomes[name] = _chunk_x(cursor, layout)
-    except Exception as e:  # pylint: disable=broad-except
-      outcomes[name] = e
-
-  threads = [threading.Thread(target=read, args=(name, cursor), daemon=True)
+  threads = [stalling.read(name, cursor, layout)
              for name, cursor in (("first", first), ("second", second))]
-  for thread in threads:
-    thread.start()
+  outcomes = stalling.outcomes
   try:
-    assert stalled.wait(30)
+    assert stalling.stalled.wait(30)
     time.sleep(0.2)  # both wait for the read now
     first.cancel()
     threads[0].join(10)
     assert isinstance(outcomes.get("first"), jax_data.PipelineReleasedError)
     assert "second" not in outcomes
   finally:
-    go_on.set()
+    stalling.go_on.set()
   threads[1].join(30)
   assert sorted(outcomes["second"].reshape(-1).tolist()) != []
   assert set(outcomes["second"].reshape(-1).tolist()) <= set(range(6))
@@ -330,35 +345,14 @@ def test_new_chains_never_wait_behind_a_read_of_released_ones():
   """Every chain of a shared read that stalls is released and closed; new
   chains of the same loader (a new pipeline after release_fn) read at
   once, not behind the stalled read, which may never end."""
-  first, stalled, go_on = [True], threading.Event(), threading.Event()
-
-  def slow(x):
-    if int(x) == 3 and first[0]:
-      first[0] = False
-      stalled.set()
-      go_on.wait(60)
-    return x
-
-  data = tf.data.Dataset.range(30).map(
-      lambda x: {"x": tf.ensure_shape(tf.py_function(slow, [x], tf.int64),
-                                      [])})
-  loader = TensorflowDataLoader(data, shuffle_cache=2)
+  stalling = _Stalling(once=True)
+  loader = TensorflowDataLoader(stalling.pipeline, shuffle_cache=2)
   layout = loader.chunk_layout(1, 4)
   old = _cursors(loader, [0, 1], layout)
-  outcomes = {}
-
-  def read(name, cursor):
-    try:
-      outcomes[name] = _chunk_x(cursor, layout)
-    except Exception as e:  # pylint: disable=broad-except
-      outcomes[name] = e
-
-  threads = [threading.Thread(target=read, args=(i, c), daemon=True)
-             for i, c in enumerate(old)]
+  threads = [stalling.read(i, cursor, layout) for i, cursor in enumerate(old)]
+  outcomes = stalling.outcomes
   try:
-    for thread in threads:
-      thread.start()
-    assert stalled.wait(30)
+    assert stalling.stalled.wait(30)
     time.sleep(0.2)
     for cursor in old:  # release_fn: cancel, then close
       cursor.cancel()
@@ -369,14 +363,13 @@ def test_new_chains_never_wait_behind_a_read_of_released_ones():
     assert all(isinstance(outcomes.get(i), jax_data.PipelineReleasedError)
                for i in range(2))
     new = _cursors(loader, [0], layout)[0]
-    thread = threading.Thread(target=read, args=("new", new), daemon=True)
-    thread.start()
+    thread = stalling.read("new", new, layout)
     thread.join(20)
     assert not thread.is_alive()
     assert sorted(outcomes["new"].reshape(-1).tolist()) != []
     new.close()
   finally:
-    go_on.set()
+    stalling.go_on.set()
 
 
 def test_a_chain_dropped_unclosed_leaves_without_taking_a_lock():
