@@ -26,6 +26,7 @@ from jax_data.loaders.chains import ChainCursor
 from jax_data.loaders.chains import ChainSpec
 from jax_data.loaders.chains import Chunk
 from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.chains import GroupKey
 from jax_data.loaders.chains import OrderedChain
 from jax_data.loaders.chains import Position
 from jax_data.loaders.chains import Span
@@ -116,7 +117,7 @@ class IndexedCursor(ChainCursor):
     # A group's next indices, drawn once it had read its last chunk (on
     # the group's first cursor): ((seeds, firsts), their future).
     self._drawn: Optional[Tuple[Hashable, concurrent.futures.Future]] = None
-    self._group_key: Optional[_Key] = None  # see group_key
+    self._group_key: Optional[GroupKey] = None  # see group_key
     self._all_valid = np.ones(layout.lead, bool)
     self._all_valid.setflags(write=False)
 
@@ -154,7 +155,7 @@ class IndexedCursor(ChainCursor):
     # Made once: a refresh of 1,024 chains asks each of them, and hashing
     # the layout anew took microseconds per chain.
     if self._group_key is None and isinstance(self._stream, CounterStream):
-      self._group_key = _Key((
+      self._group_key = GroupKey((
           IndexedCursor, self._rows, self._check, self._layout,
           self._stream.observations, self._stream.mode,
           None if self._columns is None else self._columns.start))
@@ -293,23 +294,6 @@ class IndexedCursor(ChainCursor):
           f"position {position!r} is not one of an indexed chain (version "
           f"{_POSITION_VERSION})")
     self._stream.set_state(copy.deepcopy(position["stream"]))
-
-
-class _Key:
-  """A hashable tuple whose hash is computed once."""
-
-  __slots__ = ("parts", "_hash")
-
-  def __init__(self, parts: Tuple[Hashable, ...]):
-    self.parts = parts
-    self._hash = hash(parts)
-
-  def __hash__(self) -> int:
-    return self._hash
-
-  def __eq__(self, other: object) -> bool:
-    return isinstance(other, _Key) and (
-        self._hash == other._hash and self.parts == other.parts)
 
 
 # Rows a read of an interleaved group takes at most (a few steps' rows of
