@@ -442,7 +442,8 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
       # Streamed: the pipeline read pass after pass, through its own
       # shuffle buffer (its only random stream).
       loader = jax_data.TensorflowDataLoader(
-          tf.data.Dataset.from_tensor_slices(data), shuffle_cache=100,
+          tf.data.Dataset.from_tensor_slices(data),
+          shuffle_cache=request.get("shuffle_cache", 100),
           share_reads=request.get("share_reads", True))
       stream = None
     else:
@@ -545,28 +546,29 @@ def streamed_chains(n: int = 100_000, chains: tuple[int, ...] = (16, 256,
                     calls: int = 3) -> list[dict[str, Any]]:
   """Many random chains of a streamed ``TensorflowDataLoader`` (the
   pipeline read pass after pass, ``from_tensor_slices`` of the case's
-  data; ``shuffle_cache=100``; caches of 10 batches of 64), reading one
-  shared iterator and, with ``share_reads=False``, one each: threads,
-  time a step (median of the calls after the first, of 100 steps) and
-  peak RSS above the start against twice the caches plus 256 MiB, each
-  in a fresh process. Printed as a table
-  (``python chains.py --streamed``)."""
+  data; caches of 10 batches of 64), reading one shared iterator and,
+  with ``share_reads=False``, one each, with ``shuffle_cache=100``; and
+  shared with ``shuffle_cache=10_000`` from 256 chains: threads, time a
+  step (median of the calls after the first, of 100 steps) and peak RSS
+  above the start against twice the caches plus 256 MiB, each in a fresh
+  process. Printed as a table (``python chains.py --streamed``)."""
   rows = []
-  for count in chains:
-    for share in (True, False):
-      request = {**dataclasses.asdict(FULL), "n": n, "chains": count,
-                 "cache": 10, "steps": 100, "calls": calls,
-                 "what": "memory", "loader": "tensorflow",
-                 "share_reads": share}
-      del request["rows"]
-      memory = _child_run(request)
-      bound = 2 * memory["caches"] + (256 << 20)
-      rows.append({"chains": count, "share_reads": share, **memory,
-                   "bound": bound})
-      print(f"| {count} | {share} | {memory['threads']} | "
-            f"{memory['step'] * 1e3:.2f} ms | +{format_bytes(memory['peak'])}"
-            f" | {format_bytes(bound)} | "
-            f"{'yes' if memory['peak'] <= bound else 'no'} |", flush=True)
+  cases = [(count, share, 100) for count in chains for share in (True, False)]
+  cases += [(count, True, 10_000) for count in chains if count >= 256]
+  for count, share, slots in cases:
+    request = {**dataclasses.asdict(FULL), "n": n, "chains": count,
+               "cache": 10, "steps": 100, "calls": calls,
+               "what": "memory", "loader": "tensorflow",
+               "share_reads": share, "shuffle_cache": slots}
+    del request["rows"]
+    memory = _child_run(request)
+    bound = 2 * memory["caches"] + (256 << 20)
+    rows.append({"chains": count, "share_reads": share,
+                 "shuffle_cache": slots, **memory, "bound": bound})
+    print(f"| {count} | {share} | {slots:,} | {memory['threads']} | "
+          f"{memory['step'] * 1e3:.2f} ms | +{format_bytes(memory['peak'])}"
+          f" | {format_bytes(bound)} | "
+          f"{'yes' if memory['peak'] <= bound else 'no'} |", flush=True)
   return rows
 
 
@@ -579,6 +581,7 @@ if __name__ == "__main__":
           "|---|---|---|---|---|")
     source_memory()
   elif sys.argv[1:] == ["--streamed"]:
-    print("| chains | share_reads | threads | a step | peak RSS above the "
-          "start | bound | holds |\n|---|---|---|---|---|---|---|")
+    print("| chains | share_reads | shuffle_cache | threads | a step | peak "
+          "RSS above the start | bound | holds |\n"
+          "|---|---|---|---|---|---|---|---|")
     streamed_chains()

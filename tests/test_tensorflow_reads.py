@@ -398,3 +398,97 @@ def test_a_chain_dropped_unclosed_leaves_without_taking_a_lock():
   thread.start()
   assert done.wait(20), "deadlocked in the finalizer"
   assert shared.chains() == 0
+
+
+class _Allocate:
+  """An ``allocate`` of ``ChainCursor.produce_group``: fresh buffers,
+  marked ``interleaved`` (rows batch by batch) or not."""
+
+  def __init__(self, interleaved):
+    self.interleaved = interleaved
+
+  def __call__(self, shape, dtype):
+    return np.full(shape, -1, dtype)
+
+
+def _produce_together(cursors, layout, interleaved):
+  chunks = type(cursors[0]).produce_group(cursors, [0] * len(cursors),
+                                          layout, _Allocate(interleaved))
+  return [[leaf.copy() for leaf in chunk.leaves] + [chunk.mask.copy()]
+          for chunk in chunks]
+
+
+def _produce_alone(cursor, layout):
+  chunk = cursor.produce(0, layout.new_chunk())
+  return [leaf.copy() for leaf in chunk.leaves] + [chunk.mask.copy()]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chains_produced_together_serve_the_chunks_each_would_alone(seed):
+  """Groups of chains produced at once (one gather for all, laid out chain
+  by chain or batch by batch as compiled code's buffers take them), with
+  chains moved elsewhere or trimmed between, serve exactly the chunks of
+  the same chains produced one by one, streamed or held in memory."""
+  rng = np.random.default_rng(seed)
+  n, chains = int(rng.integers(40, 400)), 6
+  data = _pipeline(n)
+  shuffle = int(rng.integers(1, 60))
+  streamed = TensorflowDataLoader(data, shuffle_cache=shuffle)
+  held = TensorflowDataLoader(data, shuffle_cache=shuffle, in_memory=True)
+  layout = streamed.chunk_layout(int(rng.integers(1, 4)),
+                                 int(rng.integers(1, 9)))
+  together = {"streamed": _cursors(streamed, range(chains), layout),
+              "held": _cursors(held, range(chains), layout)}
+  references = _cursors(held, range(chains), layout)
+  assert all(len({c.group_key() for c in cursors}) == 1
+             for cursors in together.values())
+  for _ in range(80):
+    action = rng.random()
+    if action < 0.1:  # a restore elsewhere
+      c = int(rng.integers(chains))
+      position = references[c].position()
+      position["position"] = int(rng.integers(0, 3 * n))
+      for cursors in list(together.values()) + [references]:
+        cursors[c].seek(position)
+    elif action < 0.15:
+      together["streamed"][int(rng.integers(chains))].trim()
+    else:
+      group = np.flatnonzero(rng.random(chains) < 0.7).tolist() or [0, 1]
+      expected = [_produce_alone(references[c], layout) for c in group]
+      for cursors in together.values():
+        got = _produce_together([cursors[c] for c in group], layout,
+                                bool(rng.random() < 0.5))
+        for chunk, reference in zip(got, expected):
+          for leaf, want in zip(chunk, reference):
+            np.testing.assert_array_equal(leaf, want)
+  for cursors in together.values():
+    for cursor in cursors:
+      cursor.close()
+
+
+def test_many_chains_hold_the_rows_of_few_of_their_buffers_elements():
+  """64 chains of 400-slot shuffle buffers, in step: the window of shared
+  reads holds the rows of their buffers' elements once for all, and each
+  chain the rows of only the few elements older than the window may keep
+  (64 x 400 rows before); their streams are those of chains held in
+  memory."""
+  chains, slots = 64, 400
+  data = _pipeline(4000)
+  streamed = TensorflowDataLoader(data, shuffle_cache=slots)
+  held = TensorflowDataLoader(data, shuffle_cache=slots, in_memory=True)
+  layout = streamed.chunk_layout(4, 8)
+  cursors = _cursors(streamed, range(chains), layout)
+  references = _cursors(held, range(chains), layout)
+  most = 0
+  for _ in range(100):  # 3,200 steps: many elements stayed long
+    got = _produce_together(cursors, layout, interleaved=True)
+    for chunk, reference in zip(got, references):
+      np.testing.assert_array_equal(chunk[0],
+                                    _produce_alone(reference, layout)[0])
+    rows = sum(0 if c._source._held is None else c._source._held[0].size  # pylint: disable=protected-access
+               for c in cursors)
+    most = max(most, rows)
+  assert all(c._source.reads_shared() for c in cursors)  # pylint: disable=protected-access
+  assert 0 < most <= chains * slots // 10
+  for cursor in cursors:
+    cursor.close()

@@ -448,7 +448,7 @@ class TensorflowDataLoader(HostDataLoader):
           # Held by its chains' rows; gone with the last of them.
           shared = SharedReads(data, shard.count, per_read, self._reading,
                                self._closer,
-                               reach=4 * per_read + self._shuffle_cache)
+                               buffer=min(self._shuffle_cache, shard.count))
           self._shared[key] = shared
     source = PipelineRows(data, shard.count, per_read, self._reading,
                           self._closer, shared)

@@ -20,14 +20,17 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import math
 import threading
 import traceback
 import weakref
+from typing import Callable
 from typing import Deque
 from typing import Dict
 from typing import Iterator
 from typing import List
 from typing import Optional
+from typing import Sequence
 from typing import Tuple
 
 import numpy as np
@@ -128,19 +131,31 @@ class SharedReads:
   about the same place (:class:`PipelineRows` with ``shared``).
 
   Elements are numbered along the passes as a chain numbers them. The
-  elements read last, up to ``reach`` behind the newest, are held as one
-  window of consecutive elements (copied into it at each read: a few
+  elements read last, up to :attr:`reach` behind the newest, are held as
+  one window of consecutive elements (copied into it at each read: a few
   chunks' rows once for all chains, where a chain then gathers from one
   array by subtraction, not from several blocks by search). Chains are
   served one after another, so the window is not cut where the chains
   served so far are: those after them need the same elements.
 
-  Each chain that reads here has a mark: the first element it has not
-  taken yet. A chain whose mark the window leaves behind is let go
+  Each chain that reads here has a mark: it needs no element before it
+  from here (it took them, or holds the rows of those its shuffle buffer
+  still holds). A chain whose mark the window leaves behind is let go
   (:meth:`take` answers None) and reads on by itself. A chain joins
   (:meth:`join`) where the window, or the next read, reaches its mark;
   once no chain reads here the iterator is dropped, and the next chain to
   join starts it again at the start of its pass.
+
+  The window reaches four reads and ``buffer * max(1, ln(chains))``
+  elements behind the newest (``buffer``: the chains' shuffle buffer
+  slots), and back to the mark of the chain furthest behind within twice
+  that. An element stays in a shuffle buffer of ``buffer`` slots for
+  ``buffer`` steps on average, geometrically distributed, so a chain
+  holds the rows of the few elements of its buffer older than that
+  (:meth:`PipelineRows.rows`), about ``buffer / chains`` each, and the
+  window the others once for all chains: with 256 chains of 10,000
+  slots, about 65,000 rows in all where each chain holding its buffer's
+  rows held 2,560,000.
 
   Reads run in a thread of their own (a :class:`Reader`, a new one each
   time every chain is let go, so that new chains never wait behind a read
@@ -152,13 +167,13 @@ class SharedReads:
   """
 
   def __init__(self, data: tf.data.Dataset, count: int, rows_per_read: int,
-               reading: Reading, closer: IteratorCloser, reach: int):
+               reading: Reading, closer: IteratorCloser, buffer: int):
     self._data = data
     self._count = count
     self._rows_per_read = rows_per_read
     self._reading = reading
     self._closer = closer
-    self.reach = reach
+    self._buffer = buffer
     self._cond = threading.Condition()
     self._iterator: Optional[Iterator] = None
     # The elements held: numbers first .. next - 1 and their rows.
@@ -174,6 +189,17 @@ class SharedReads:
     self._generation = 0
     self._failure: Optional[Tuple[int, BaseException]] = None
     self._reader = Reader()
+
+  @property
+  def reach(self) -> int:
+    """How far behind the newest element the window reaches, for the
+    chains reading here now (see the class's notes)."""
+    return 4 * self._rows_per_read + int(
+        self._buffer * max(1.0, math.log(max(1, len(self._marks)))))
+
+  @property
+  def rows_per_read(self) -> int:
+    return self._rows_per_read
 
   def chains(self) -> int:
     """Chains reading here now."""
@@ -254,33 +280,55 @@ class SharedReads:
         error).
     """
     with self._cond:
-      self._forget_gone()
-      generation = self._generation
-      while True:
-        if self._generation != generation or key not in self._marks:
-          failure = self._failure
-          if failure is not None and failure[0] == generation:
-            raise _copy(failure[1])
-          return None
-        if self._next >= stop:
-          break
-        if not self._busy:
-          self._busy = True
-          self._reader.submit(functools.partial(self._read, generation))
-        self._cond.wait(_STOP_POLL_S)
-        if cancelled.is_set():
-          raise released_error()
+      if not self._wait([key], stop, [cancelled]):
+        return None
       if self._window is None:  # it needs nothing new (a buffer emptied)
         return np.empty(0, np.int64), []
       numbers, rows = self._window
       skip = self._marks[key] - int(numbers[0])  # >= 0: not let go
       return numbers[skip:], [row[skip:] for row in rows]
 
-  def advance(self, key: int, mark: int) -> None:
-    """The chain ``key`` took every element before ``mark``."""
+  def take_together(self, keys: Sequence[int], stop: int,
+                    cancelled: Sequence[threading.Event]
+                    ) -> Optional[Block]:
+    """:meth:`take` for the chains ``keys`` at once: the whole window, read
+    up to ``stop`` first if need be, which holds every element from each
+    chain's mark on; None if any of them was let go, or the window is
+    empty. Raises as :meth:`take` does, if any of ``cancelled`` is set."""
     with self._cond:
-      if key in self._marks:
-        self._marks[key] = mark
+      if not self._wait(keys, stop, cancelled):
+        return None
+      return self._window
+
+  def _wait(self, keys: Sequence[int], stop: int,
+            cancelled: Sequence[threading.Event]) -> bool:
+    """Waits until elements up to ``stop`` are read; whether the chains
+    ``keys`` all still read here then. (With the lock held.)"""
+    self._forget_gone()
+    generation = self._generation
+    while True:
+      if self._generation != generation or not all(
+          key in self._marks for key in keys):
+        failure = self._failure
+        if failure is not None and failure[0] == generation:
+          raise _copy(failure[1])
+        return False
+      if self._next >= stop:
+        return True
+      if not self._busy:
+        self._busy = True
+        self._reader.submit(functools.partial(self._read, generation))
+      self._cond.wait(_STOP_POLL_S)
+      if any(event.is_set() for event in cancelled):
+        raise released_error()
+
+  def advance(self, marks: Dict[int, int]) -> None:
+    """Each chain ``key`` of ``marks`` took every element before
+    ``marks[key]``."""
+    with self._cond:
+      for key, mark in marks.items():
+        if key in self._marks:
+          self._marks[key] = mark
 
   def _let_all_go(self) -> None:
     """(With the lock held.)"""
@@ -302,6 +350,8 @@ class SharedReads:
         return
       iterator = self._iterator
       window, first = self._window, self._next
+      reach = self.reach
+      oldest = min(self._marks.values(), default=first)
     fresh = iterator is None
     try:
       if fresh:
@@ -309,7 +359,9 @@ class SharedReads:
       rows = self._reading.next_rows(iterator, fresh)
       stop = first + len(rows[0])
       if window:  # the elements within reach stay, with the new ones
-        first = max(int(window[0][0]), stop - self.reach)
+        # (and those of the chain furthest behind, within twice the reach)
+        first = max(int(window[0][0]), min(stop - reach, oldest),
+                    stop - 2 * reach)
         kept = first - int(window[0][0])
         rows = [np.concatenate([old[kept:], new])
                 for old, new in zip(window[1], rows)]
@@ -358,6 +410,49 @@ def _copy(error: BaseException) -> BaseException:
     return error
   copied.__cause__, copied.__context__ = error.__cause__, error.__context__
   return copied.with_traceback(error.__traceback__)
+
+
+def _split(keep: np.ndarray, horizon: int) -> Tuple[np.ndarray, Optional[int]]:
+  """The elements of ``keep`` before ``horizon``, sorted (a chain holds
+  their rows), and the least of the others (None if none)."""
+  before = keep < horizon
+  kept = np.sort(keep[before])
+  return kept, (None if kept.size == keep.size else int(keep[~before].min()))
+
+
+def _mark_after(rest: Optional[int], mark: int, stop: int) -> int:
+  """A chain's mark once it took the elements before ``stop``: ``rest``,
+  its least element kept without rows, if any, else ``stop`` (not less
+  than before: a buffer emptied at a pass's end reads nothing new)."""
+  return rest if rest is not None else max(mark, stop)
+
+
+def _gather_window(window: Block, flat: np.ndarray, out: Rows,
+                   sources: Sequence[PipelineRows],
+                   lane_of: Callable[[np.ndarray], np.ndarray]) -> None:
+  """Fills ``out`` with the rows of the elements ``flat`` of several
+  chains: from the ``window`` of consecutive elements where they are in
+  it (found by subtraction), else from the shuffle buffer of their chain,
+  ``sources[lane_of(positions)]``."""
+  numbers, rows = window
+  offset = flat - int(numbers[0])
+  beyond = np.count_nonzero(offset >= numbers.size)
+  if beyond:
+    raise _not_held(beyond)
+  before = np.flatnonzero(offset < 0)
+  np.maximum(offset, 0, out=offset)
+  for leaf, row in zip(out, rows):
+    np.take(row, offset, axis=0, out=leaf, mode="clip")
+  if not before.size:
+    return
+  lanes = lane_of(before)
+  for lane in np.unique(lanes).tolist():
+    positions = before[lanes == lane]
+    parts = [np.empty((positions.size,) + leaf.shape[1:], leaf.dtype)
+             for leaf in out]
+    _gather(sources[lane]._held, [], flat[positions], parts)  # pylint: disable=protected-access
+    for leaf, part in zip(out, parts):
+      leaf[positions] = part
 
 
 class PipelineRows:
@@ -423,41 +518,118 @@ class PipelineRows:
     self._reader.cancel()
 
   def held_bytes(self) -> int:
-    """The bytes of the rows it holds (the whole blocks that views keep
-    alive; not the shared blocks)."""
-    return _bytes(([self._held] if self._held else []) + self._ahead)
+    """The bytes of the rows it holds: its shuffle buffer's (its part of
+    the block of chains gathered together) and the whole blocks that its
+    views of blocks read ahead keep alive; not the shared blocks."""
+    held = 0 if self._held is None else self._held[0].nbytes + sum(
+        row.nbytes for row in self._held[1])
+    return held + _bytes(self._ahead)
+
+  def group_key(self) -> Optional[SharedReads]:
+    """Its shard's shared reads, if it has them: chains whose rows have
+    one key can gather their rows together (:meth:`rows_together`)."""
+    return self._shared
+
+  @staticmethod
+  def rows_together(sources: Sequence[PipelineRows], wanted: np.ndarray,
+                    keeps: Sequence[np.ndarray], flat: np.ndarray,
+                    lane_of: Callable[[np.ndarray], np.ndarray],
+                    out: Rows) -> bool:
+    """:meth:`rows` of chains of one :meth:`group_key` at once: chain
+    ``i`` wants the elements ``wanted[i]`` and keeps ``keeps[i]``;
+    ``flat`` is every chain's ``wanted``, in the order of the rows of
+    ``out``, and ``lane_of(positions)`` the chains of positions of
+    ``flat``. Where every chain reads through the shared reads now, their
+    rows are gathered from its window in one piece and True is returned;
+    else False, with nothing written and no chain moved (read them chain
+    by chain)."""
+    shared = sources[0]._shared  # pylint: disable=protected-access
+    if shared is None or not all(
+        s._in_shared and s._shared is shared for s in sources):  # pylint: disable=protected-access
+      return False
+    if any(s._cancelled.is_set() for s in sources):  # pylint: disable=protected-access
+      raise released_error()
+    stops = np.maximum(wanted.max(axis=1), [
+        keep.max() if keep.size else -1 for keep in keeps]) + 1
+    window = shared.take_together(
+        [id(s) for s in sources], int(stops.max()),
+        [s._cancelled for s in sources])  # pylint: disable=protected-access
+    if window is None or not window[0].size:
+      return False
+    # Every element from a chain's mark on is in the window; the elements
+    # before the window, in the chain's rows held.
+    _gather_window(window, flat, out, sources, lane_of)
+    # As rows() does chain by chain: the elements of each buffer before
+    # its horizon are held as rows (one array for all chains, few rows).
+    marks = np.asarray([s._mark for s in sources])  # pylint: disable=protected-access
+    horizons = np.maximum(
+        marks, stops - shared.reach + 2 * shared.rows_per_read)
+    splits = [_split(keep, horizon)
+              for keep, horizon in zip(keeps, horizons.tolist())]
+    counts = np.asarray([part.size for part, _ in splits], np.int64)
+    kept = (np.concatenate([part for part, _ in splits]) if counts.any()
+            else np.empty(0, np.int64))
+    held_rows = [np.empty((kept.size,) + row.shape[1:], row.dtype)
+                 for row in window[1]]
+    if kept.size:
+      lanes = np.repeat(np.arange(len(sources)), counts)
+      _gather_window(window, kept, held_rows, sources, lambda at: lanes[at])
+    ends = np.cumsum(counts).tolist()
+    new_marks = {}
+    for lane, source in enumerate(sources):
+      count, end = int(counts[lane]), ends[lane]
+      source._held = None if not count else (  # pylint: disable=protected-access
+          kept[end - count:end], [row[end - count:end] for row in held_rows])
+      source._mark = _mark_after(splits[lane][1], int(marks[lane]),  # pylint: disable=protected-access
+                                 int(stops[lane]))
+      new_marks[id(source)] = source._mark  # pylint: disable=protected-access
+    shared.advance(new_marks)
+    return True
 
   def reads_shared(self) -> bool:
     """Whether it reads through its shard's :class:`SharedReads` now."""
     return self._in_shared
 
   def rows(self, wanted: np.ndarray, keep: np.ndarray, out: Rows) -> Rows:
-    """The rows of elements ``wanted`` written into ``out``; afterwards only
-    the elements ``keep`` and those after all ``wanted`` and ``keep`` stay
-    held."""
+    """The rows of elements ``wanted`` written into ``out``. Afterwards the
+    chain can still give the elements ``keep`` (its shuffle buffer's) and
+    those after all ``wanted`` and ``keep``: it holds the rows of those of
+    ``keep`` before its horizon (all of them when it reads by itself),
+    and its mark stays before the others, which the shared window keeps
+    (or the chain reads again)."""
     if self._cancelled.is_set():
       raise released_error()
-    keep = np.sort(keep)  # the held numbers are sorted, for a search
-    stop = int(max(wanted.max(), keep[-1] if keep.size else -1)) + 1
+    stop = int(max(wanted.max(), keep.max() if keep.size else -1)) + 1
     taken = self._take_shared(stop)
     if taken is None:
       while self._next < stop:
         self._read()
       taken = self._ahead
     _gather(self._held, taken, wanted, out)
+    kept, rest = _split(keep, self._horizon(stop))
     held = None
-    if keep.size:
-      held = (keep, [np.empty((keep.size,) + fmt.shape, fmt.dtype)
+    if kept.size:
+      held = (kept, [np.empty((kept.size,) + fmt.shape, fmt.dtype)
                      for fmt in self._reading.formats])
-      _gather(self._held, taken, keep, held[1])
-    # (A buffer emptied at a pass's end reads nothing new: the mark stays.)
-    self._held, self._mark = held, max(self._mark, stop)
+      _gather(self._held, taken, kept, held[1])
+    self._held, self._mark = held, _mark_after(rest, self._mark, stop)
     if self._in_shared:
-      self._shared.advance(id(self), self._mark)
+      self._shared.advance({id(self): self._mark})
     else:
       self._ahead = [part for part in (_from(block, self._mark)
                                        for block in self._ahead) if part]
     return out
+
+  def _horizon(self, stop: int) -> int:
+    """The elements of its shuffle buffer before this one are kept as rows
+    once it took elements up to ``stop``: all of them when it reads by
+    itself (its reads drop what it took); reading through the shared
+    reads, those the window may drop before the chain's next chunk
+    (another read and a margin of one)."""
+    horizon = stop
+    if self._in_shared:
+      horizon = stop - self._shared.reach + 2 * self._rows_per_read
+    return max(self._mark, horizon)
 
   def _take_shared(self, stop: int) -> Optional[List[Block]]:
     """The elements from the mark up to ``stop`` read through the shared

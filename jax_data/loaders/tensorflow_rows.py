@@ -19,9 +19,11 @@ import threading
 from typing import Any
 from typing import Callable
 from typing import Deque
+from typing import Hashable
 from typing import Iterator
 from typing import List
 from typing import Optional
+from typing import Sequence
 from typing import Tuple
 
 import numpy as np
@@ -284,6 +286,10 @@ class MemoryRows:
     self._arrays = [array[shard.start:stop] for array in arrays]
     self._gatherer = gatherer
     self.count = shard.count
+    # The same for the chains of one shard of one loader's arrays (alive
+    # while they are).
+    self._key = (MemoryRows, id(arrays), shard.start, shard.count,
+                 id(gatherer))
 
   def restart(self, first: int) -> None:
     """Nothing to do: rows are read by index."""
@@ -303,6 +309,25 @@ class MemoryRows:
     """The rows of stream elements ``wanted`` (numbered along passes)."""
     del keep
     return self.gather(wanted % self.count, out)
+
+  def group_key(self) -> Hashable:
+    """Equal for the chains of one shard of the loader's arrays, whose rows
+    :meth:`rows_together` gathers at once."""
+    return self._key
+
+  @staticmethod
+  def rows_together(sources: Sequence[MemoryRows], wanted: np.ndarray,
+                    keeps: Sequence[np.ndarray], flat: np.ndarray,
+                    lane_of: Callable[[np.ndarray], np.ndarray],
+                    out: Rows) -> bool:
+    """:meth:`rows` of chains of one :meth:`group_key` at once (see
+    :meth:`~jax_data.loaders.tensorflow_reads.PipelineRows.rows_together`):
+    one gather of every chain's rows ``flat`` into ``out``."""
+    del wanted, keeps, lane_of
+    first = sources[0]
+    first._gatherer.take_all(list(zip(first._arrays, out)),  # pylint: disable=protected-access
+                             flat % first.count)
+    return True
 
   def gather(self, flat: np.ndarray, out: Rows) -> Rows:
     """The rows ``flat`` of the chain's observations."""

@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import abc
 from typing import Any
+from typing import Callable
+from typing import Hashable
 from typing import Iterator
+from typing import List
 from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -25,9 +30,12 @@ import tensorflow as tf
 from jax_data.loaders.chains import ChainCursor
 from jax_data.loaders.chains import Chunk
 from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.chains import GroupKey
 from jax_data.loaders.chains import OrderedChain
 from jax_data.loaders.chains import Position
 from jax_data.loaders.chains import RandomChain
+from jax_data.loaders.chains import Span
+from jax_data.loaders.chains import readable
 from jax_data.loaders.tensorflow_rows import IteratorCloser
 from jax_data.loaders.tensorflow_rows import MemoryRows
 from jax_data.loaders.tensorflow_rows import Reader
@@ -52,6 +60,23 @@ def _flat(out: Chunk, rows: int) -> Rows:
 def _shaped(rows: Rows, layout: ChunkLayout) -> Rows:
   return [leaf.reshape(shape) for leaf, shape in
           zip(rows, layout.leaf_shapes())]
+
+
+def _rows_each(sources: Sequence[Any], wanted: np.ndarray,
+               keeps: Sequence[np.ndarray], out: Rows, layout: ChunkLayout,
+               interleaved: bool) -> None:
+  """The rows of a group's chunks (see :meth:`ShuffleCursor.produce_group`)
+  read chain by chain, each copied into its place in ``out``."""
+  lanes, cache, mb = len(sources), layout.cache_size, layout.mb_size
+  lead = (cache, lanes, mb) if interleaved else (lanes, cache, mb)
+  places = [leaf.reshape(lead + leaf.shape[1:]) for leaf in out]
+  spare = [np.empty((cache * mb,) + leaf.shape[1:], leaf.dtype)
+           for leaf in out]
+  for lane, source in enumerate(sources):
+    rows = source.rows(wanted[lane], keeps[lane], spare)
+    for place, row in zip(places, rows):
+      target = place[:, lane] if interleaved else place[lane]
+      target[...] = row.reshape((cache, mb) + row.shape[1:])
 
 
 class ShuffleCursor(ChainCursor):
@@ -79,23 +104,87 @@ class ShuffleCursor(ChainCursor):
     self._batch = 0  # batches served
     self._all_valid = np.ones(layout.lead, bool)
     self._all_valid.setflags(write=False)
+    self._group_key: Optional[GroupKey] = None  # see group_key
 
   def produce(self, index: int, out: Chunk) -> Chunk:
     del index
+    wanted, keep = self._draw()
+    try:
+      rows = self._source.rows(wanted, keep, _flat(out, self._size))
+    except BaseException:
+      self._shuffle.position = None  # the source's state is unknown
+      raise
+    self._batch += self._layout.cache_size
+    return Chunk(_shaped(rows, self._layout), self._all_valid)
+
+  def _draw(self) -> Tuple[np.ndarray, np.ndarray]:
+    """The element numbers of its next chunk, and those its shuffle buffer
+    holds afterwards; the shuffle moves past them."""
     step = self._batch * self._layout.mb_size
     shuffle = self._shuffle
     if shuffle.position != step:
       shuffle.seek(step)
       self._source.restart(step // shuffle.count * shuffle.count)
-    wanted = shuffle.take(self._size)
+    return shuffle.take(self._size), shuffle.buffered()
+
+  def group_key(self) -> Optional[Hashable]:
+    if self._group_key is None:
+      source = self._source.group_key()
+      if source is not None:
+        self._group_key = GroupKey((ShuffleCursor, source, self._layout,
+                                    self._shuffle_cache))
+    return self._group_key
+
+  @classmethod
+  def produce_group(cls, cursors: Sequence[ChainCursor],
+                    indices: Sequence[int], layout: ChunkLayout,
+                    allocate: Callable[..., np.ndarray]) -> List[Chunk]:
+    """The chunks of chains of one shard, each cursor moved past its
+    chunk: each chain's shuffle draws its elements, and the rows of all
+    of them are gathered at once (the source's ``rows_together``), or,
+    where the source cannot (chains of a pipeline that do not all read
+    its shared reads now), chain by chain."""
+    del indices  # each cursor stands at its chunk
+    lanes, cache, mb = len(cursors), layout.cache_size, layout.mb_size
+    chains: List[ShuffleCursor] = list(cursors)  # type: ignore[arg-type]
+    size = cache * mb
+    interleaved = bool(getattr(allocate, "interleaved", False))
     try:
-      rows = self._source.rows(wanted, shuffle.buffered(),
-                               _flat(out, self._size))
+      wanted = np.empty((lanes, size), np.int64)
+      keeps = []
+      for lane, chain in enumerate(chains):
+        wanted[lane], keep = chain._draw()  # pylint: disable=protected-access
+        keeps.append(keep)
+      out = [allocate((lanes * size,) + leaf.shape, leaf.dtype)
+             for leaf in layout.leaves]
+      # Compiled code's buffers with the lane axis second take the rows
+      # batch by batch, every chain's batch j before any batch j + 1.
+      run = mb if interleaved else size  # a lane's rows in a run
+
+      def lane_of(at: np.ndarray) -> np.ndarray:
+        return at // run % lanes
+
+      flat = (wanted.reshape(lanes, cache, mb).swapaxes(0, 1).reshape(-1)
+              if interleaved else wanted.reshape(-1))
+      sources = [chain._source for chain in chains]  # pylint: disable=protected-access
+      if not type(sources[0]).rows_together(sources, wanted, keeps, flat,
+                                            lane_of, out):
+        _rows_each(sources, wanted, keeps, out, layout, interleaved)
     except BaseException:
-      shuffle.position = None  # the source's state is unknown
+      for chain in chains:  # the sources' states are unknown
+        chain._shuffle.position = None  # pylint: disable=protected-access
       raise
-    self._batch += self._layout.cache_size
-    return Chunk(_shaped(rows, self._layout), self._all_valid)
+    for chain in chains:
+      chain._batch += cache  # pylint: disable=protected-access
+    shapes = layout.leaf_shapes()
+    if interleaved:
+      leaves = [leaf.reshape(shape[:1] + (lanes,) + shape[1:]).swapaxes(0, 1)
+                for leaf, shape in zip(out, shapes)]
+    else:
+      leaves = [leaf.reshape((lanes,) + shape)
+                for leaf, shape in zip(out, shapes)]
+    mask = np.broadcast_to(np.True_, (lanes,) + layout.lead)
+    return Span(leaves, mask).chunks([readable] * lanes)
 
   def trim(self) -> None:
     """Drops the pipeline iterator (in the background), the rows held and
