@@ -492,3 +492,39 @@ def test_many_chains_hold_the_rows_of_few_of_their_buffers_elements():
   assert 0 < most <= chains * slots // 10
   for cursor in cursors:
     cursor.close()
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_chains_restored_together_mid_pass_read_it_once_between_them(
+    together):
+  """32 chains restored to one place in a pass (a checkpoint of vmapped
+  chains), produced together (as the host produces a vmapped request's
+  chains): the pass up to there is read once for all of them, not once
+  per chain (each needs its shuffle buffer's elements, and the oldest of
+  them is where it reads from). Produced one by one, the first reads the
+  pass, and the chains whose oldest element its window no longer holds
+  read it again by themselves; all serve their streams exactly."""
+  n, chains = 3000, 32
+  counted = _Counted(n)
+  loader = TensorflowDataLoader(counted.pipeline, shuffle_cache=10)
+  held = TensorflowDataLoader(tf.data.Dataset.range(n).map(
+      lambda x: {"x": x}), shuffle_cache=10, in_memory=True)
+  layout = loader.chunk_layout(2, 4)
+  cursors = _cursors(loader, range(chains), layout)
+  references = _cursors(held, range(chains), layout)
+  for c in cursors + references:
+    position = c.position()
+    position["position"] = 250  # batch 250: step 2,000 of the first pass
+    c.seek(position)
+  for _ in range(4):
+    if together:
+      got = [chunk[0] for chunk in _produce_together(cursors, layout, True)]
+    else:
+      got = [_chunk_x(cursor, layout) for cursor in cursors]
+    for x, reference in zip(got, references):
+      np.testing.assert_array_equal(x, _chunk_x(reference, layout))
+  assert all(c._source.reads_shared() for c in cursors)  # pylint: disable=protected-access
+  if together:
+    assert counted.read <= 2000 + 10 + 4 * 8 + 6 * 8  # once, reads ahead
+  for cursor in cursors:
+    cursor.close()

@@ -194,8 +194,11 @@ class SharedReads:
   def reach(self) -> int:
     """How far behind the newest element the window reaches, for the
     chains reading here now (see the class's notes)."""
+    return self._reach(len(self._marks))
+
+  def _reach(self, chains: int) -> int:
     return 4 * self._rows_per_read + int(
-        self._buffer * max(1.0, math.log(max(1, len(self._marks)))))
+        self._buffer * max(1.0, math.log(max(1, chains))))
 
   @property
   def rows_per_read(self) -> int:
@@ -255,6 +258,32 @@ class SharedReads:
         self._marks[key] = mark
         return False
       return None
+
+  def join_together(self, marks: Dict[int, int], stop: int) -> List[int]:
+    """The chains of ``marks`` (keys, their marks) that now read here,
+    needing elements up to ``stop``: with no chain reading here, those
+    whose marks are within reach of ``stop``, the shared iterator started
+    again at the start of the pass of the first of those marks (chains
+    restored together to one place, each needing the elements of its
+    shuffle buffer, read the pass up to there once); else those that
+    :meth:`join` would let join."""
+    with self._cond:
+      self._forget_gone()
+      reach = self._reach(len(self._marks) + len(marks))
+      near = {key: mark for key, mark in marks.items()
+              if stop - mark <= reach}
+      if not self._marks:
+        if not near:
+          return []
+        self._let_all_go()
+        self._failure = None
+        first = min(near.values())
+        self._next = first - first % self._count
+      else:
+        near = {key: mark for key, mark in near.items()
+                if self._first() <= mark <= self._next + self._rows_per_read}
+      self._marks.update(near)
+      return list(near)
 
   def leave(self, key: int) -> None:
     """The chain ``key`` no longer reads here; the last one to leave drops
@@ -486,13 +515,17 @@ class PipelineRows:
       # while it finalizes.
       weakref.finalize(self, shared.gone, id(self)).atexit = False
 
-  def restart(self, first: int) -> None:
-    """Reads again from element ``first``, the start of a pass; the
-    iterator read so far is dropped in the background."""
+  def restart(self, first: int, mark: Optional[int] = None) -> None:
+    """Reads again from element ``first``, the start of a pass, and needs
+    the elements from ``mark`` on (default ``first``: after a seek, the
+    oldest element of the shuffle buffer, so that chains restored
+    together to one place read the pass once between them); the iterator
+    read so far is dropped in the background."""
     self._leave_shared()
     self._own_from(first)
     self._held: Optional[Block] = None  # the shuffle buffer's elements
-    self._mark = first  # every element this chain took is before it
+    # It needs no element before its mark but those it holds the rows of.
+    self._mark = first if mark is None else mark
 
   def _own_from(self, first: int) -> None:
     """Reads by itself from the start of ``first``'s pass on."""
@@ -544,13 +577,23 @@ class PipelineRows:
     else False, with nothing written and no chain moved (read them chain
     by chain)."""
     shared = sources[0]._shared  # pylint: disable=protected-access
-    if shared is None or not all(
-        s._in_shared and s._shared is shared for s in sources):  # pylint: disable=protected-access
+    if shared is None or any(s._shared is not shared for s in sources):  # pylint: disable=protected-access
       return False
     if any(s._cancelled.is_set() for s in sources):  # pylint: disable=protected-access
       raise released_error()
     stops = np.maximum(wanted.max(axis=1), [
         keep.max() if keep.size else -1 for keep in keeps]) + 1
+    # Chains that do not read there yet (the first chunk, or chains
+    # restored together) join together, unless reading by themselves.
+    outside = {id(s): s for s in sources
+               if not s._in_shared and s._iterator is None}  # pylint: disable=protected-access
+    if outside:
+      for key in shared.join_together(
+          {key: s._mark for key, s in outside.items()}, int(stops.max())):  # pylint: disable=protected-access
+        outside[key]._in_shared = True  # pylint: disable=protected-access
+        outside[key]._own_from(outside[key]._mark)  # pylint: disable=protected-access
+    if not all(s._in_shared for s in sources):  # pylint: disable=protected-access
+      return False
     window = shared.take_together(
         [id(s) for s in sources], int(stops.max()),
         [s._cancelled for s in sources])  # pylint: disable=protected-access

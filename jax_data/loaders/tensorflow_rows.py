@@ -291,9 +291,9 @@ class MemoryRows:
     self._key = (MemoryRows, id(arrays), shard.start, shard.count,
                  id(gatherer))
 
-  def restart(self, first: int) -> None:
+  def restart(self, first: int, mark: Optional[int] = None) -> None:
     """Nothing to do: rows are read by index."""
-    del first
+    del first, mark
 
   def close(self) -> None:
     """Nothing to do: the arrays are the loader's."""

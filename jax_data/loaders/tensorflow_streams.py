@@ -124,7 +124,10 @@ class ShuffleCursor(ChainCursor):
     shuffle = self._shuffle
     if shuffle.position != step:
       shuffle.seek(step)
-      self._source.restart(step // shuffle.count * shuffle.count)
+      start = step // shuffle.count * shuffle.count
+      buffered = shuffle.buffered()  # empty at a pass's start
+      self._source.restart(start, int(buffered.min()) if buffered.size
+                           else start)
     return shuffle.take(self._size), shuffle.buffered()
 
   def group_key(self) -> Optional[Hashable]:
