@@ -528,3 +528,80 @@ def test_chains_restored_together_mid_pass_read_it_once_between_them(
     assert counted.read <= 2000 + 10 + 4 * 8 + 6 * 8  # once, reads ahead
   for cursor in cursors:
     cursor.close()
+
+
+class _FailingOnce:
+  """A pipeline over ``range(n)`` that counts the elements it yields and,
+  once :attr:`armed`, fails at element ``at`` once."""
+
+  def __init__(self, n, at):
+    self.read, self.armed = 0, False
+    lock = threading.Lock()
+
+    def element(x):
+      with lock:
+        self.read += 1
+        if self.armed and int(x) == at:
+          self.armed = False
+          raise ValueError("a transient failure")
+      return x
+
+    self.pipeline = tf.data.Dataset.range(n).map(
+        lambda x: {"x": tf.ensure_shape(tf.py_function(element, [x], tf.int64),
+                                        [])})
+
+
+def test_chains_recover_from_a_failed_shared_read_reading_the_pass_once():
+  """A read of the chains' shared iterator fails once, deep in a pass:
+  the group's chunks fail, and then, produced chain by chain as the host
+  does to name the chains whose rows fail, they serve their streams
+  exactly, the pass up to there read once between them (not once a
+  chain: their marks are within the window, which never shrinks)."""
+  n, chains = 3000, 16
+  failing = _FailingOnce(n, at=2020)  # read for the chunk after step 2,000
+  loader = TensorflowDataLoader(failing.pipeline, shuffle_cache=10)
+  held = TensorflowDataLoader(tf.data.Dataset.range(n).map(
+      lambda x: {"x": x}), shuffle_cache=10, in_memory=True)
+  layout = loader.chunk_layout(2, 4)
+  cursors = _cursors(loader, range(chains), layout)
+  references = _cursors(held, range(chains), layout)
+  for _ in range(250):  # step 2,000
+    _produce_together(cursors, layout, False)
+    for reference in references:
+      _produce_alone(reference, layout)
+  failing.armed, before = True, failing.read
+  with pytest.raises(Exception, match="a transient failure"):
+    _produce_together(cursors, layout, False)
+  for cursor, reference in zip(cursors, references):
+    np.testing.assert_array_equal(_chunk_x(cursor, layout),
+                                  _chunk_x(reference, layout))
+  for _ in range(3):
+    got = _produce_together(cursors, layout, False)
+    for chunk, reference in zip(got, references):
+      np.testing.assert_array_equal(chunk[0],
+                                    _produce_alone(reference, layout)[0])
+  assert all(c._source.reads_shared() for c in cursors)  # pylint: disable=protected-access
+  assert failing.read - before <= 2020 + 4 * 8 + 10 * 8  # one replay
+  for cursor in cursors:
+    cursor.close()
+
+
+def test_chains_left_when_most_close_go_on_reading_shared():
+  """62 of 64 chains in step close: the window does not shrink under the
+  two left, whose marks it set, so they go on reading the shared
+  iterator, not the pass again by themselves."""
+  counted = _Counted(3000)
+  loader = TensorflowDataLoader(counted.pipeline, shuffle_cache=100)
+  layout = loader.chunk_layout(2, 4)
+  cursors = _cursors(loader, range(64), layout)
+  for _ in range(100):
+    _produce_together(cursors, layout, False)
+  for cursor in cursors[2:]:
+    cursor.close()
+  before = counted.read
+  for _ in range(10):
+    _produce_together(cursors[:2], layout, False)
+  assert all(c._source.reads_shared() for c in cursors[:2])  # pylint: disable=protected-access
+  assert counted.read - before <= 10 * 8 + 4 * 8
+  for cursor in cursors[:2]:
+    cursor.close()

@@ -132,11 +132,11 @@ class SharedReads:
 
   Elements are numbered along the passes as a chain numbers them. The
   elements read last, up to :attr:`reach` behind the newest, are held as
-  one window of consecutive elements (copied into it at each read: a few
-  chunks' rows once for all chains, where a chain then gathers from one
-  array by subtraction, not from several blocks by search). Chains are
-  served one after another, so the window is not cut where the chains
-  served so far are: those after them need the same elements.
+  one window of consecutive elements (copied into it at each read, once
+  for all chains, where chains then gather from one array by
+  subtraction, not from several blocks by search). The window is cut
+  only at a read, never where the chains served so far are: the chains
+  served after them need the same elements.
 
   Each chain that reads here has a mark: it needs no element before it
   from here (it took them, or holds the rows of those its shuffle buffer
@@ -180,6 +180,7 @@ class SharedReads:
     self._window: Optional[Block] = None
     self._next = 0  # the number of the element read next
     self._marks: Dict[int, int] = {}  # id of a chain's rows -> its mark
+    self._most = 1  # the most chains that read here at once so far
     # Chains dropped unclosed (appended by their finalizers, which may run
     # anywhere, even where a lock of the closer's is held: no lock here).
     self._gone: Deque[int] = collections.deque()
@@ -192,13 +193,25 @@ class SharedReads:
 
   @property
   def reach(self) -> int:
-    """How far behind the newest element the window reaches, for the
-    chains reading here now (see the class's notes)."""
-    return self._reach(len(self._marks))
+    """How far behind the newest element the window reaches, for the most
+    chains that read here at once so far (see the class's notes): it
+    never shrinks, so that the chains' marks, set within it, stay within
+    it when chains leave or are let go (a failed read), and they join
+    again together."""
+    return self._reach(0)
 
-  def _reach(self, chains: int) -> int:
+  def _reach(self, more: int) -> int:
+    """:attr:`reach` were ``more`` chains to join those reading here.
+    (With the lock held, unless ``more`` is 0.)"""
+    chains = max(self._most, len(self._marks) + more)
     return 4 * self._rows_per_read + int(
-        self._buffer * max(1.0, math.log(max(1, chains))))
+        self._buffer * max(1.0, math.log(chains)))
+
+  def _add(self, marks: Dict[int, int]) -> None:
+    """The chains ``marks`` (keys, marks) read here now. (With the lock
+    held.)"""
+    self._marks.update(marks)
+    self._most = max(self._most, len(self._marks))
 
   @property
   def rows_per_read(self) -> int:
@@ -244,7 +257,7 @@ class SharedReads:
       if not self._marks:
         self._let_all_go()
         self._failure = None
-        self._marks[key] = mark
+        self._add({key: mark})
         if own is None:
           self._next = mark - mark % self._count
           return False
@@ -255,7 +268,7 @@ class SharedReads:
                   b[1] for b in blocks])])
         return True
       if self._first() <= mark <= self._next + self._rows_per_read:
-        self._marks[key] = mark
+        self._add({key: mark})
         return False
       return None
 
@@ -269,7 +282,7 @@ class SharedReads:
     :meth:`join` would let join."""
     with self._cond:
       self._forget_gone()
-      reach = self._reach(len(self._marks) + len(marks))
+      reach = self._reach(len(marks))
       near = {key: mark for key, mark in marks.items()
               if stop - mark <= reach}
       if not self._marks:
@@ -282,7 +295,7 @@ class SharedReads:
       else:
         near = {key: mark for key, mark in near.items()
                 if self._first() <= mark <= self._next + self._rows_per_read}
-      self._marks.update(near)
+      self._add(near)
       return list(near)
 
   def leave(self, key: int) -> None:
@@ -322,8 +335,9 @@ class SharedReads:
                     ) -> Optional[Block]:
     """:meth:`take` for the chains ``keys`` at once: the whole window, read
     up to ``stop`` first if need be, which holds every element from each
-    chain's mark on; None if any of them was let go, or the window is
-    empty. Raises as :meth:`take` does, if any of ``cancelled`` is set."""
+    chain's mark on; None if any of them was let go, or nothing was read
+    (a buffer emptied needs nothing new). Raises as :meth:`take` does, if
+    any of ``cancelled`` is set."""
     with self._cond:
       if not self._wait(keys, stop, cancelled):
         return None
@@ -490,10 +504,11 @@ class PipelineRows:
 
   Elements are numbered along the passes (element ``i`` of pass ``p`` is
   ``p * count + i``). The chain holds what it read and still needs: the
-  elements its shuffle buffer holds (copied into one small block) and, when
-  it reads by itself, those read ahead (views of the last block read).
-  With ``shared``, it reads through the :class:`SharedReads` of its shard
-  whenever it can join it.
+  rows of elements its shuffle buffer holds (copied into one small block:
+  all of them when it reads by itself, only those the shared window may
+  drop when it reads through it) and, when it reads by itself, those read
+  ahead (views of the last block read). With ``shared``, it reads through
+  the :class:`SharedReads` of its shard whenever it can join it.
   """
 
   def __init__(self, data: tf.data.Dataset, count: int, rows_per_read: int,
@@ -551,12 +566,9 @@ class PipelineRows:
     self._reader.cancel()
 
   def held_bytes(self) -> int:
-    """The bytes of the rows it holds: its shuffle buffer's (its part of
-    the block of chains gathered together) and the whole blocks that its
-    views of blocks read ahead keep alive; not the shared blocks."""
-    held = 0 if self._held is None else self._held[0].nbytes + sum(
-        row.nbytes for row in self._held[1])
-    return held + _bytes(self._ahead)
+    """The bytes of the rows it holds (the whole blocks that views keep
+    alive; not the shared blocks)."""
+    return _bytes(([self._held] if self._held else []) + self._ahead)
 
   def group_key(self) -> Optional[SharedReads]:
     """Its shard's shared reads, if it has them: chains whose rows have
@@ -621,8 +633,10 @@ class PipelineRows:
     new_marks = {}
     for lane, source in enumerate(sources):
       count, end = int(counts[lane]), ends[lane]
+      # Copies (few rows): a view would keep the group's rows alive.
       source._held = None if not count else (  # pylint: disable=protected-access
-          kept[end - count:end], [row[end - count:end] for row in held_rows])
+          kept[end - count:end].copy(),
+          [row[end - count:end].copy() for row in held_rows])
       source._mark = _mark_after(splits[lane][1], int(marks[lane]),  # pylint: disable=protected-access
                                  int(stops[lane]))
       new_marks[id(source)] = source._mark  # pylint: disable=protected-access
@@ -639,14 +653,19 @@ class PipelineRows:
     those after all ``wanted`` and ``keep``: it holds the rows of those of
     ``keep`` before its horizon (all of them when it reads by itself),
     and its mark stays before the others, which the shared window keeps
-    (or the chain reads again)."""
+    (or the chain reads again). Where it raises, it gave nothing: it can
+    give the same elements again."""
     if self._cancelled.is_set():
       raise released_error()
     stop = int(max(wanted.max(), keep.max() if keep.size else -1)) + 1
     taken = self._take_shared(stop)
     if taken is None:
-      while self._next < stop:
-        self._read()
+      try:
+        while self._next < stop:
+          self._read()
+      except BaseException:
+        self._own_from(self._mark)  # its iterator's place is unknown
+        raise
       taken = self._ahead
     _gather(self._held, taken, wanted, out)
     kept, rest = _split(keep, self._horizon(stop))

@@ -62,18 +62,26 @@ def _shaped(rows: Rows, layout: ChunkLayout) -> Rows:
           zip(rows, layout.leaf_shapes())]
 
 
-def _rows_each(sources: Sequence[Any], wanted: np.ndarray,
+def _rows_each(chains: Sequence[ShuffleCursor], wanted: np.ndarray,
                keeps: Sequence[np.ndarray], out: Rows, layout: ChunkLayout,
                interleaved: bool) -> None:
   """The rows of a group's chunks (see :meth:`ShuffleCursor.produce_group`)
-  read chain by chain, each copied into its place in ``out``."""
+  read chain by chain, each copied into its place in ``out``; where one
+  fails, the sources of those before it moved past their chunks (they
+  read again from the start of their pass)."""
+  sources = [chain._source for chain in chains]  # pylint: disable=protected-access
   lanes, cache, mb = len(sources), layout.cache_size, layout.mb_size
   lead = (cache, lanes, mb) if interleaved else (lanes, cache, mb)
   places = [leaf.reshape(lead + leaf.shape[1:]) for leaf in out]
   spare = [np.empty((cache * mb,) + leaf.shape[1:], leaf.dtype)
            for leaf in out]
   for lane, source in enumerate(sources):
-    rows = source.rows(wanted[lane], keeps[lane], spare)
+    try:
+      rows = source.rows(wanted[lane], keeps[lane], spare)
+    except BaseException:
+      for chain in chains[:lane]:  # their sources gave their rows
+        chain._source_step = None  # pylint: disable=protected-access
+      raise
     for place, row in zip(places, rows):
       target = place[:, lane] if interleaved else place[lane]
       target[...] = row.reshape((cache, mb) + row.shape[1:])
@@ -102,6 +110,9 @@ class ShuffleCursor(ChainCursor):
     self._shard = [spec.observations.start, spec.observations.count]
     self._shuffle = BufferShuffle(source.count, shuffle_cache, spec.seed)
     self._batch = 0  # batches served
+    # The step the source stands at (it gave the rows of the steps before
+    # it, and holds what the shuffle buffer needs there); None: unknown.
+    self._source_step: Optional[int] = None
     self._all_valid = np.ones(layout.lead, bool)
     self._all_valid.setflags(write=False)
     self._group_key: Optional[GroupKey] = None  # see group_key
@@ -110,25 +121,35 @@ class ShuffleCursor(ChainCursor):
     del index
     wanted, keep = self._draw()
     try:
+      # A source that raises has not moved (it gave no rows).
       rows = self._source.rows(wanted, keep, _flat(out, self._size))
     except BaseException:
-      self._shuffle.position = None  # the source's state is unknown
+      self._shuffle.position = None  # drew the chunk: draws it again
       raise
-    self._batch += self._layout.cache_size
+    self._moved()
     return Chunk(_shaped(rows, self._layout), self._all_valid)
 
   def _draw(self) -> Tuple[np.ndarray, np.ndarray]:
     """The element numbers of its next chunk, and those its shuffle buffer
-    holds afterwards; the shuffle moves past them."""
+    holds afterwards; the shuffle moves past them. A source elsewhere
+    reads again from the start of the pass (not after a failed chunk,
+    which it has not given)."""
     step = self._batch * self._layout.mb_size
     shuffle = self._shuffle
     if shuffle.position != step:
       shuffle.seek(step)
+    if self._source_step != step:
       start = step // shuffle.count * shuffle.count
       buffered = shuffle.buffered()  # empty at a pass's start
       self._source.restart(start, int(buffered.min()) if buffered.size
                            else start)
+      self._source_step = step
     return shuffle.take(self._size), shuffle.buffered()
+
+  def _moved(self) -> None:
+    """Past its chunk, the source too."""
+    self._batch += self._layout.cache_size
+    self._source_step = self._batch * self._layout.mb_size
 
   def group_key(self) -> Optional[Hashable]:
     if self._group_key is None:
@@ -172,13 +193,13 @@ class ShuffleCursor(ChainCursor):
       sources = [chain._source for chain in chains]  # pylint: disable=protected-access
       if not type(sources[0]).rows_together(sources, wanted, keeps, flat,
                                             lane_of, out):
-        _rows_each(sources, wanted, keeps, out, layout, interleaved)
+        _rows_each(chains, wanted, keeps, out, layout, interleaved)
     except BaseException:
-      for chain in chains:  # the sources' states are unknown
+      for chain in chains:  # drew their chunks: they draw them again
         chain._shuffle.position = None  # pylint: disable=protected-access
       raise
     for chain in chains:
-      chain._batch += cache  # pylint: disable=protected-access
+      chain._moved()  # pylint: disable=protected-access
     shapes = layout.leaf_shapes()
     if interleaved:
       leaves = [leaf.reshape(shape[:1] + (lanes,) + shape[1:]).swapaxes(0, 1)
@@ -195,6 +216,7 @@ class ShuffleCursor(ChainCursor):
     pass."""
     self._shuffle.trim()
     self._source.restart(0)
+    self._source_step = None
 
   def close(self) -> None:
     self.trim()
@@ -218,8 +240,9 @@ class ShuffleCursor(ChainCursor):
     batch = check_int("position", position.get("position"), minimum=0)
     seed = check_int("seed", position.get("seed"), minimum=0,
                      maximum=MAX_SEED)
-    if seed != self._shuffle.seed:
+    if seed != self._shuffle.seed:  # another stream: its source too
       self._shuffle.seed, self._shuffle.position = seed, None
+      self._source_step = None
     self._batch = batch
 
 
