@@ -476,15 +476,16 @@ def _gather_window(window: Block, flat: np.ndarray, out: Rows,
   """Fills ``out`` with the rows of the elements ``flat`` of several
   chains: from the ``window`` of consecutive elements where they are in
   it (found by subtraction), else from the shuffle buffer of their chain,
-  ``sources[lane_of(positions)]``."""
+  ``sources[lane_of(positions)]``. ``flat`` is overwritten (with offsets
+  into the window: no copy of every chain's numbers)."""
   numbers, rows = window
-  offset = flat - int(numbers[0])
+  base = int(numbers[0])
+  offset = np.subtract(flat, base, out=flat)
   beyond = np.count_nonzero(offset >= numbers.size)
   if beyond:
     raise _not_held(beyond)
   before = np.flatnonzero(offset < 0)
-  np.maximum(offset, 0, out=offset)
-  for leaf, row in zip(out, rows):
+  for leaf, row in zip(out, rows):  # (those before the window: row 0)
     np.take(row, offset, axis=0, out=leaf, mode="clip")
   if not before.size:
     return
@@ -493,7 +494,7 @@ def _gather_window(window: Block, flat: np.ndarray, out: Rows,
     positions = before[lanes == lane]
     parts = [np.empty((positions.size,) + leaf.shape[1:], leaf.dtype)
              for leaf in out]
-    _gather(sources[lane]._held, [], flat[positions], parts)  # pylint: disable=protected-access
+    _gather(sources[lane]._held, [], offset[positions] + base, parts)  # pylint: disable=protected-access
     for leaf, part in zip(out, parts):
       leaf[positions] = part
 
@@ -583,11 +584,11 @@ class PipelineRows:
     """:meth:`rows` of chains of one :meth:`group_key` at once: chain
     ``i`` wants the elements ``wanted[i]`` and keeps ``keeps[i]``;
     ``flat`` is every chain's ``wanted``, in the order of the rows of
-    ``out``, and ``lane_of(positions)`` the chains of positions of
-    ``flat``. Where every chain reads through the shared reads now, their
-    rows are gathered from its window in one piece and True is returned;
-    else False, with nothing written and no chain moved (read them chain
-    by chain)."""
+    ``out`` (overwritten), and ``lane_of(positions)`` the chains of
+    positions of ``flat``. Where every chain reads through the shared
+    reads now (or they join them together), their rows are gathered from
+    its window in one piece and True is returned; else False, with
+    nothing written and no chain moved (read them chain by chain)."""
     shared = sources[0]._shared  # pylint: disable=protected-access
     if shared is None or any(s._shared is not shared for s in sources):  # pylint: disable=protected-access
       return False
@@ -628,7 +629,8 @@ class PipelineRows:
                  for row in window[1]]
     if kept.size:
       lanes = np.repeat(np.arange(len(sources)), counts)
-      _gather_window(window, kept, held_rows, sources, lambda at: lanes[at])
+      _gather_window(window, kept.copy(), held_rows, sources,
+                     lambda at: lanes[at])
     ends = np.cumsum(counts).tolist()
     new_marks = {}
     for lane, source in enumerate(sources):

@@ -322,11 +322,11 @@ class MemoryRows:
                     out: Rows) -> bool:
     """:meth:`rows` of chains of one :meth:`group_key` at once (see
     :meth:`~jax_data.loaders.tensorflow_reads.PipelineRows.rows_together`):
-    one gather of every chain's rows ``flat`` into ``out``."""
+    one gather of every chain's rows ``flat`` (overwritten) into ``out``."""
     del wanted, keeps, lane_of
     first = sources[0]
     first._gatherer.take_all(list(zip(first._arrays, out)),  # pylint: disable=protected-access
-                             flat % first.count)
+                             np.remainder(flat, first.count, out=flat))
     return True
 
   def gather(self, flat: np.ndarray, out: Rows) -> Rows:
