@@ -444,8 +444,9 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
       loader = jax_data.TensorflowDataLoader(
           tf.data.Dataset.from_tensor_slices(data),
           shuffle_cache=request.get("shuffle_cache", 100),
-          share_reads=request.get("share_reads", True))
-      stream = None
+          share_reads=request.get("share_reads", True),
+          in_memory=request.get("in_memory", False))
+      stream = request.get("stream")
     else:
       loader = jax_data.NumpyDataLoader(**data)
     before = _rss()
@@ -465,8 +466,19 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
     caches = request["chains"] * request["cache"] * request["mb"] * (
         4 * (request["features"] + 1) + 1)
     # The first call compiles.
-    return {"peak": peak, "caches": caches, "threads": threads,
-            "step": float(np.median(calls[1:] or calls))}
+    measured = {"peak": peak, "caches": caches, "threads": threads,
+                "step": float(np.median(calls[1:] or calls))}
+    if request.get("references"):  # after the peak: their own memory
+      contenders = _samplers(request, data)[0]
+      for name in (COMPUTE, DEVICE):
+        run_fn, carry = contenders[name]
+        times = []
+        for _ in range(request.get("calls", 3)):
+          start = time.perf_counter()
+          carry = jax.block_until_ready(run_fn(*carry))
+          times.append((time.perf_counter() - start) / request["steps"])
+        measured[name] = float(np.median(times[1:] or times))
+    return measured
   import time
 
   contenders, theta, keys, step_size = _samplers(request, data)
@@ -544,30 +556,39 @@ def source_memory(n: int = 100_000, chains: int = 1024,
 def streamed_chains(n: int = 100_000, chains: tuple[int, ...] = (16, 256,
                                                                   1024),
                     calls: int = 3) -> list[dict[str, Any]]:
-  """Many random chains of a streamed ``TensorflowDataLoader`` (the
-  pipeline read pass after pass, ``from_tensor_slices`` of the case's
-  data; caches of 10 batches of 64), reading one shared iterator and,
-  with ``share_reads=False``, one each, with ``shuffle_cache=100``; and
-  shared with ``shuffle_cache=10_000`` from 256 chains: threads, time a
-  step (median of the calls after the first, of 100 steps) and peak RSS
-  above the start against twice the caches plus 256 MiB, each in a fresh
-  process. Printed as a table (``python chains.py --streamed``)."""
+  """Many random chains of a ``TensorflowDataLoader`` (``from_tensor_slices``
+  of the case's data; caches of 10 batches of 64): streamed (the pipeline
+  read pass after pass) through one shared iterator and, with
+  ``share_reads=False``, one each, and held in memory (through the
+  shuffle buffer, and with ``stream="counter"``), with
+  ``shuffle_cache=100``; and streamed, shared, with
+  ``shuffle_cache=10_000`` from 256 chains. Threads, time a step (median
+  of the calls after the first, of 100 steps) against compute only and
+  device-resident data in the same process, and peak RSS above the start
+  against twice the caches plus 256 MiB, each in a fresh process.
+  Printed as a table (``python chains.py --streamed``)."""
   rows = []
-  cases = [(count, share, 100) for count in chains for share in (True, False)]
-  cases += [(count, True, 10_000) for count in chains if count >= 256]
-  for count, share, slots in cases:
+  reads = {"shared": {"share_reads": True}, "own": {"share_reads": False},
+           "in memory": {"in_memory": True},
+           "in memory, counter": {"in_memory": True, "stream": "counter"}}
+  cases = [(count, how, 100) for count in chains for how in reads]
+  cases += [(count, "shared", 10_000) for count in chains if count >= 256]
+  for count, how, slots in cases:
     request = {**dataclasses.asdict(FULL), "n": n, "chains": count,
                "cache": 10, "steps": 100, "calls": calls,
-               "what": "memory", "loader": "tensorflow",
-               "share_reads": share, "shuffle_cache": slots}
+               "what": "memory", "loader": "tensorflow", **reads[how],
+               "shuffle_cache": slots, "references": True}
     del request["rows"]
     memory = _child_run(request)
     bound = 2 * memory["caches"] + (256 << 20)
-    rows.append({"chains": count, "share_reads": share,
-                 "shuffle_cache": slots, **memory, "bound": bound})
-    print(f"| {count} | {share} | {slots:,} | {memory['threads']} | "
-          f"{memory['step'] * 1e3:.2f} ms | +{format_bytes(memory['peak'])}"
-          f" | {format_bytes(bound)} | "
+    rows.append({"chains": count, "reads": how, "shuffle_cache": slots,
+                 **memory, "bound": bound})
+    print(f"| {count} | {how} | {slots:,} | {memory['threads']} | "
+          f"{memory['step'] * 1e3:.2f} ms | "
+          f"{memory[COMPUTE] * 1e3:.2f} ms | {memory[DEVICE] * 1e3:.2f} ms "
+          f"| {memory['step'] / memory[COMPUTE]:.2f}x | "
+          f"{memory['step'] / memory[DEVICE]:.2f}x | "
+          f"+{format_bytes(memory['peak'])} | {format_bytes(bound)} | "
           f"{'yes' if memory['peak'] <= bound else 'no'} |", flush=True)
   return rows
 
@@ -581,7 +602,8 @@ if __name__ == "__main__":
           "|---|---|---|---|---|")
     source_memory()
   elif sys.argv[1:] == ["--streamed"]:
-    print("| chains | share_reads | shuffle_cache | threads | a step | peak "
-          "RSS above the start | bound | holds |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("| chains | reads | shuffle_cache | threads | a step | compute "
+          "only | device-resident | / compute only | / device-resident | "
+          "peak RSS above the start | bound | holds |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
     streamed_chains()
