@@ -605,3 +605,35 @@ def test_chains_left_when_most_close_go_on_reading_shared():
   assert counted.read - before <= 10 * 8 + 4 * 8
   for cursor in cursors[:2]:
     cursor.close()
+
+
+def test_chains_restored_together_read_the_pass_at_most_once_each():
+  """16 chains restored together to one place, some with their oldest
+  buffered element within the shared window's reach and some beyond: the
+  first read the pass once between them and stay on the shared reads (the
+  reach that let them join is the one the window keeps), the others read
+  it by themselves; none reads it twice."""
+  n, chains = 3000, 16
+  counted = _Counted(n)
+  loader = TensorflowDataLoader(counted.pipeline, shuffle_cache=20)
+  held = TensorflowDataLoader(tf.data.Dataset.range(n).map(
+      lambda x: {"x": x}), shuffle_cache=20, in_memory=True)
+  layout = loader.chunk_layout(2, 4)
+  cursors = _cursors(loader, range(chains), layout)
+  references = _cursors(held, range(chains), layout)
+  for c in cursors + references:
+    position = c.position()
+    position["position"] = 250  # step 2,000 of the first pass
+    c.seek(position)
+  alone = None
+  for _ in range(4):
+    got = _produce_together(cursors, layout, False)
+    for chunk, reference in zip(got, references):
+      np.testing.assert_array_equal(chunk[0],
+                                    _produce_alone(reference, layout)[0])
+    if alone is None:  # those not let join: each reads the pass
+      alone = sum(not c._source.reads_shared() for c in cursors)  # pylint: disable=protected-access
+      assert 0 < alone < chains
+  assert counted.read <= (alone + 1) * (2000 + 20 + 4 * 8 + 6 * 8)
+  for cursor in cursors:
+    cursor.close()

@@ -147,16 +147,16 @@ class SharedReads:
   once no chain reads here the iterator is dropped, and the next chain to
   join starts it again at the start of its pass.
 
-  The window reaches four reads and ``buffer * max(1, ln(chains))``
-  elements behind the newest (``buffer``: the chains' shuffle buffer
-  slots), and back to the mark of the chain furthest behind within twice
-  that. An element stays in a shuffle buffer of ``buffer`` slots for
-  ``buffer`` steps on average, geometrically distributed, so a chain
-  holds the rows of the few elements of its buffer older than that
-  (:meth:`PipelineRows.rows`), about ``buffer / chains`` each, and the
-  window the others once for all chains: with 256 chains of 10,000
-  slots, about 65,000 rows in all where each chain holding its buffer's
-  rows held 2,560,000.
+  The window reaches four reads and ``buffer * max(1, ln(chains))`` elements
+  behind the newest (``buffer``: the chains' shuffle buffer slots;
+  ``chains``: the most that read here together so far), and back to the mark
+  of the chain furthest behind within twice that. An element stays in a
+  shuffle buffer of ``buffer`` slots for ``buffer`` steps on average,
+  geometrically distributed, so a chain holds the rows of the few elements
+  of its buffer older than that (:meth:`PipelineRows.rows`), about ``buffer
+  / chains`` each, and the window the others once for all chains: with 256
+  chains of 10,000 slots, about 65,000 rows in all where each chain holding
+  its buffer's rows held 2,560,000.
 
   Reads run in a thread of their own (a :class:`Reader`, a new one each
   time every chain is let go, so that new chains never wait behind a read
@@ -283,19 +283,22 @@ class SharedReads:
     :meth:`join` would let join."""
     with self._cond:
       self._forget_gone()
-      reach = self._reach(len(marks))
+      idle = not self._marks
+      # The reach of all of them, which the window keeps from now on:
+      # those not let join now read by themselves and join later.
+      self._most = max(self._most, len(self._marks) + len(marks))
+      reach = self.reach
       near = {key: mark for key, mark in marks.items()
-              if stop - mark <= reach}
-      if not self._marks:
-        if not near:
-          return []
+              if stop - mark <= reach and (idle or self._first() <= mark
+                                           <= self._next
+                                           + self._rows_per_read)}
+      if not near:
+        return []
+      if idle:
         self._let_all_go()
         self._failure = None
         first = min(near.values())
         self._next = first - first % self._count
-      else:
-        near = {key: mark for key, mark in near.items()
-                if self._first() <= mark <= self._next + self._rows_per_read}
       self._add(near)
       return list(near)
 
@@ -705,9 +708,10 @@ class PipelineRows:
     for _ in range(2):  # once more after being let go: it may join again
       if not self._in_shared:
         if stop - self._mark > shared.reach:
-          # More than the shared window holds (the first chunk after a
-          # seek into a pass): read by itself, and join with its own
-          # iterator once it has read them.
+          # More than the shared window holds (after a seek into a
+          # pass, its shuffle buffer's oldest element is further back):
+          # read by itself, and join with its own iterator once it has
+          # read them.
           return None
         own = None
         if self._iterator is not None:
