@@ -331,13 +331,13 @@ def test_a_chain_restored_mid_pass_replays_once_then_reads_shared():
   reference, = _cursors(held, [0], layout)
   for c in (cursor, reference):
     position = c.position()
-    position["position"] = 250  # batch 250: step 2,000 of the first pass
+    position["position"] = 250  # batch 250: step 1,000 of the first pass
     c.seek(position)
   for _ in range(4):
     np.testing.assert_array_equal(_chunk_x(cursor, layout),
                                   _chunk_x(reference, layout))
   assert cursor._source.reads_shared()  # pylint: disable=protected-access
-  assert counted.read <= 2000 + 5 + 4 * 8 + 2 * 8  # one replay
+  assert counted.read <= 1000 + 5 + 4 * 8 + 2 * 8  # one replay
   cursor.close()
 
 
@@ -514,7 +514,7 @@ def test_chains_restored_together_mid_pass_read_it_once_between_them(
   references = _cursors(held, range(chains), layout)
   for c in cursors + references:
     position = c.position()
-    position["position"] = 250  # batch 250: step 2,000 of the first pass
+    position["position"] = 250  # batch 250: step 1,000 of the first pass
     c.seek(position)
   for _ in range(4):
     if together:
@@ -525,7 +525,7 @@ def test_chains_restored_together_mid_pass_read_it_once_between_them(
       np.testing.assert_array_equal(x, _chunk_x(reference, layout))
   assert all(c._source.reads_shared() for c in cursors)  # pylint: disable=protected-access
   if together:
-    assert counted.read <= 2000 + 10 + 4 * 8 + 6 * 8  # once, reads ahead
+    assert counted.read <= 1000 + 10 + 4 * 8 + 6 * 8  # once, reads ahead
   for cursor in cursors:
     cursor.close()
 
@@ -607,33 +607,67 @@ def test_chains_left_when_most_close_go_on_reading_shared():
     cursor.close()
 
 
-def test_chains_restored_together_read_the_pass_at_most_once_each():
-  """16 chains restored together to one place, some with their oldest
-  buffered element within the shared window's reach and some beyond: the
-  first read the pass once between them and stay on the shared reads (the
-  reach that let them join is the one the window keeps), the others read
-  it by themselves; none reads it twice."""
+def test_chains_restored_together_with_large_buffers_read_the_pass_once():
+  """16 chains of 100-slot shuffle buffers restored together to one place:
+  the oldest elements of their buffers are beyond the shared window's
+  reach, and the shared reads copy their rows as they pass them, so the
+  pass up to there is read once for all of them (each read it by itself
+  before)."""
   n, chains = 3000, 16
   counted = _Counted(n)
-  loader = TensorflowDataLoader(counted.pipeline, shuffle_cache=20)
+  loader = TensorflowDataLoader(counted.pipeline, shuffle_cache=100)
   held = TensorflowDataLoader(tf.data.Dataset.range(n).map(
-      lambda x: {"x": x}), shuffle_cache=20, in_memory=True)
+      lambda x: {"x": x}), shuffle_cache=100, in_memory=True)
   layout = loader.chunk_layout(2, 4)
   cursors = _cursors(loader, range(chains), layout)
   references = _cursors(held, range(chains), layout)
   for c in cursors + references:
     position = c.position()
-    position["position"] = 250  # step 2,000 of the first pass
+    position["position"] = 400  # batch 400: step 1,600 of the first pass
     c.seek(position)
-  alone = None
   for _ in range(4):
     got = _produce_together(cursors, layout, False)
     for chunk, reference in zip(got, references):
       np.testing.assert_array_equal(chunk[0],
                                     _produce_alone(reference, layout)[0])
-    if alone is None:  # those not let join: each reads the pass
-      alone = sum(not c._source.reads_shared() for c in cursors)  # pylint: disable=protected-access
-      assert 0 < alone < chains
-  assert counted.read <= (alone + 1) * (2000 + 20 + 4 * 8 + 6 * 8)
+  assert all(c._source.reads_shared() for c in cursors)  # pylint: disable=protected-access
+  assert counted.read <= 1600 + 100 + 4 * 8 + 6 * 8
   for cursor in cursors:
     cursor.close()
+
+
+def test_a_checkpoint_of_vmapped_chains_restores_reading_the_pass_once():
+  """16 vmapped chains of 200-slot buffers saved mid-pass
+  (``state_to_pytree``) and restored into a new pipeline: their next
+  batches are those the saved chains gave, and the pass up to there is
+  read about once for all of them (the chunks between the checkpoint's
+  snapshot and the one asked for replayed together, the buffers' oldest
+  elements copied as the shared reads pass them), not once a chain."""
+  n, chains = 3000, 16
+
+  def pipeline(counted):
+    return jax_data.random_reference_data(
+        TensorflowDataLoader(counted.pipeline, shuffle_cache=200), 2, 4)
+
+  first, second = _Counted(n), _Counted(n)
+  saved_pipeline = pipeline(first)
+  init_fn, batch_fn, release_fn = saved_pipeline
+  step = jax.jit(jax.vmap(batch_fn))
+  states = init_fn(seed=range(chains))
+  for _ in range(250):  # step 1,000
+    states, _ = step(states)
+  saved = jax_data.state_to_pytree(saved_pipeline, states)
+  expected = []
+  for _ in range(5):
+    states, batch = step(states)
+    expected.append(np.asarray(batch["x"]))
+  release_fn()
+  restored_pipeline = pipeline(second)
+  _, batch_fn, release_fn = restored_pipeline
+  step = jax.jit(jax.vmap(batch_fn))
+  states = jax_data.state_from_pytree(restored_pipeline, saved)
+  for want in expected:
+    states, batch = step(states)
+    np.testing.assert_array_equal(np.asarray(batch["x"]), want)
+  release_fn()
+  assert second.read <= 1000 + 200 + 6 * 8 + 10 * 8

@@ -126,6 +126,27 @@ def _bytes(blocks: List[Block]) -> int:
   return sum(a.nbytes for a in arrays.values())
 
 
+class _CatchUp:
+  """The rows of elements ``numbers`` (sorted) a chain needs, copied from
+  the blocks read as they pass them (in the reader's thread)."""
+
+  def __init__(self, numbers: np.ndarray, formats):
+    self.numbers = numbers
+    self.rows = [np.empty((numbers.size,) + fmt.shape, fmt.dtype)
+                 for fmt in formats]
+    self.filled = 0  # numbers[:filled] are copied
+
+  def copy(self, first: int, rows: Rows) -> None:
+    """From the block of elements ``first ..`` read: ``rows``."""
+    start = self.filled
+    stop = int(np.searchsorted(self.numbers, first + len(rows[0])))
+    if stop > start:
+      at = self.numbers[start:stop] - first
+      for out, row in zip(self.rows, rows):
+        np.take(row, at, axis=0, out=out[start:stop])
+      self.filled = stop
+
+
 class SharedReads:
   """One iterator over a shard's pipeline, read pass after pass in blocks
   of ``rows_per_read`` elements, for the chains that read the shard at
@@ -182,6 +203,10 @@ class SharedReads:
     self._next = 0  # the number of the element read next
     self._marks: Dict[int, int] = {}  # id of a chain's rows -> its mark
     self._most = 1  # the most chains that read here at once so far
+    # Chains that joined needing elements before the window's reach (chains
+    # restored together): the rows of those elements, copied as reads
+    # pass them (see join_together).
+    self._catching: Dict[int, _CatchUp] = {}
     # Chains dropped unclosed (appended by their finalizers, which may run
     # anywhere, even where a lock of the closer's is held: no lock here).
     self._gone: Deque[int] = collections.deque()
@@ -273,14 +298,23 @@ class SharedReads:
         return False
       return None
 
-  def join_together(self, marks: Dict[int, int], stop: int) -> List[int]:
+  def join_together(self, marks: Dict[int, int], stop: int,
+                    needs: Optional[Dict[int, Tuple[int, np.ndarray]]] = None
+                    ) -> List[int]:
     """The chains of ``marks`` (keys, their marks) that now read here,
-    needing elements up to ``stop``: with no chain reading here, those
-    whose marks are within reach of ``stop``, the shared iterator started
-    again at the start of the pass of the first of those marks (chains
-    restored together to one place, each needing the elements of its
-    shuffle buffer, read the pass up to there once); else those that
-    :meth:`join` would let join."""
+    needing elements up to ``stop``: with no chain reading here, all of
+    them, the shared iterator started again at the start of the pass of
+    the first element any of them needs (chains restored together to one
+    place, each needing the elements of its shuffle buffer, read the pass
+    up to there once); else those that :meth:`join` would let join.
+
+    ``needs[key]`` is ``(horizon, numbers)``: the chain needs the elements
+    ``numbers`` (sorted), before the window's reach, and the others from
+    ``horizon`` on (its mark here). With no chain reading here, the reads
+    copy the rows of ``numbers`` as they pass them (:meth:`caught` gives
+    them); else it is not let join. Without ``needs``, a chain whose mark
+    is beyond the reach of ``stop`` is not let join."""
+    needs = needs or {}
     with self._cond:
       self._forget_gone()
       idle = not self._marks
@@ -288,19 +322,43 @@ class SharedReads:
       # those not let join now read by themselves and join later.
       self._most = max(self._most, len(self._marks) + len(marks))
       reach = self.reach
-      near = {key: mark for key, mark in marks.items()
-              if stop - mark <= reach and (idle or self._first() <= mark
-                                           <= self._next
-                                           + self._rows_per_read)}
+      if idle:
+        near = {key: needs[key][0] if key in needs else mark
+                for key, mark in marks.items()
+                if key in needs or stop - mark <= reach}
+      else:
+        near = {key: mark for key, mark in marks.items()
+                if key not in needs and stop - mark <= reach and
+                self._first() <= mark <= self._next + self._rows_per_read}
       if not near:
         return []
       if idle:
         self._let_all_go()
         self._failure = None
-        first = min(near.values())
+        first = min([*near.values()] + [int(needs[key][1][0])
+                                        for key in near if key in needs])
         self._next = first - first % self._count
+        for key in near:
+          if key in needs:
+            self._catching[key] = _CatchUp(needs[key][1],
+                                           self._reading.formats)
       self._add(near)
       return list(near)
+
+  def reach_with(self, more: int) -> int:
+    """:attr:`reach` were ``more`` chains to join those reading here."""
+    with self._cond:
+      return self._reach(more)
+
+  def caught(self, key: int) -> Optional[Block]:
+    """The rows a chain that joined with ``needs`` needed, once the reads
+    passed them all (then it no longer waits for them), else None."""
+    with self._cond:
+      catch = self._catching.get(key)
+      if catch is None or catch.filled < catch.numbers.size:
+        return None
+      del self._catching[key]
+      return catch.numbers, catch.rows
 
   def leave(self, key: int) -> None:
     """The chain ``key`` no longer reads here; the last one to leave drops
@@ -311,6 +369,7 @@ class SharedReads:
 
   def _leave(self, key: int) -> None:
     """(With the lock held.)"""
+    self._catching.pop(key, None)
     if self._marks.pop(key, None) is not None and not self._marks:
       self._let_all_go()
 
@@ -381,6 +440,7 @@ class SharedReads:
     """(With the lock held.)"""
     self._generation += 1
     self._marks.clear()
+    self._catching.clear()
     self._window = None
     held, self._iterator = [self._iterator], None
     self._closer.close_later(held)
@@ -399,12 +459,15 @@ class SharedReads:
       window, first = self._window, self._next
       reach = self.reach
       oldest = min(self._marks.values(), default=first)
+      catching = list(self._catching.values())
     fresh = iterator is None
     try:
       if fresh:
         iterator = in_order(self._data.repeat().batch(self._rows_per_read))
       rows = self._reading.next_rows(iterator, fresh)
       stop = first + len(rows[0])
+      for catch in catching:
+        catch.copy(first, rows)
       if window:  # the elements within reach stay, with the new ones
         # (and those of the chain furthest behind, within twice the reach)
         first = max(int(window[0][0]), min(stop - reach, oldest),
@@ -465,6 +528,16 @@ def _split(keep: np.ndarray, horizon: int) -> Tuple[np.ndarray, Optional[int]]:
   before = keep < horizon
   kept = np.sort(keep[before])
   return kept, (None if kept.size == keep.size else int(keep[~before].min()))
+
+
+def _merged(held: Optional[Block], more: Block) -> Block:
+  """The rows held and ``more`` (other elements) as one block, by number."""
+  if held is None:
+    return more
+  numbers = np.concatenate([held[0], more[0]])
+  order = np.argsort(numbers, kind="stable")
+  return numbers[order], [np.concatenate([a, b])[order]
+                          for a, b in zip(held[1], more[1])]
 
 
 def _mark_after(rest: Optional[int], mark: int, stop: int) -> int:
@@ -601,20 +674,52 @@ class PipelineRows:
     stops = np.maximum(wanted.max(axis=1), [
         keep.max() if keep.size else -1 for keep in keeps]) + 1
     # Chains that do not read there yet (the first chunk, or chains
-    # restored together) join together, unless reading by themselves.
-    outside = {id(s): s for s in sources
+    # restored together) join together, unless reading by themselves;
+    # those that need elements beyond the window's reach (restored into a
+    # pass, the oldest elements of their shuffle buffers) have their rows
+    # copied as the shared reads pass them.
+    outside = {id(s): (lane, s) for lane, s in enumerate(sources)
                if not s._in_shared and s._iterator is None}  # pylint: disable=protected-access
+    needs: Dict[int, Tuple[int, np.ndarray]] = {}
     if outside:
+      reach = shared.reach_with(len(outside))
+      for key, (lane, s) in outside.items():
+        horizon = int(stops[lane]) - reach + 2 * shared.rows_per_read
+        if horizon > s._mark:  # pylint: disable=protected-access
+          wants = np.union1d(wanted[lane], keeps[lane])
+          wants = wants[(wants >= s._mark) & (wants < horizon)]  # pylint: disable=protected-access
+          if wants.size:
+            needs[key] = (horizon, wants)
       for key in shared.join_together(
-          {key: s._mark for key, s in outside.items()}, int(stops.max())):  # pylint: disable=protected-access
-        outside[key]._in_shared = True  # pylint: disable=protected-access
-        outside[key]._own_from(outside[key]._mark)  # pylint: disable=protected-access
+          {key: s._mark for key, (_, s) in outside.items()},  # pylint: disable=protected-access
+          int(stops.max()), needs):
+        source = outside[key][1]
+        source._in_shared = True  # pylint: disable=protected-access
+        source._own_from(source._mark)  # pylint: disable=protected-access
     if not all(s._in_shared for s in sources):  # pylint: disable=protected-access
+      for key in needs:  # they would wait for rows nobody reads for them
+        outside[key][1]._leave_shared()  # pylint: disable=protected-access
       return False
-    window = shared.take_together(
-        [id(s) for s in sources], int(stops.max()),
-        [s._cancelled for s in sources])  # pylint: disable=protected-access
-    if window is None or not window[0].size:
+    try:
+      window = shared.take_together(
+          [id(s) for s in sources], int(stops.max()),
+          [s._cancelled for s in sources])  # pylint: disable=protected-access
+    finally:
+      # The chains that joined needing rows copied: once copied, they
+      # hold them and their marks move to where the window keeps the
+      # rest; else they leave (their marks there would be past elements
+      # they lack).
+      for key, (horizon, _) in needs.items():
+        source = outside[key][1]
+        if source._in_shared:  # pylint: disable=protected-access
+          rows = shared.caught(key)
+          if rows is None:
+            source._leave_shared()  # pylint: disable=protected-access
+          else:
+            source._held = _merged(source._held, rows)  # pylint: disable=protected-access
+            source._mark = horizon  # pylint: disable=protected-access
+    if window is None or not window[0].size or not all(
+        s._in_shared for s in sources):  # pylint: disable=protected-access
       return False
     # Every element from a chain's mark on is in the window; the elements
     # before the window, in the chain's rows held.

@@ -204,6 +204,10 @@ class Producer:
           settle(future, error=self._wrap(record, index, e))
           continue
         (ready if stands else left).append((record, index, future))
+      if len(left) > 1:
+        brought = self._replay_together(left)
+        ready += brought
+        left = [job for job in left if job not in brought]
       if ready:
         self._produce_ready(ready, into)
     finally:
@@ -213,6 +217,52 @@ class Producer:
         for record in locked:
           record.close(blocking=True)
     return left
+
+  def _replay_together(self, jobs: List[Job]) -> List[Job]:
+    """Chains of a group that stand elsewhere (restored together from one
+    checkpoint, whose snapshot is some chunks before the one asked for),
+    each moved to its newest snapshot at or before its chunk and brought
+    to the chunk producing the chunks between together, as a group:
+    the jobs now standing at their chunks (all of them, or none, which
+    are then produced one by one). A streamed tf.data chain replaying
+    alone reads its pass alone.
+
+    With every chain's ``produce_lock`` held."""
+    bases = []
+    for record, index, _ in jobs:
+      if record.closed:
+        return []
+      bases.append(max(i for i in record.snapshots if i <= index))
+    steps = {index - base for (_, index, _), base in zip(jobs, bases)}
+    keys = {record.cursor.group_key() for record, _, _ in jobs}
+    if len(steps) != 1 or len(keys) != 1 or None in keys:
+      return []
+    steps = steps.pop()
+    if not 0 < steps <= self._limits.max_replay:
+      return []
+    records = [record for record, _, _ in jobs]
+    try:
+      for record, base in zip(records, bases):
+        record.next_index = None  # unknown until it stands there
+        record.cursor.seek(record.snapshots[base])
+        record.next_index = base
+      cursors = [record.cursor for record in records]
+      for _ in range(steps):
+        indices = []
+        for record in records:
+          current = record.next_index
+          if current not in record.snapshots:
+            record.snapshots[current] = record.cursor.position()
+          indices.append(current)
+          record.next_index = None  # unknown until the cursors return
+        type(cursors[0]).produce_group(cursors, indices, self.layout,
+                                       self._buffers.empty)
+        for record, current in zip(records, indices):
+          record.next_index = current + 1
+          record.thin(self._limits.recent_snapshots)
+    except Exception:  # pylint: disable=broad-except
+      return []  # one by one, from their snapshots (next_index is None)
+    return list(jobs)
 
   def _produce_ready(self, ready: List[Job], into: Dict[int, Chunk]
                      ) -> None:
