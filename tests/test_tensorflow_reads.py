@@ -671,3 +671,28 @@ def test_a_checkpoint_of_vmapped_chains_restores_reading_the_pass_once():
     np.testing.assert_array_equal(np.asarray(batch["x"]), want)
   release_fn()
   assert second.read <= 1000 + 200 + 6 * 8 + 10 * 8
+
+
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_vmapped_chains_replayed_together_warn_each_with_verify_calls(
+    in_memory):
+  """An old state of 4 vmapped chains used again: their chunks are
+  replayed from snapshots together, serve the batches they served then,
+  and ``verify_calls`` warns once for each chain, as for a chain alone."""
+  loader = TensorflowDataLoader(_pipeline(200), shuffle_cache=20,
+                                in_memory=in_memory)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      loader, 1, 2, verify_calls=True)
+  step = jax.jit(jax.vmap(batch_fn))
+  states = init_fn(seed=range(4))
+  for i in range(300):
+    if i == 3:
+      old = states
+    states, batch = step(states)
+    if i == 3:
+      served = np.asarray(batch["x"])
+  with pytest.warns(UserWarning, match="requested again") as caught:
+    _, batch = step(old)
+  np.testing.assert_array_equal(np.asarray(batch["x"]), served)
+  assert len([w for w in caught if "requested again" in str(w.message)]) == 4
+  release_fn()

@@ -218,6 +218,16 @@ class Producer:
           record.close(blocking=True)
     return left
 
+  def _warn_replay(self, record: ChainRecord, index: int, base: int
+                   ) -> None:
+    """With ``verify_calls``: a chain that moved on is asked for chunk
+    ``index`` again, and replays it from its snapshot at ``base``."""
+    if self._verify_calls and record.next_index is not None:
+      warnings.warn(
+          f"{self.name}, chain {record.number}: chunk {index} was "
+          f"requested again after chunk {record.next_index - 1}; "
+          f"replaying from chunk {base}", stacklevel=3)
+
   def _replay_together(self, jobs: List[Job]) -> List[Job]:
     """Chains of a group that stand elsewhere (restored together from one
     checkpoint, whose snapshot is some chunks before the one asked for),
@@ -228,6 +238,8 @@ class Producer:
     alone reads its pass alone.
 
     With every chain's ``produce_lock`` held."""
+    if self._released is not None:
+      return []
     bases = []
     for record, index, _ in jobs:
       if record.closed:
@@ -241,6 +253,8 @@ class Producer:
     if not 0 < steps <= self._limits.max_replay:
       return []
     records = [record for record, _, _ in jobs]
+    for (record, index, _), base in zip(jobs, bases):
+      self._warn_replay(record, index, base)
     try:
       for record, base in zip(records, bases):
         record.next_index = None  # unknown until it stands there
@@ -359,11 +373,7 @@ class Producer:
             f"chunks past its nearest snapshot (chunk {base}), more than "
             f"the {self._limits.max_replay} a request may replay; the "
             "state's chunk counter does not come from this chain")
-      if self._verify_calls and record.next_index is not None:
-        warnings.warn(
-            f"{self.name}, chain {record.number}: chunk {index} was "
-            f"requested again after chunk {record.next_index - 1}; "
-            f"replaying from chunk {base}", stacklevel=2)
+      self._warn_replay(record, index, base)
       standing, record.next_index = record.next_index, None
       try:
         cursor.seek(record.snapshots[base])
