@@ -495,26 +495,29 @@ def test_many_chains_hold_the_rows_of_few_of_their_buffers_elements():
 
 
 @pytest.mark.parametrize("together", [True, False])
+@pytest.mark.parametrize("chains, slots, step", [(32, 10, 1000),
+                                                 (16, 100, 1600)])
 def test_chains_restored_together_mid_pass_read_it_once_between_them(
-    together):
-  """32 chains restored to one place in a pass (a checkpoint of vmapped
+    together, chains, slots, step):
+  """Chains restored to one place in a pass (a checkpoint of vmapped
   chains), produced together (as the host produces a vmapped request's
   chains): the pass up to there is read once for all of them, not once
-  per chain (each needs its shuffle buffer's elements, and the oldest of
-  them is where it reads from). Produced one by one, the first reads the
-  pass, and the chains whose oldest element its window no longer holds
-  read it again by themselves; all serve their streams exactly."""
-  n, chains = 3000, 32
-  counted = _Counted(n)
-  loader = TensorflowDataLoader(counted.pipeline, shuffle_cache=10)
-  held = TensorflowDataLoader(tf.data.Dataset.range(n).map(
-      lambda x: {"x": x}), shuffle_cache=10, in_memory=True)
+  per chain. Each needs its shuffle buffer's elements from the oldest on;
+  those beyond the shared window's reach (100 slots for 16 chains) are
+  copied for it as the shared reads pass them. Produced one by one, the
+  first reads the pass, and the chains whose oldest element its window no
+  longer holds read it again by themselves; all serve their streams
+  exactly."""
+  counted = _Counted(3000)
+  loader = TensorflowDataLoader(counted.pipeline, shuffle_cache=slots)
+  held = TensorflowDataLoader(tf.data.Dataset.range(3000).map(
+      lambda x: {"x": x}), shuffle_cache=slots, in_memory=True)
   layout = loader.chunk_layout(2, 4)
   cursors = _cursors(loader, range(chains), layout)
   references = _cursors(held, range(chains), layout)
   for c in cursors + references:
     position = c.position()
-    position["position"] = 250  # batch 250: step 1,000 of the first pass
+    position["position"] = step // 4  # batches of 4
     c.seek(position)
   for _ in range(4):
     if together:
@@ -524,8 +527,8 @@ def test_chains_restored_together_mid_pass_read_it_once_between_them(
     for x, reference in zip(got, references):
       np.testing.assert_array_equal(x, _chunk_x(reference, layout))
   assert all(c._source.reads_shared() for c in cursors)  # pylint: disable=protected-access
-  if together:
-    assert counted.read <= 1000 + 10 + 4 * 8 + 6 * 8  # once, reads ahead
+  if together:  # once, and reads ahead
+    assert counted.read <= step + slots + 4 * 8 + 6 * 8
   for cursor in cursors:
     cursor.close()
 
@@ -604,35 +607,6 @@ def test_chains_left_when_most_close_go_on_reading_shared():
   assert all(c._source.reads_shared() for c in cursors[:2])  # pylint: disable=protected-access
   assert counted.read - before <= 10 * 8 + 4 * 8
   for cursor in cursors[:2]:
-    cursor.close()
-
-
-def test_chains_restored_together_with_large_buffers_read_the_pass_once():
-  """16 chains of 100-slot shuffle buffers restored together to one place:
-  the oldest elements of their buffers are beyond the shared window's
-  reach, and the shared reads copy their rows as they pass them, so the
-  pass up to there is read once for all of them (each read it by itself
-  before)."""
-  n, chains = 3000, 16
-  counted = _Counted(n)
-  loader = TensorflowDataLoader(counted.pipeline, shuffle_cache=100)
-  held = TensorflowDataLoader(tf.data.Dataset.range(n).map(
-      lambda x: {"x": x}), shuffle_cache=100, in_memory=True)
-  layout = loader.chunk_layout(2, 4)
-  cursors = _cursors(loader, range(chains), layout)
-  references = _cursors(held, range(chains), layout)
-  for c in cursors + references:
-    position = c.position()
-    position["position"] = 400  # batch 400: step 1,600 of the first pass
-    c.seek(position)
-  for _ in range(4):
-    got = _produce_together(cursors, layout, False)
-    for chunk, reference in zip(got, references):
-      np.testing.assert_array_equal(chunk[0],
-                                    _produce_alone(reference, layout)[0])
-  assert all(c._source.reads_shared() for c in cursors)  # pylint: disable=protected-access
-  assert counted.read <= 1600 + 100 + 4 * 8 + 6 * 8
-  for cursor in cursors:
     cursor.close()
 
 
