@@ -39,6 +39,13 @@ class _Counted:
             tf.py_function(count, [x], tf.int64), [])})
 
 
+def _held(n, slots):
+  """A loader of ``range(n)`` held in memory: the streams of the streamed
+  chains of the same pipeline and ``shuffle_cache``, to compare with."""
+  return TensorflowDataLoader(tf.data.Dataset.range(n).map(
+      lambda x: {"x": x}), shuffle_cache=slots, in_memory=True)
+
+
 def _chunk_x(cursor, layout):
   return cursor.produce(0, layout.new_chunk()).leaves[0].copy()
 
@@ -255,8 +262,7 @@ def test_a_failed_read_fails_every_waiting_chain_and_is_tried_again():
       lambda x: {"x": tf.ensure_shape(tf.py_function(flaky, [x], tf.int64),
                                       [])})
   loader = TensorflowDataLoader(data, shuffle_cache=3)
-  held = TensorflowDataLoader(tf.data.Dataset.range(40).map(
-      lambda x: {"x": x}), shuffle_cache=3, in_memory=True)
+  held = _held(40, 3)
   layout = loader.chunk_layout(2, 4)
   cursors = _cursors(loader, range(3), layout)
   references = _cursors(held, range(3), layout)
@@ -288,8 +294,7 @@ def test_a_chain_that_joins_idle_mid_pass_brings_its_own_reads(
   n = 2000
   counted = _Counted(n)
   loader = TensorflowDataLoader(counted.pipeline, shuffle_cache=5)
-  held = TensorflowDataLoader(tf.data.Dataset.range(n).map(
-      lambda x: {"x": x}), shuffle_cache=5, in_memory=True)
+  held = _held(n, 5)
   layout = loader.chunk_layout(2, 4)
   lagging, leading = _cursors(loader, [0, 1], layout)
   reference = _cursors(held, [0], layout)[0]
@@ -317,15 +322,14 @@ def test_a_chain_that_joins_idle_mid_pass_brings_its_own_reads(
 
 
 def test_a_chain_restored_mid_pass_replays_once_then_reads_shared():
-  """The first chunk after a seek into a pass needs elements from the
-  pass's start, more than the shared window holds: the chain reads them
-  by itself (as without sharing), then brings its iterator to the shared
-  reads instead of reading the pass again."""
+  """A chain restored alone into a pass needs the elements from the oldest
+  its shuffle buffer holds on: it reads the pass up to there once (here
+  through the idle shared reads, its buffer's oldest element being within
+  their reach), then reads on shared, not the pass again."""
   n = 3000
   counted = _Counted(n)
   loader = TensorflowDataLoader(counted.pipeline, shuffle_cache=5)
-  held = TensorflowDataLoader(tf.data.Dataset.range(n).map(
-      lambda x: {"x": x}), shuffle_cache=5, in_memory=True)
+  held = _held(n, 5)
   layout = loader.chunk_layout(2, 4)
   cursor, = _cursors(loader, [0], layout)
   reference, = _cursors(held, [0], layout)
@@ -510,8 +514,7 @@ def test_chains_restored_together_mid_pass_read_it_once_between_them(
   exactly."""
   counted = _Counted(3000)
   loader = TensorflowDataLoader(counted.pipeline, shuffle_cache=slots)
-  held = TensorflowDataLoader(tf.data.Dataset.range(3000).map(
-      lambda x: {"x": x}), shuffle_cache=slots, in_memory=True)
+  held = _held(3000, slots)
   layout = loader.chunk_layout(2, 4)
   cursors = _cursors(loader, range(chains), layout)
   references = _cursors(held, range(chains), layout)
@@ -563,8 +566,7 @@ def test_chains_recover_from_a_failed_shared_read_reading_the_pass_once():
   n, chains = 3000, 16
   failing = _FailingOnce(n, at=2020)  # read for the chunk after step 2,000
   loader = TensorflowDataLoader(failing.pipeline, shuffle_cache=10)
-  held = TensorflowDataLoader(tf.data.Dataset.range(n).map(
-      lambda x: {"x": x}), shuffle_cache=10, in_memory=True)
+  held = _held(n, 10)
   layout = loader.chunk_layout(2, 4)
   cursors = _cursors(loader, range(chains), layout)
   references = _cursors(held, range(chains), layout)
