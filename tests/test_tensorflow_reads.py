@@ -616,9 +616,9 @@ def test_a_checkpoint_of_vmapped_chains_restores_reading_the_pass_once():
   """16 vmapped chains of 200-slot buffers saved mid-pass
   (``state_to_pytree``) and restored into a new pipeline: their next
   batches are those the saved chains gave, and the pass up to there is
-  read about once for all of them (the chunks between the checkpoint's
-  snapshot and the one asked for replayed together, the buffers' oldest
-  elements copied as the shared reads pass them), not once a chain."""
+  read about once for all of them (each chain seeks to its chunk, whose
+  position it computes, the buffers' oldest elements copied as the shared
+  reads pass them), not once a chain."""
   n, chains = 3000, 16
 
   def pipeline(counted):
@@ -653,8 +653,9 @@ def test_a_checkpoint_of_vmapped_chains_restores_reading_the_pass_once():
 def test_vmapped_chains_replayed_together_warn_each_with_verify_calls(
     in_memory):
   """An old state of 4 vmapped chains used again: their chunks are
-  replayed from snapshots together, serve the batches they served then,
-  and ``verify_calls`` warns once for each chain, as for a chain alone."""
+  produced again together (each cursor seeks back to its chunk), serve
+  the batches they served then, and ``verify_calls`` warns once for each
+  chain, as for a chain alone."""
   loader = TensorflowDataLoader(_pipeline(200), shuffle_cache=20,
                                 in_memory=in_memory)
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(
@@ -671,4 +672,28 @@ def test_vmapped_chains_replayed_together_warn_each_with_verify_calls(
     _, batch = step(old)
   np.testing.assert_array_equal(np.asarray(batch["x"]), served)
   assert len([w for w in caught if "requested again" in str(w.message)]) == 4
+  release_fn()
+
+
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_chains_keep_one_snapshot_however_long_they_run(in_memory):
+  """A chain through a shuffle buffer computes the position of any later
+  chunk from its first (``ChainCursor.position_after``): 4 vmapped chains
+  keep that one snapshot over 300 chunks, not some per doubling of age
+  (70 each, 28 MiB for 1,024 chains, after 120 chunks), and a checkpoint
+  taken at a chunk names that chunk, not an earlier one to replay from."""
+  pipeline = jax_data.random_reference_data(
+      TensorflowDataLoader(_pipeline(200), shuffle_cache=20,
+                           in_memory=in_memory), 1, 2)
+  init_fn, batch_fn, release_fn = pipeline
+  step = jax.jit(jax.vmap(batch_fn))
+  states = init_fn(seed=range(4))
+  for _ in range(300):
+    states, _ = step(states)
+  for chain, chunk in zip(np.asarray(states.chain), np.asarray(states.chunk)):
+    record = pipeline.host.chain(int(chain))
+    assert list(record.snapshots) == [0]
+    index, position = record.snapshot_before(int(chunk))
+    assert index == int(chunk)
+    assert position == {**record.snapshots[0], "position": int(chunk)}
   release_fn()

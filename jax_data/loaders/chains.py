@@ -471,6 +471,18 @@ class ChainCursor(abc.ABC):
     del index
     return None
 
+  def position_after(self, position: Position, chunks: int
+                     ) -> Optional[Position]:
+    """The position ``chunks`` chunks after ``position`` (one of its
+    own), if the cursor can tell it without producing them: a stream that
+    moves the same number of batches every chunk and seeks to any batch
+    by itself (a shuffle buffer replays its pass's draws). The host then
+    keeps no snapshot per chunk, only the chain's first position, and
+    seeks a chunk asked again straight from it. None (the default): it
+    keeps snapshots and replays chunks from them."""
+    del position, chunks
+    return None
+
   def held_bytes(self) -> int:
     """About how many bytes :meth:`trim` would free; the host trims the
     cursors of the chains used least recently while those of all chains

@@ -233,6 +233,11 @@ class ShuffleCursor(ChainCursor):
             "shard": list(self._shard), "seed": self._shuffle.seed,
             "position": self._batch}
 
+  def position_after(self, position: Position, chunks: int) -> Position:
+    # A chunk is cache_size batches; seek replays the pass's draws.
+    return {**position, "shard": list(position["shard"]),
+            "position": position["position"] + chunks * self._layout.cache_size}
+
   def seek(self, position: Position) -> None:
     check_saved_state(position, {"version": POSITION_VERSION,
                                  "shuffle_cache": self._shuffle_cache,
@@ -277,6 +282,12 @@ class _OrderedCursor(ChainCursor):
   def position(self) -> Position:
     return {"version": POSITION_VERSION, "shard": list(self._shard),
             "position": self._batch}
+
+  def position_after(self, position: Position, chunks: int) -> Position:
+    # Periodic: a batch of a pass.
+    return {**position, "shard": list(position["shard"]),
+            "position": (position["position"] + chunks
+                         * self._layout.cache_size) % self.batches_per_pass}
 
   def seek(self, position: Position) -> None:
     check_saved_state(position, {"version": POSITION_VERSION,

@@ -199,7 +199,7 @@ class Producer:
         record.produce_lock.acquire()
         locked.append(record)
         try:
-          stands = not record.closed and record.stand_at(index)
+          stands = not record.closed and self._stand_at(record, index)
         except BaseException as e:  # a seek refused: this chain's failure
           settle(future, error=self._wrap(record, index, e))
           continue
@@ -221,12 +221,22 @@ class Producer:
   def _warn_replay(self, record: ChainRecord, index: int, base: int
                    ) -> None:
     """With ``verify_calls``: a chain that moved on is asked for chunk
-    ``index`` again, and replays it from its snapshot at ``base``."""
+    ``index`` again, and replays it from its snapshot at ``base`` (the
+    chunk itself: its cursor seeks there)."""
     if self._verify_calls and record.next_index is not None:
+      how = (f"replaying from chunk {base}" if base < index
+             else "producing it again")
       warnings.warn(
           f"{self.name}, chain {record.number}: chunk {index} was "
-          f"requested again after chunk {record.next_index - 1}; "
-          f"replaying from chunk {base}", stacklevel=3)
+          f"requested again after chunk {record.next_index - 1}; {how}",
+          stacklevel=3)
+
+  def _stand_at(self, record: ChainRecord, index: int) -> bool:
+    """``record.stand_at(index)``; a cursor that computes positions, and
+    so seeks where another would replay, warns as a replay does."""
+    if record.computes and record.next_index != index:
+      self._warn_replay(record, index, index)
+    return record.stand_at(index)
 
   def _replay_together(self, jobs: List[Job]) -> List[Job]:
     """Chains of a group that stand elsewhere (restored together from one
@@ -265,8 +275,7 @@ class Producer:
         indices = []
         for record in records:
           current = record.next_index
-          if current not in record.snapshots:
-            record.snapshots[current] = record.cursor.position()
+          record.note_position(current)
           indices.append(current)
           record.next_index = None  # unknown until the cursors return
         type(cursors[0]).produce_group(cursors, indices, self.layout,
@@ -288,9 +297,7 @@ class Producer:
       allocate = _Regions(targets, allocate)
     try:
       for record, index, _ in ready:
-        # A chain that reaches any chunk at once needs no snapshots.
-        if not record.regenerates and index not in record.snapshots:
-          record.snapshots[index] = record.cursor.position()
+        record.note_position(index)
         record.next_index = None  # unknown until the cursors return
       chunks = type(cursors[0]).produce_group(
           cursors, [index for _, index, _ in ready], self.layout, allocate)
@@ -365,7 +372,7 @@ class Producer:
     moving the cursor back to a snapshot first if it stands elsewhere;
     into ``out`` if given."""
     cursor = record.cursor
-    if record.next_index != index and not record.stand_at(index):
+    if record.next_index != index and not self._stand_at(record, index):
       base = max(i for i in record.snapshots if i <= index)
       if index - base > self._limits.max_replay:
         raise ValueError(
@@ -383,8 +390,7 @@ class Producer:
       record.next_index = base
     while True:
       current = record.next_index
-      if current not in record.snapshots:
-        record.snapshots[current] = cursor.position()
+      record.note_position(current)
       record.next_index = None  # unknown until the cursor returns
       chunk = cursor.produce(current, out if out is not None and (
           current == index) else self.layout.new_chunk(self._buffers.empty))
