@@ -275,6 +275,49 @@ def test_buffer_shuffle_buffered_is_read_but_not_emitted():
     emitted.extend(stream.take(1).tolist())
 
 
+@pytest.mark.parametrize("count,size,position,steps", [
+    (3000, 10, 0, 640), (3000, 10, 1234, 640), (3000, 10, 2600, 640),
+    (3000, 10, 2200, 640), (2**16 + 700, 3, 2**16 - 100, 640),
+    (2**16 + 700, 3, 2**16 + 10, 64)])
+def test_buffer_shuffles_taken_together_take_what_each_takes(
+    count, size, position, steps):
+  """``take_together`` of 256 shuffles (chains of one vmap) gives each
+  one's ``take``, and leaves each where its ``take`` would, also where it
+  declines (a pass that drains, a block of draws that ends): the next
+  steps are the same."""
+  seeds = range(256)
+  alone = [sampling.BufferShuffle(count, size, seed) for seed in seeds]
+  together = [sampling.BufferShuffle(count, size, seed) for seed in seeds]
+  for shuffle in alone + together:
+    shuffle.seek(position)
+  expected = np.stack([shuffle.take(steps) for shuffle in alone])
+  got = sampling.BufferShuffle.take_together(together, steps)
+  fits = position + steps <= count - size and (
+      position % 2**16 + steps <= 2**16)
+  assert (got is not None) == fits
+  if got is None:
+    got = np.stack([shuffle.take(steps) for shuffle in together])
+  np.testing.assert_array_equal(got, expected)
+  for a, b in zip(alone, together):
+    assert b.position == a.position
+    np.testing.assert_array_equal(b.buffered(), a.buffered())
+    np.testing.assert_array_equal(b.take(100), a.take(100))
+
+
+def test_buffer_shuffles_at_different_steps_are_taken_one_by_one():
+  shuffles = [sampling.BufferShuffle(3000, 10, seed) for seed in range(256)]
+  for shuffle in shuffles:
+    shuffle.seek(100)
+  shuffles[7].seek(101)
+  assert sampling.BufferShuffle.take_together(shuffles, 64) is None
+  assert all(s.position == (101 if i == 7 else 100)
+             for i, s in enumerate(shuffles))
+  assert sampling.BufferShuffle.take_together(shuffles[:255], 64) is None
+  shuffles[0].position = None
+  with pytest.raises(RuntimeError, match="seek first"):
+    sampling.BufferShuffle.take_together(shuffles, 64)
+
+
 def test_buffer_shuffle_needs_a_seek_after_a_failure():
   stream = sampling.BufferShuffle(10, 3, 0)
   with pytest.raises(RuntimeError, match="seek first"):

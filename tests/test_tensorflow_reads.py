@@ -697,3 +697,30 @@ def test_chains_keep_one_snapshot_however_long_they_run(in_memory):
     assert index == int(chunk)
     assert position == {**record.snapshots[0], "position": int(chunk)}
   release_fn()
+
+
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_256_vmapped_chains_shuffled_together_serve_their_own_streams(
+    in_memory, monkeypatch):
+  """256 vmapped chains step their shuffle buffers together
+  (``BufferShuffle.take_together``) over passes and a pass's drain: the
+  batches are those of the same chains shuffled one by one."""
+  from jax_data.streams import sampling
+
+  def served(together):
+    if not together:
+      monkeypatch.setattr(sampling.BufferShuffle, "_TOGETHER_FROM", 10**9)
+    init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+        TensorflowDataLoader(_pipeline(150), shuffle_cache=10,
+                             in_memory=in_memory), 4, 2)
+    step = jax.jit(jax.vmap(batch_fn))
+    states = init_fn(seed=range(256))
+    batches = []
+    for _ in range(200):  # 2.7 passes
+      states, batch = step(states)
+      batches.append(np.asarray(batch["x"]))
+    release_fn()
+    monkeypatch.undo()
+    return np.stack(batches)
+
+  np.testing.assert_array_equal(served(True), served(False))

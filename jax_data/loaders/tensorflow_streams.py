@@ -131,9 +131,14 @@ class ShuffleCursor(ChainCursor):
 
   def _draw(self) -> Tuple[np.ndarray, np.ndarray]:
     """The element numbers of its next chunk, and those its shuffle buffer
-    holds afterwards; the shuffle moves past them. A source elsewhere
-    reads again from the start of the pass (not after a failed chunk,
-    which it has not given)."""
+    holds afterwards; the shuffle moves past them."""
+    self._stand()
+    return self._shuffle.take(self._size), self._shuffle.buffered()
+
+  def _stand(self) -> None:
+    """Its shuffle at its next chunk's step. A source elsewhere reads again
+    from the start of the pass (not after a failed chunk, which it has
+    not given)."""
     step = self._batch * self._layout.mb_size
     shuffle = self._shuffle
     if shuffle.position != step:
@@ -144,7 +149,6 @@ class ShuffleCursor(ChainCursor):
       self._source.restart(start, int(buffered.min()) if buffered.size
                            else start)
       self._source_step = step
-    return shuffle.take(self._size), shuffle.buffered()
 
   def _moved(self) -> None:
     """Past its chunk, the source too."""
@@ -174,11 +178,13 @@ class ShuffleCursor(ChainCursor):
     size = cache * mb
     interleaved = bool(getattr(allocate, "interleaved", False))
     try:
-      wanted = np.empty((lanes, size), np.int64)
-      keeps = []
-      for lane, chain in enumerate(chains):
-        wanted[lane], keep = chain._draw()  # pylint: disable=protected-access
-        keeps.append(keep)
+      for chain in chains:
+        chain._stand()  # pylint: disable=protected-access
+      shuffles = [chain._shuffle for chain in chains]  # pylint: disable=protected-access
+      wanted = BufferShuffle.take_together(shuffles, size)
+      if wanted is None:
+        wanted = np.stack([shuffle.take(size) for shuffle in shuffles])
+      keeps = [shuffle.buffered() for shuffle in shuffles]
       out = [allocate((lanes * size,) + leaf.shape, leaf.dtype)
              for leaf in layout.leaves]
       # Compiled code's buffers with the lane axis second take the rows

@@ -20,6 +20,7 @@ from typing import Any
 from typing import Dict
 from typing import List
 from typing import Optional
+from typing import Sequence
 from typing import Tuple
 
 import numpy as np
@@ -437,6 +438,67 @@ class BufferShuffle:
     parts = self._advance(steps)
     self.position = position + steps
     return np.concatenate(parts)
+
+  # Shuffles stepped together (take_together) from this many on, with
+  # their buffers' slots together at most this many (8 MiB): 1,024 of 100
+  # slots took 13.4 against 22.5 ms for 640 steps, 256 4.8 against 5.8;
+  # 64 took 1.7 against 1.4 ms, as a step costs a few NumPy calls.
+  _TOGETHER_FROM = 256
+  _TOGETHER_SLOTS = 2**20
+
+  @classmethod
+  def take_together(cls, shuffles: Sequence["BufferShuffle"], steps: int
+                    ) -> Optional[np.ndarray]:
+    """The element numbers the next ``steps`` steps of each of
+    ``shuffles`` emit (row ``i``: ``shuffles[i].take(steps)``), computed
+    step by step for all of them at once, one NumPy call per step for
+    every buffer: where many shuffles (chains of one ``vmap``) stand at the
+    same fill step of one pass, within one block of draws, and their
+    buffers are small enough to stack. None otherwise, with nothing moved
+    (take them one by one).
+
+    Raises:
+      RuntimeError: a shuffle's position is unknown; :meth:`seek` first.
+    """
+    first = shuffles[0]
+    if any(shuffle.position is None for shuffle in shuffles):
+      raise RuntimeError("the stream's position is unknown; seek first")
+    size, step = first.buffer_size, first._step
+    if (len(shuffles) < cls._TOGETHER_FROM
+        or len(shuffles) * size > cls._TOGETHER_SLOTS
+        or step + steps > first.count - size  # the pass drains
+        or step % cls._BLOCK + steps > cls._BLOCK):
+      return None
+    if any((shuffle.count, shuffle.buffer_size, shuffle._pass, shuffle._step,
+            shuffle.position) != (first.count, size, first._pass, step,
+                                  first.position) for shuffle in shuffles):
+      return None
+    lanes = len(shuffles)
+    for shuffle in shuffles:
+      if shuffle._buffer is None:  # at a pass's start
+        shuffle._buffer = shuffle._pass * shuffle.count + np.arange(size)
+    try:
+      at = np.empty((lanes, steps), np.int64)  # slot by lane, then step
+      for lane, shuffle in enumerate(shuffles):
+        at[lane] = shuffle._slots(steps)
+      at += np.arange(0, lanes * size, size)[:, None]
+      at = np.ascontiguousarray(at.T)
+      buffers = np.concatenate([shuffle._buffer for shuffle in shuffles])
+      out = np.empty((steps, lanes), np.int64)
+      # Step t emits its slot's element and reads element first_new + t.
+      first_new = first._pass * first.count + size + step
+      for t in range(steps):
+        np.take(buffers, at[t], out=out[t])
+        buffers.put(at[t], first_new + t)
+    except BaseException:
+      for shuffle in shuffles:  # drew slots: they seek again
+        shuffle.position = None
+      raise
+    for lane, shuffle in enumerate(shuffles):
+      shuffle._buffer[...] = buffers[lane * size:(lane + 1) * size]
+      shuffle._step += steps
+      shuffle.position += steps
+    return out.T
 
   def trim(self) -> None:
     """Drops the buffer's slots (8 bytes each) and the generator of slot
