@@ -724,3 +724,25 @@ def test_256_vmapped_chains_shuffled_together_serve_their_own_streams(
     return np.stack(batches)
 
   np.testing.assert_array_equal(served(True), served(False))
+
+
+@pytest.mark.parametrize("vmapped", [False, True])
+def test_a_chunk_far_past_where_a_chain_reached_is_refused(vmapped):
+  """A chain that seeks straight to its chunks (a shuffle buffer's) is held
+  to ``max_replay`` as a replay is: a state 4 chunks past the furthest
+  its chain reached is refused with max_replay=3 (a crafted counter would
+  read an endless pipeline from its start), one 3 past is served."""
+  from jax_data.loaders.host_loader import StoreLimits
+
+  loader = TensorflowDataLoader(_pipeline(40), shuffle_cache=5)
+  loader.store_limits = StoreLimits(max_replay=3)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      loader, 2, 3)
+  step = jax.jit(jax.vmap(batch_fn) if vmapped else batch_fn)
+  state = init_fn(seed=range(2) if vmapped else 1)
+  with pytest.raises(Exception, match="4 chunks past the furthest it "
+                     "reached .* more than the 3 a request may replay"):
+    jax.block_until_ready(step(state._replace(chunk=state.chunk + 4)))
+  _, batch = step(state._replace(chunk=state.chunk + 3))
+  assert np.asarray(batch["x"]).size
+  release_fn()

@@ -98,6 +98,7 @@ class ChainRecord:
       from an earlier one (``ChainCursor.position_after``): it then seeks
       there straight, and keeps no snapshot per chunk (1,024 tf.data chains
       kept 70 each after 120 chunks, 28 MiB, more as they run).
+    reached: The furthest chunk the cursor stood at (:meth:`note_position`).
   """
   number: int
   spec: ChainSpec
@@ -114,6 +115,7 @@ class ChainRecord:
   closed: bool = False
   keep: int = 2
   computes: bool = False
+  reached: int = 0
 
   @property
   def regenerates(self) -> bool:
@@ -158,6 +160,7 @@ class ChainRecord:
     a snapshot, unless the chain needs none: its cursor reaches any chunk
     at once (:attr:`regenerates`) or computes positions (:attr:`computes`).
     """
+    self.reached = max(self.reached, index)
     if not (self.regenerates or self.computes or index in self.snapshots):
       self.snapshots[index] = self.cursor.position()
 
@@ -437,7 +440,7 @@ class ChainTable:
     record = ChainRecord(number, spec, cursor, {index: position}, index,
                          keep=0 if regenerates else self.keep,
                          computes=cursor.position_after(position, 0)
-                         is not None)
+                         is not None, reached=index)
     with self._lock:
       # Released while the cursor opened (a file, a tf.data iterator):
       # release closed the cursors it found, not this one.

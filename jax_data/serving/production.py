@@ -233,8 +233,22 @@ class Producer:
 
   def _stand_at(self, record: ChainRecord, index: int) -> bool:
     """``record.stand_at(index)``; a cursor that computes positions, and
-    so seeks where another would replay, warns as a replay does."""
+    so seeks where another would replay, is held to the same bound as a
+    replay (a chunk far beyond the furthest it reached, a crafted state,
+    is refused: a shuffle buffer seeks by replaying its pass, all of an
+    endless pipeline), and warns as a replay does.
+
+    Raises:
+      ValueError: the chunk is past that bound.
+    """
     if record.computes and record.next_index != index:
+      if index - record.reached > self._limits.max_replay:
+        raise ValueError(
+            f"chunk {index} of chain {record.number} is "
+            f"{index - record.reached} chunks past the furthest it reached "
+            f"(chunk {record.reached}), more than the "
+            f"{self._limits.max_replay} a request may replay; the state's "
+            "chunk counter does not come from this chain")
       self._warn_replay(record, index, index)
     return record.stand_at(index)
 
