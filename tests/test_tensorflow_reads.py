@@ -746,3 +746,26 @@ def test_a_chunk_far_past_where_a_chain_reached_is_refused(vmapped):
   _, batch = step(state._replace(chunk=state.chunk + 3))
   assert np.asarray(batch["x"]).size
   release_fn()
+
+
+def test_the_next_chunk_is_never_past_max_replay():
+  """With max_replay=0 (no replay allowed), an old state used again and
+  then the newest one: the newest asks for the chunk after the furthest
+  its chain produced, which it would produce next, and is served."""
+  from jax_data.loaders.host_loader import StoreLimits
+
+  loader = TensorflowDataLoader(_pipeline(40), shuffle_cache=5)
+  loader.store_limits = StoreLimits(max_replay=0)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      loader, 2, 2)
+  step = jax.jit(jax.vmap(batch_fn))
+  states = init_fn(seed=range(4))
+  for i in range(40):
+    if i == 20:
+      old = states
+    states, _ = step(states)
+  step(old)
+  for _ in range(10):
+    states, batch = step(states)
+  assert np.asarray(batch["x"]).size
+  release_fn()

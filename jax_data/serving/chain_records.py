@@ -98,7 +98,8 @@ class ChainRecord:
       from an earlier one (``ChainCursor.position_after``): it then seeks
       there straight, and keeps no snapshot per chunk (1,024 tf.data chains
       kept 70 each after 120 chunks, 28 MiB, more as they run).
-    reached: The furthest chunk the cursor stood at (:meth:`note_position`).
+    reached: The furthest chunk the cursor stood before: its first, or the
+      one after the furthest it produced (:meth:`note_position`).
   """
   number: int
   spec: ChainSpec
@@ -160,7 +161,7 @@ class ChainRecord:
     a snapshot, unless the chain needs none: its cursor reaches any chunk
     at once (:attr:`regenerates`) or computes positions (:attr:`computes`).
     """
-    self.reached = max(self.reached, index)
+    self.reached = max(self.reached, index + 1)  # once it produced it
     if not (self.regenerates or self.computes or index in self.snapshots):
       self.snapshots[index] = self.cursor.position()
 

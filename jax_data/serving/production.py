@@ -246,7 +246,7 @@ class Producer:
         raise ValueError(
             f"chunk {index} of chain {record.number} is "
             f"{index - record.reached} chunks past the furthest it reached "
-            f"(chunk {record.reached}), more than the "
+            f"(before chunk {record.reached}), more than the "
             f"{self._limits.max_replay} a request may replay; the state's "
             "chunk counter does not come from this chain")
       self._warn_replay(record, index, index)
