@@ -318,6 +318,13 @@ def test_buffer_shuffles_at_different_steps_are_taken_one_by_one():
     sampling.BufferShuffle.take_together(shuffles, 64)
 
 
+def test_buffer_shuffle_takes_no_steps():
+  stream = sampling.BufferShuffle(10, 3, 0)
+  stream.seek(4)
+  assert stream.take(0).tolist() == []
+  assert stream.position == 4
+
+
 def test_buffer_shuffle_needs_a_seek_after_a_failure():
   stream = sampling.BufferShuffle(10, 3, 0)
   with pytest.raises(RuntimeError, match="seek first"):

@@ -437,7 +437,7 @@ class BufferShuffle:
     position, self.position = self.position, None
     parts = self._advance(steps)
     self.position = position + steps
-    return np.concatenate(parts)
+    return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
   # Shuffles stepped together (take_together) from this many on, with
   # their buffers' slots together at most this many (8 MiB): 1,024 of 100
