@@ -475,8 +475,8 @@ class BufferShuffle:
       return None
     lanes = len(shuffles)
     for shuffle in shuffles:
-      if shuffle._buffer is None:  # at a pass's start
-        shuffle._buffer = shuffle._pass * shuffle.count + np.arange(size)
+      if shuffle._buffer is None:
+        shuffle._fill_buffer()
     try:
       at = np.empty((lanes, steps), np.int64)  # slot by lane, then step
       for lane, shuffle in enumerate(shuffles):
@@ -532,7 +532,7 @@ class BufferShuffle:
     fill_steps = self.count - size
     while steps > 0:
       if self._buffer is None:
-        self._buffer = self._pass * self.count + np.arange(size)
+        self._fill_buffer()
       if self._step < fill_steps:
         in_block = self._BLOCK - self._step % self._BLOCK
         k = min(steps, fill_steps - self._step, in_block)
@@ -546,6 +546,10 @@ class BufferShuffle:
       if self._step == self.count:
         self._pass, self._step, self._buffer = self._pass + 1, 0, None
     return parts
+
+  def _fill_buffer(self) -> None:
+    """The buffer at its pass's start: the pass's first elements."""
+    self._buffer = self._pass * self.count + np.arange(self.buffer_size)
 
   def _drain_order(self) -> np.ndarray:
     return np.random.default_rng([self.seed, self._pass, 1]).permutation(
