@@ -192,6 +192,9 @@ def test_each_part_reads_only_its_rows():
   state = init_fn(seed=2, shuffle=True, stream="counter")
   for _ in range(CACHE + 1):  # into the second chunk
     state, batch = batch_fn(state)
+  # Every device's request made (dispatch is asynchronous: one made after
+  # the wait below had its read cut short by the release).
+  jax.block_until_ready((state, batch))
   pipeline = jax_data.pipeline.of(batch_fn)
   assert pipeline.host.wait_idle()  # chunks produced ahead, all parts
   parts = sorted(pipeline.host.chain(n).spec.part.index
