@@ -1,7 +1,7 @@
 """Huge pages over XLA's large callback buffers: asked for only where the
 kernel gives them on request, only over the whole huge pages inside a
-large buffer, changing no byte; and a refresh of many chains whose buffers
-are large asks for them and serves each chain's stream."""
+large buffer, changing no byte; a fresh large buffer asks for them, and
+many chains' caches, reused, need none."""
 
 import re
 
@@ -84,10 +84,13 @@ def test_the_kernel_marks_the_advised_bytes_and_keeps_them():
 
 @pytest.mark.skipif(jax.default_backend() != "cpu",
                     reason="buffers are written in place on CPU")
-def test_a_refresh_of_large_buffers_asks_for_huge_pages(monkeypatch):
-  """Five vmapped chains with caches of 8 MiB each: one buffer of 40 MiB
-  per refresh, advised before it is written, and every chain gets its own
-  stream in both calls."""
+def test_fresh_large_buffers_ask_for_huge_pages_and_caches_are_reused(
+    monkeypatch):
+  """Five vmapped chains with caches of 8 MiB each: a scan over whole
+  chunks has the host write them into the caches' own buffers, which
+  persist (nothing fresh to advise), and every chain gets its own stream
+  in both calls; a full-data pass over a 32 MiB chunk gets a fresh buffer,
+  advised before it is written."""
   advised = []
   advise = huge_pages.advise
 
@@ -117,7 +120,17 @@ def test_a_refresh_of_large_buffers_asks_for_huge_pages(monkeypatch):
   for c in range(chains):
     expected, _ = cs.stream_batches(c, 0, 2 * cache, mb, n, False, False)
     np.testing.assert_array_equal(got[c, ..., 0], expected)
+  assert not [sizes for sizes in advised
+              if max(sizes) >= huge_pages.ADVISE_BYTES]
+
+  wide = np.repeat(np.arange(n, dtype=np.float32)[:, None], 4 * width,
+                   axis=1)
+  mapper_fn, release_mapper = jax_data.full_data_mapper(
+      jax_data.NumpyDataLoader(x=wide), cache, mb)
+  firsts, _ = jax.jit(lambda: mapper_fn(lambda b, c: (b["x"][:, 0], c),
+                                        None))()
+  release_mapper()
+  assert np.asarray(firsts).tolist() == list(range(n))
   large = [max(sizes) for sizes in advised
            if max(sizes) >= huge_pages.ADVISE_BYTES]
-  assert large and all(size == chains * cache * mb * width * 4
-                       for size in large)
+  assert large == [wide.nbytes]

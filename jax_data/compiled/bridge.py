@@ -139,6 +139,15 @@ class Bridge:
     return self.ops(device_count, _participants()).fetch(owner, pipeline,
                                                          chain, chunk)
 
+  def fetch_over(self, owner: Any, pipeline: jax.Array, chain: jax.Array,
+                 chunk: jax.Array, need: jax.Array, batches: PyTree,
+                 mask: jax.Array, device_count: int = 1):
+    """:meth:`fetch` where ``need``, into the buffers of a spent cache where
+    the CPU allows: ``(batches, mask, spent_batches, spent_mask)`` (see
+    ``_Ops``)."""
+    return self.ops(device_count, _participants()).fetch_over(
+        owner, pipeline, chain, chunk, need, batches, mask)
+
   def refresh(self, owner, pipeline, chain, chunk, cached_chunk, batches,
               mask, device_count: int = 1):
     """Makes sure the cache holds ``chunk``: (cached_chunk, batches, mask)."""
@@ -192,12 +201,15 @@ class _Ops:
     self._device_count = device_count
     self._participants = participants
     self._fetch_many = fold_lanes(self._fetch_lanes_flat)
+    self._fetch_over_many = fold_lanes(self._fetch_over_lanes_flat)
     self._refresh_many = fold_lanes(self._refresh_lanes_flat)
     self.fetch = self._make_fetch()
+    self.fetch_over = self._make_fetch_over()
     self.refresh = self._make_refresh()
 
   def _fetch_lanes(self, owners, pipelines, chains, chunks, need,
-                   lanes_second: bool = False) -> List[jax.Array]:
+                   lanes_second: bool = False, spent: Sequence[Any] = ()
+                   ) -> List[jax.Array]:
     """Each leaf's and the mask's chunks for ``L`` lanes, lane axis first.
 
     With ``lanes_second`` and several lanes, on CPU the host writes them
@@ -205,31 +217,58 @@ class _Ops:
     presented moved to the front: a ``lax.scan`` over vmapped chunks moves
     the lane axis second again to scan over the first, so XLA then reads
     the callback's buffer as it is, where it would otherwise copy every
-    chunk of every lane into that order at each refresh."""
+    chunk of every lane into that order at each refresh.
+
+    With ``spent`` (caches of these lanes whose contents are no longer
+    wanted, each leaf's then the mask's), on CPU the host writes into
+    their buffers rather than fresh ones, and those buffers come back after
+    the chunks, in the caches' shapes (holding the chunks in the order
+    written: not a cache of them); elsewhere ``spent`` comes back as it
+    is."""
+    if spent and _manual_axes():
+      # Inside shard_map the buffers written would come back typed
+      # device-invariant, and a select to type them varying copies them:
+      # fresh buffers, the caches as they are.
+      return self._fetch_lanes(owners, pipelines, chains, chunks, need,
+                               lanes_second) + list(spent)
     lanes = chains.shape[0]
     formats = self._leaf_formats + [self._mask_format]
     outs = [jax.ShapeDtypeStruct((lanes,) + s.shape, s.dtype)
             for s in formats]
     callback = _Callback(self._device_count, self._participants)
-    args = (owners, pipelines, chains, chunks, need)
+    args = (owners, pipelines, chains, chunks, need) + tuple(spent)
+    aliases = {5 + i: i for i in range(len(spent))}
 
     def copied(*args):
-      return list(jax.pure_callback(callback, outs, *args,
-                                    vmap_method="sequential"))
+      return list(jax.pure_callback(callback, outs, *args[:5],
+                                    vmap_method="sequential")) + list(args[5:])
 
     if not self._in_place:
       return copied(*args)
     if lanes_second and lanes > 1:
       second = [jax.ShapeDtypeStruct(s.shape[:1] + (lanes,) + s.shape[1:],
                                      s.dtype) for s in formats]
-      written = buffer_callback(callback.into_lanes_second, second,
-                                vmap_method="sequential")
+      if spent:
+        # The caches' own shapes, which the host reads as lanes second: an
+        # operand reshaped to alias made XLA copy it first.
+        written = buffer_callback(callback.into_lanes_second_as_first, outs,
+                                  vmap_method="sequential",
+                                  input_output_aliases=aliases)
+      else:
+        written = buffer_callback(callback.into_lanes_second, second,
+                                  vmap_method="sequential")
 
       def in_place(*args):
-        return [jnp.moveaxis(o, 1, 0) for o in written(*args)]
+        raw = written(*args)
+        return [jnp.moveaxis(o.reshape(s.shape), 1, 0)
+                for o, s in zip(raw, second)] + list(raw[:len(args) - 5])
     else:
-      in_place = buffer_callback(callback.into, outs,
-                                 vmap_method="sequential")
+      into = buffer_callback(callback.into, outs, vmap_method="sequential",
+                             input_output_aliases=aliases)
+
+      def in_place(*args):
+        raw = list(into(*args))
+        return raw + raw[:len(args) - 5]
     return lax.platform_dependent(*args, cpu=in_place, default=copied)
 
   def _fetch_lanes_flat(self, owners, pipelines, chains, chunks):
@@ -238,6 +277,39 @@ class _Ops:
                              lanes_second=True)
     return _varying_like(outs, chains == chains, _varying(pipelines)
                          | _varying(chains) | _varying(chunks))
+
+  def _fetch_over_lanes_flat(self, owners, pipelines, chains, chunks, need,
+                             *spent):
+    outs = self._fetch_lanes(owners, pipelines, chains, chunks, need,
+                             lanes_second=True, spent=spent)
+    fetched = len(outs) - len(spent)
+    return _varying_like(outs[:fetched], chains == chains,
+                         _varying(pipelines) | _varying(chains)
+                         | _varying(chunks) | _varying(need)) + outs[fetched:]
+
+  def _fetch_over_one(self, owner, pipeline, chain, chunk, need, *spent):
+    """:meth:`_fetch_over_lanes_flat` for one chain, outside ``vmap``: on
+    CPU into its caches as they are (a lane axis added to them in compiled
+    code made XLA copy them before the host wrote into them)."""
+    args = (owner, pipeline, chain, chunk, need) + spent
+    if not self._in_place or _manual_axes():
+      outs = self._fetch_over_many(*[a[None] for a in args])
+      return [o[0] for o in outs]
+    formats = self._leaf_formats + [self._mask_format]
+    into = buffer_callback(
+        _Callback(self._device_count, self._participants).into_one,
+        formats, vmap_method="sequential",
+        input_output_aliases={5 + i: i for i in range(len(spent))})
+
+    def in_place(*args):
+      written = list(into(*args))
+      return written + written
+
+    def copied(*args):
+      outs = self._fetch_over_many(*[a[None] for a in args])
+      return [o[0] for o in outs]
+
+    return lax.platform_dependent(*args, cpu=in_place, default=copied)
 
   def _merge_lanes(self, owners, pipelines, chains, chunks, need, old
                    ) -> List[jax.Array]:
@@ -312,6 +384,40 @@ class _Ops:
 
     return fetch_chunk
 
+  def _make_fetch_over(self):
+    @custom_vmap
+    def fetch(owner, pipeline, chain, chunk, need, *spent):
+      return self._fetch_over_one(owner, pipeline, chain, chunk, need,
+                                  *spent)
+
+    @fetch.def_vmap
+    def _rule(axis_size, in_batched, *args):
+      args = broadcast(axis_size, in_batched, args)
+      outs = self._fetch_over_many(*args)
+      return outs, [True] * len(outs)
+
+    def fetch_over(owner: Any, pipeline: jax.Array, chain: jax.Array,
+                   chunk: jax.Array, need: jax.Array, batches: PyTree,
+                   mask: jax.Array
+                   ) -> Tuple[PyTree, jax.Array, PyTree, jax.Array]:
+      """Chunk ``chunk`` of chain ``chain`` where ``need`` (else nothing
+      is fetched, and the batches are not to be used), written where the
+      CPU allows into the buffers of a cache whose contents are spent
+      (``batches``, ``mask``): ``(batches, mask, spent_batches,
+      spent_mask)``, the last two the cache's arrays to carry on (holding
+      no chunk), or the cache as it was."""
+      args = [lax.stop_gradient(jnp.asarray(a, jnp.int32))
+              for a in (owner, pipeline, chain, chunk)]
+      spent = [lax.stop_gradient(a) for a in
+               self.treedef.flatten_up_to(batches) + [mask]]
+      outs = fetch(*args, jnp.asarray(need, jnp.bool_), *spent)
+      *leaves, new_mask = outs[:len(spent)]
+      *buffers, buffer_mask = outs[len(spent):]
+      return (self.treedef.unflatten(leaves), new_mask,
+              self.treedef.unflatten(buffers), buffer_mask)
+
+    return fetch_over
+
   def _make_refresh(self):
     @custom_vmap
     def refresh(owner, pipeline, chain, chunk, cached_chunk, mask, *leaves):
@@ -383,11 +489,22 @@ class _Callback:
       LIVE_HOSTS.end_request()
 
   def into(self, context, outs, owners, pipelines, chains, chunks, need,
-           *kept) -> None:
+           *spent) -> None:
     """``buffer_callback``: writes the lanes into XLA's buffers ``outs``
-    (the lanes that ``need`` nothing get zeros)."""
-    del context, kept
-    self._serve_into(outs, owners, pipelines, chains, chunks, need, False)
+    (the lanes that ``need`` nothing get zeros, or into ``spent`` buffers
+    are left as they are)."""
+    del context
+    self._serve_into(outs, owners, pipelines, chains, chunks, need,
+                     bool(spent))
+
+  def into_one(self, context, outs, owner, pipeline, chain, chunk, need,
+               *spent) -> None:
+    """:meth:`into` for one chain's buffers and scalars, no lane axis (the
+    ``spent`` caches aliased to ``outs``)."""
+    del context, spent
+    lane = [np.asarray(a).reshape(1) for a in (owner, pipeline, chain, chunk,
+                                               need)]
+    self._serve_into([np.asarray(o)[None] for o in outs], *lane, True)
 
   def into_lanes_second(self, context, outs, owners, pipelines, chains,
                         chunks, need) -> None:
@@ -395,6 +512,20 @@ class _Callback:
     del context
     outs = [np.moveaxis(np.asarray(o), 1, 0) for o in outs]
     self._serve_into(outs, owners, pipelines, chains, chunks, need, False)
+
+  def into_lanes_second_as_first(self, context, outs, owners, pipelines,
+                                 chains, chunks, need, *spent) -> None:
+    """:meth:`into_lanes_second` for buffers shaped lane axis first (the
+    ``spent`` caches aliased to ``outs``, their contents spent): their
+    bytes are written lane axis second; lanes that ``need`` nothing are
+    left as they are."""
+    del context, spent
+    views = []
+    for out in outs:
+      out = np.asarray(out)
+      second = out.reshape(out.shape[1:2] + out.shape[:1] + out.shape[2:])
+      views.append(np.moveaxis(second, 1, 0))
+    self._serve_into(views, owners, pipelines, chains, chunks, need, True)
 
   def into_kept(self, context, outs, owners, pipelines, chains, chunks, need,
                 *kept) -> None:

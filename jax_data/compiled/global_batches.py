@@ -284,9 +284,13 @@ class GlobalPipeline(pl.RandomPipeline):
     axes, local = self._axes, self._local
     specs, rows = axes.state_specs(), P(None, axes.batch_axis)
     own = lambda state: state._replace(chain=state.chain[0])
-    fetch = jax.shard_map(
+    fetched = jax.shard_map(
         lambda state, chunk: local.fetch(own(state), chunk), mesh=axes.mesh,
         in_specs=(specs, P()), out_specs=(rows, rows))
+
+    def fetch(state, chunk, need):  # into fresh buffers: the cache stays
+      del need  # every device's part fetched
+      return fetched(state, chunk) + (state,)
     refresh = jax.shard_map(
         lambda state: local.refresh(own(state))._replace(chain=state.chain),
         mesh=axes.mesh, in_specs=(specs,), out_specs=specs)

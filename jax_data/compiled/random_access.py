@@ -200,7 +200,7 @@ class RandomPipeline(pl.RandomPipeline):
     chunked_scan`)."""
     return scan_lib.chunked_scan(
         f, init, state, xs, length, information, device_count,
-        fetch=functools.partial(self.fetch, device_count=device_count),
+        fetch=functools.partial(self.fetch_over, device_count=device_count),
         refresh=functools.partial(self.refresh, device_count=device_count),
         observation_count=self._count, mb_size=self._mb_size,
         plain=lambda: super(RandomPipeline, self).scan_batches(
@@ -212,6 +212,17 @@ class RandomPipeline(pl.RandomPipeline):
     ``(batches, mask)`` (for :func:`jax_data.scan.chunked_scan`)."""
     return self._bridge.fetch(self._owner, state.pipeline, state.chain,
                               chunk, device_count)
+
+  def fetch_over(self, state: CacheState, chunk: jax.Array,
+                 need: jax.Array, device_count: int = 1):
+    """:meth:`fetch` where ``need``, written into the buffers of the
+    state's cache, whose contents are spent, where the CPU allows:
+    ``(batches, mask, state)``, the state's cache those buffers (for
+    :func:`jax_data.scan.chunked_scan`, which marks it empty)."""
+    batches, mask, spent, spent_mask = self._bridge.fetch_over(
+        self._owner, state.pipeline, state.chain, chunk, need, state.batches,
+        state.mask, device_count)
+    return batches, mask, state._replace(batches=spent, mask=spent_mask)
 
   def refresh(self, state: CacheState, device_count: int = 1) -> CacheState:
     """``state`` with the chunk it points at in its cache."""

@@ -183,6 +183,37 @@ def _any_lane_rule(axis_size, in_batched, x):
   return (any_lane(jnp.any(x)) if in_batched[0] else x), False
 
 
+@custom_vmap
+def max_lane(x: jax.Array) -> jax.Array:
+  """``x``; under ``vmap``, its largest value over the lanes (of every
+  enclosing ``vmap``), unbatched: the length of a loop that runs as one
+  loop for all lanes, where a per-lane length makes ``vmap`` select every
+  part of the loop's carry between its new and old values at every
+  iteration."""
+  return x
+
+
+@max_lane.def_vmap
+def _max_lane_rule(axis_size, in_batched, x):
+  del axis_size
+  return (max_lane(jnp.max(x)) if in_batched[0] else x), False
+
+
+@custom_vmap
+def lanes_where(active: jax.Array) -> jax.Array:
+  """True: an iteration of a loop that runs only where ``active`` runs
+  always, outside ``vmap``; under ``vmap``, ``active``, for a select of
+  the lanes whose results are kept. (A ``custom_vmap`` around the select
+  itself broke ``jax.jvp``.)"""
+  return jnp.ones_like(active)
+
+
+@lanes_where.def_vmap
+def _lanes_where_rule(axis_size, in_batched, active):
+  del axis_size
+  return active, in_batched[0]
+
+
 def in_lockstep(closed: Any) -> bool:
   """Whether the steps of ``f`` (its ``closed`` jaxpr for one step) must run
   in the same loop iterations for every lane, as in a ``lax.scan`` that
@@ -263,8 +294,13 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
   at 16 chains of case (g)).
 
   Args:
-    fetch: ``fetch(state, chunk) -> (batches, mask)``: chunk ``chunk`` of
-      the state's chain.
+    fetch: ``fetch(state, chunk, need) -> (batches, mask, state)``:
+      chunk ``chunk`` of the state's chain where ``need`` (else batches
+      not to be used), and the state, whose cache's buffers it may have
+      written the chunk into (the loop over whole chunks carries them on
+      and leaves the cache marked empty): the caches themselves, where a
+      fresh chunk-sized buffer per call took as much memory again (1,024
+      vmapped chains: 83 MiB more) and was faulted in at every call.
     refresh: ``refresh(state) -> state`` whose cache holds
       ``state.chunk``.
     observation_count, mb_size: For ``MiniBatchInformation``.
@@ -370,9 +406,19 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
   rest = length - head
   whole, tail = rest // cache_size, rest % cache_size
 
+  # Under a vmap of per-lane positions the loop runs for the lane with the
+  # most whole chunks (max_lane); the others fetch nothing and keep their
+  # carry (lanes_where), as a vmapped loop of per-lane lengths keeps it, but
+  # for the caches' buffers, which every lane carries on unselected (their
+  # contents are spent): a vmapped loop selected the caches too, so XLA
+  # copied them first. Both resolve at a vmap applied later as well (see
+  # unbatched_at_one); a known position (reverse mode) needs neither.
+  lanes_vary = isinstance(whole, jax.core.Tracer)
+
   def over_chunk(j, loop):
-    carry, ys = loop
-    batches, mask = fetch(state, chunk + j)
+    carry, ys, spent = loop
+    active = j < whole
+    batches, mask, spent = fetch(spent, chunk + j, active)
     step = head + j * cache_size
     # The mask only goes along when f is given it.
     scanned = (batches, mask if information else None)
@@ -384,18 +430,25 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
       return f(carry, item(*scanned[:2], scanned[2] if xs is not None
                            else None))
 
-    carry, chunk_ys = lax.scan(inner, carry, scanned)
-    ys = jax.tree_util.tree_map(
+    new_carry, chunk_ys = lax.scan(inner, carry, scanned)
+    new_ys = jax.tree_util.tree_map(
         lambda a, v: lax.dynamic_update_slice_in_dim(a, v, step, 0), ys,
         chunk_ys)
-    return carry, ys
+    if lanes_vary:
+      kept = lanes_where(active)
+      new_carry, new_ys = jax.tree_util.tree_map(
+          lambda a, b: jnp.where(kept, a, b), (new_carry, new_ys),
+          (carry, ys))
+    return new_carry, new_ys, spent
 
   # The cache goes on holding the chunk of the head; after whole chunks
   # (whose batches are not kept: the next step starts a new chunk, which
   # batch_fn fetches anyway) it holds none.
   last = jnp.where(head > 0, state.chunk, state.cached_chunk)
   if length >= cache_size:  # else no whole chunk fits
-    carry, ys = lax.fori_loop(0, whole, over_chunk, (carry, ys))
+    carry, ys, state = lax.fori_loop(
+        0, max_lane(whole) if lanes_vary else whole, over_chunk,
+        (carry, ys, state))
     last = jnp.where(whole > 0, -1, last)
 
   # The first batches of one more chunk.
