@@ -346,20 +346,23 @@ class _Ops:
                           cached_chunks, mask, *leaves):
     need = _needs(cached_chunks, chunks)
 
-    def fetch(ops):
-      owners, pipelines, chains, chunks, cached_chunks, mask, *leaves = ops
+    def fetch(loop):
+      round_, cached_chunks, *caches = loop
+      # From the loop's own values: a request of values from outside the
+      # loop alone XLA hoisted out of it, and asked for every step.
       need = _needs(cached_chunks, chunks)
       merged = self._merge_lanes(owners, pipelines, chains, chunks, need,
-                                 list(leaves) + [mask])
-      return [jnp.where(need, chunks, cached_chunks)] + list(merged)
+                                 caches)
+      return [round_ + 1, jnp.where(need, chunks, cached_chunks)] + merged
 
-    def keep(ops):
-      _, _, _, _, cached_chunks, mask, *leaves = ops
-      return [cached_chunks] + list(leaves) + [mask]
-
-    ops = [owners, pipelines, chains, chunks, cached_chunks, mask] + list(
-        leaves)
-    return lax.cond(jnp.any(need), fetch, keep, ops)
+    # A loop of one round where a lane needs its chunk, of none otherwise,
+    # not a lax.cond: XLA copied the caches after the host wrote into them
+    # in a branch of a cond (83 MiB per refresh at 1,024 vmapped chains),
+    # where a loop's carry stays in place.
+    _, cached_chunks, *caches = lax.while_loop(
+        lambda loop: loop[0] < jnp.any(need).astype(jnp.int32), fetch,
+        [jnp.int32(0), cached_chunks] + list(leaves) + [mask])
+    return [cached_chunks] + caches
 
   def _make_fetch(self):
     @custom_vmap
