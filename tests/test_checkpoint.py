@@ -102,6 +102,21 @@ def test_full_reference_state_and_device_loader(tmp_path):
   assert device[1](again)[1]["x"].tolist() == device[1](state)[1]["x"].tolist()
 
 
+def test_a_restored_state_donated_leaves_the_pipeline_whole():
+  """A restored state of one chain is the user's to donate: its arrays
+  are its own, where they were the pipeline's template, which the donation
+  deleted, and every later init_fn and batch_fn with it."""
+  pipeline = _pipeline()
+  init_fn, batch_fn, _ = pipeline
+  tree = jax_data.state_to_pytree(pipeline, init_fn(seed=5))
+  restored = jax_data.state_from_pytree(pipeline, tree)
+  _, batch = jax.jit(batch_fn, donate_argnums=0)(restored)
+  _, again = batch_fn(jax_data.state_from_pytree(pipeline, tree))
+  assert batch["x"].tolist() == again["x"].tolist()
+  _, fresh = batch_fn(init_fn(seed=6))
+  assert fresh["x"].shape == batch["x"].shape
+
+
 def test_mismatches_are_named_with_both_sides(tmp_path):
   pipeline = _pipeline()
   state = pipeline[0](seed=1)

@@ -149,9 +149,12 @@ class Pipeline(collections.abc.Sequence):
           self.host.remove_chain(number)
         raise
     # Every lane at once, from NumPy: no per-lane JAX operations (a stack
-    # of 1,024 lanes would compile a 1,024-operand concatenation).
+    # of 1,024 lanes would compile a 1,024-operand concatenation). One
+    # lane gets copies: broadcast to its own shape, the template itself,
+    # which a jitted call the state is donated to deleted.
     stacked = jax.tree_util.tree_map(
-        lambda x: jnp.broadcast_to(x, lanes + np.shape(x)), self.template)
+        lambda x: (jnp.broadcast_to(x, lanes + np.shape(x)) if lanes
+                   else jnp.array(x, copy=True)), self.template)
     return stacked._replace(
         chain=jnp.asarray(chain, jnp.int32),
         chunk=jnp.asarray(arrays["chunk"], jnp.int32),
