@@ -234,6 +234,49 @@ def test_device_loader_chains_under_pmap_and_shard_map_equal_solo():
     np.testing.assert_array_equal(x, np.stack([solo[k] for k in order]))
 
 
+@NEEDS_FOUR
+@pytest.mark.parametrize("vmapped", [True, False])
+@pytest.mark.parametrize("length", [CACHE, 4 * CACHE])
+def test_an_invariant_carry_under_shard_map_with_sharded_states(
+    pipelines, vmapped, length):
+  """A carry that does not depend on the batches (a step counter from a
+  Python 0) inside ``shard_map`` over each device's own chains: the loop
+  over whole chunks keeps the carry of lanes without one more (a select on
+  positions that vary over the mesh), which made the carry vary after its
+  first round and the loop refuse it."""
+  init_fn, batch_fn, _ = pipelines.random_reference_data(
+      NumpyDataLoader(x=np.arange(N)), CACHE, MB)
+  mesh = Mesh(np.array(jax.devices()), ("d",))
+  states = init_fn(seed=range(4))
+  step = lambda count, batch: (count + 1, batch["x"])
+
+  def scan(state):
+    return jax_data.scan(step, 0, state, batch_fn=batch_fn, length=length)
+
+  def reference(state):
+    def body(loop, _):
+      count, state = loop
+      state, batch = batch_fn(state)
+      count, y = step(count, batch)
+      return (count, state), y
+    return lax.scan(body, (0, state), None, length=length)
+
+  def per_device(fn):
+    if vmapped:
+      return jax.vmap(fn)
+    return lambda s: jax.tree_util.tree_map(
+        lambda a: a[None], fn(jax.tree_util.tree_map(lambda a: a[0], s)))
+
+  (count, _), ys = jax.jit(jax.shard_map(
+      per_device(scan), mesh=mesh, in_specs=PartitionSpec("d"),
+      out_specs=PartitionSpec("d")))(states)
+  (_, _), want = jax.jit(jax.shard_map(
+      per_device(reference), mesh=mesh, in_specs=PartitionSpec("d"),
+      out_specs=PartitionSpec("d")))(states)
+  assert np.asarray(count).tolist() == [length] * 4
+  np.testing.assert_array_equal(ys, want)
+
+
 def test_jax_data_scan_under_shard_map_equals_lax_scan(pipelines):
   """Per-step outputs of ``jax_data.scan`` inside ``shard_map`` (one chain
   per device): the buffer they go into varies over the mesh as they do."""

@@ -426,6 +426,21 @@ def test_vmapped_chains_at_different_positions_as_each_alone(pipeline,
     states = got[0][1]
 
 
+@pytest.mark.parametrize("length", [3, 12])
+def test_a_vmap_over_no_chains(pipeline, length):
+  """A vmap over zero stacked states makes no steps' worth of outputs, as
+  the loop of batch_fn does (the longest lane's number of whole chunks,
+  over no lanes, is none)."""
+  init_fn, batch_fn, _ = pipeline
+  none = jax.tree_util.tree_map(lambda a: a[:0], init_fn(seed=range(2)))
+  (total, _), ys = jax.jit(jax.vmap(lambda s: jax_data.scan(
+      _step, 0, s, batch_fn=batch_fn, length=length)))(none)
+  (want, _), want_ys = jax.jit(jax.vmap(lambda s: _loop(
+      batch_fn, _step, 0, s, None, length)))(none)
+  assert total.shape == want.shape == (0,)
+  assert ys.shape == want_ys.shape == (0, length, 4)
+
+
 @pytest.mark.parametrize("chains", [None, 3])
 def test_whole_chunks_are_written_into_the_states_caches(chains):
   """A scan over whole chunks has the host write them into the buffers of

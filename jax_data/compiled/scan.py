@@ -27,6 +27,7 @@ from jax_data.compiled import states
 from jax_data.compiled.one_lane import batched_here
 from jax_data.compiled.one_lane import names_axes
 from jax_data.compiled.one_lane import unbatched_at_one
+from jax_data.compiled.pass_loop import cast_varying
 from jax_data.compiled.pass_loop import pair
 from jax_data.compiled.pass_loop import varying_axes
 from jax_data.types import CacheState
@@ -111,7 +112,9 @@ def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
   at the same step (:func:`in_lockstep`). Outside ``jax.vmap``, and under
   a ``vmap`` applied to a program traced first (a ``vmap`` of a jitted or
   checkified function), the loops run as they are, so that
-  ``checkify`` sees into the steps.
+  ``checkify`` sees into the steps. Inside ``shard_map`` over states that
+  vary over the mesh, the carry comes back varying over the same axes
+  (each device's chains reach their chunk boundaries at their own steps).
 
   Raises:
     TypeError, ValueError: bad arguments, named with their values.
@@ -196,7 +199,8 @@ def max_lane(x: jax.Array) -> jax.Array:
 @max_lane.def_vmap
 def _max_lane_rule(axis_size, in_batched, x):
   del axis_size
-  return (max_lane(jnp.max(x)) if in_batched[0] else x), False
+  # initial=0: no lanes (a vmap over zero chains) have no whole chunks.
+  return (max_lane(jnp.max(x, initial=0)) if in_batched[0] else x), False
 
 
 @custom_vmap
@@ -446,6 +450,11 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
   # batch_fn fetches anyway) it holds none.
   last = jnp.where(head > 0, state.chunk, state.cached_chunk)
   if length >= cache_size:  # else no whole chunk fits
+    if lanes_vary:
+      # Inside shard_map, lanes_where's select makes the carry vary over
+      # the mesh axes the positions vary over: so must the loop's first.
+      vary = varying_axes(whole)
+      carry = jax.tree_util.tree_map(lambda a: cast_varying(a, vary), carry)
     carry, ys, state = lax.fori_loop(
         0, max_lane(whole) if lanes_vary else whole, over_chunk,
         (carry, ys, state))
