@@ -72,6 +72,18 @@ def broadcast(axis_size: int, batched: Sequence[bool], args: Sequence[Any]
           for a, b in zip(args, batched)]
 
 
+def _lanes_rule(many: Callable[..., List[Any]]) -> Callable[..., Any]:
+  """The ``custom_vmap`` rule that serves a vmapped call with ``many``, a
+  function of lanes (see :func:`fold_lanes`): every input given the batch
+  axis, every output batched."""
+
+  def rule(axis_size, in_batched, *args):
+    outs = many(*broadcast(axis_size, in_batched, args))
+    return outs, [True] * len(outs)
+
+  return rule
+
+
 def fold_lanes(fn: Callable[..., Any]) -> Callable[..., Any]:
   """Wraps a function of lane-major arrays so that ``vmap`` folds into lanes.
 
@@ -292,9 +304,12 @@ class _Ops:
     CPU into its caches as they are (a lane axis added to them in compiled
     code made XLA copy them before the host wrote into them)."""
     args = (owner, pipeline, chain, chunk, need) + spent
+
+    def as_lanes(*args):  # fresh buffers, or the caches passed through
+      return [o[0] for o in self._fetch_over_many(*[a[None] for a in args])]
+
     if not self._in_place or _manual_axes():
-      outs = self._fetch_over_many(*[a[None] for a in args])
-      return [o[0] for o in outs]
+      return as_lanes(*args)
     formats = self._leaf_formats + [self._mask_format]
     into = buffer_callback(
         _Callback(self._device_count, self._participants).into_one,
@@ -305,11 +320,7 @@ class _Ops:
       written = list(into(*args))
       return written + written
 
-    def copied(*args):
-      outs = self._fetch_over_many(*[a[None] for a in args])
-      return [o[0] for o in outs]
-
-    return lax.platform_dependent(*args, cpu=in_place, default=copied)
+    return lax.platform_dependent(*args, cpu=in_place, default=as_lanes)
 
   def _merge_lanes(self, owners, pipelines, chains, chunks, need, old
                    ) -> List[jax.Array]:
@@ -371,11 +382,7 @@ class _Ops:
                               chunk[None])
       return [o[0] for o in outs]
 
-    @fetch.def_vmap
-    def _rule(axis_size, in_batched, *args):
-      args = broadcast(axis_size, in_batched, args)
-      outs = self._fetch_many(*args)
-      return outs, [True] * len(outs)
+    fetch.def_vmap(_lanes_rule(self._fetch_many))
 
     def fetch_chunk(owner: Any, pipeline: jax.Array, chain: jax.Array,
                     chunk: jax.Array) -> Tuple[PyTree, jax.Array]:
@@ -393,11 +400,7 @@ class _Ops:
       return self._fetch_over_one(owner, pipeline, chain, chunk, need,
                                   *spent)
 
-    @fetch.def_vmap
-    def _rule(axis_size, in_batched, *args):
-      args = broadcast(axis_size, in_batched, args)
-      outs = self._fetch_over_many(*args)
-      return outs, [True] * len(outs)
+    fetch.def_vmap(_lanes_rule(self._fetch_over_many))
 
     def fetch_over(owner: Any, pipeline: jax.Array, chain: jax.Array,
                    chunk: jax.Array, need: jax.Array, batches: PyTree,
@@ -445,11 +448,7 @@ class _Ops:
       ops = [owner, pipeline, chain, chunk, cached_chunk, mask] + list(leaves)
       return lax.cond(_needs(cached_chunk, chunk), fetch, keep, ops)
 
-    @refresh.def_vmap
-    def _rule(axis_size, in_batched, *args):
-      args = broadcast(axis_size, in_batched, args)
-      outs = self._refresh_many(*args)
-      return outs, [True] * len(outs)
+    refresh.def_vmap(_lanes_rule(self._refresh_many))
 
     def refresh_cache(owner, pipeline, chain, chunk, cached_chunk, batches,
                       mask):
