@@ -144,6 +144,109 @@ def test_many_chains_keep_one_reader_thread():
   release_fn()
 
 
+def test_chains_with_iterators_of_their_own_read_in_few_threads():
+  """With share_reads=False, 64 vmapped chains read their 64 iterators in
+  the loader's reading threads, one or two (a thread per chain kept
+  memory of its own in TensorFlow), and their iterators do not autotune;
+  the chains' streams are those of the shared reads."""
+  before = {t for t in threading.enumerate() if t.name == "jax_data-tf-read"}
+  streams = []
+  for share_reads in (False, True):
+    loader = TensorflowDataLoader(_pipeline(500), shuffle_cache=10,
+                                  share_reads=share_reads)
+    init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader,
+                                                                   2, 4)
+    states = init_fn(seed=range(64))
+    step = jax.jit(jax.vmap(batch_fn))
+    seen = []
+    for _ in range(10):
+      states, batch = step(states)
+      seen.append(np.asarray(batch["x"]))
+    streams.append(np.stack(seen))
+    if not share_reads:
+      readers = {t for t in threading.enumerate()
+                 if t.name == "jax_data-tf-read"} - before
+      assert 1 <= len(readers) <= 2
+    release_fn()
+  np.testing.assert_array_equal(streams[0], streams[1])
+  from jax_data.loaders import tensorflow_rows
+  data = _pipeline(5)
+  assert tensorflow_rows.chain_dataset(
+      data, one_of_many=True).options().autotune.enabled is False
+  assert tensorflow_rows.chain_dataset(data).options().autotune.enabled is None
+  options = tf.data.Options()
+  options.autotune.enabled = True  # the pipeline's own choice is kept
+  assert tensorflow_rows.chain_dataset(
+      data.with_options(options),
+      one_of_many=True).options().autotune.enabled is True
+
+
+def test_readers_run_their_jobs_in_order_and_a_stuck_read_keeps_one_thread():
+  """Readers of one loader run their jobs in their loader's threads: each
+  reader's jobs one at a time, in the order they came; a read that does
+  not return keeps its thread, and the other readers' jobs go on in
+  another; its reader's release ends the wait for it at once."""
+  from jax_data.loaders import tensorflow_rows
+  threads = tensorflow_rows.ReadThreads()
+  readers = [tensorflow_rows.Reader(threads) for _ in range(3)]
+  done = {i: [] for i in range(3)}
+  running = {i: threading.Lock() for i in range(3)}
+  overlaps = []
+
+  def job(i, k):
+    def work():
+      if not running[i].acquire(blocking=False):
+        overlaps.append((i, k))
+        return
+      try:
+        time.sleep(0.001)
+        done[i].append(k)
+      finally:
+        running[i].release()
+    return work
+
+  for k in range(30):
+    for i, reader in enumerate(readers):
+      reader.submit(job(i, k))
+  assert readers[0].next(iter([7])) == 7  # after reader 0's 30 jobs
+  assert done[0] == list(range(30))
+  deadline = time.monotonic() + 10
+  while any(len(d) < 30 for d in done.values()) and (
+      time.monotonic() < deadline):
+    time.sleep(0.01)
+  assert done == {i: list(range(30)) for i in range(3)}
+  assert not overlaps
+  assert threads.started <= 4  # threads as jobs ran at once, not per job
+
+  stuck, go_on = threading.Event(), threading.Event()
+
+  def never_returns():
+    stuck.set()
+    go_on.wait(30)
+    yield 1
+
+  outcome = []
+
+  def wait_stuck():
+    try:
+      outcome.append(readers[0].next(never_returns()))
+    except jax_data.PipelineReleasedError as e:
+      outcome.append(e)
+
+  waiter = threading.Thread(target=wait_stuck, daemon=True)
+  waiter.start()
+  try:
+    assert stuck.wait(10)
+    for k in range(5):  # the other readers go on meanwhile
+      assert readers[1].next(iter([k])) == k
+      assert readers[2].next(iter([k])) == k
+    readers[0].cancel()
+    waiter.join(5)
+    assert isinstance(outcome[0], jax_data.PipelineReleasedError)
+  finally:
+    go_on.set()
+
+
 def _cursors(loader, seeds, layout, **keywords):
   return [loader.open_chain(loader.chain_spec(False, seed=s, **keywords),
                             layout) for s in seeds]

@@ -38,7 +38,6 @@ import numpy as np
 import tensorflow as tf
 
 from jax_data.loaders.tensorflow_rows import IteratorCloser
-from jax_data.loaders.tensorflow_rows import Reader
 from jax_data.loaders.tensorflow_rows import Reading
 from jax_data.loaders.tensorflow_rows import Rows
 from jax_data.loaders.tensorflow_rows import in_order
@@ -179,13 +178,14 @@ class SharedReads:
   chains of 10,000 slots, about 65,000 rows in all where each chain holding
   its buffer's rows held 2,560,000.
 
-  Reads run in a thread of their own (a :class:`Reader`, a new one each
-  time every chain is let go, so that new chains never wait behind a read
-  of chains gone): a chain waiting for one gives up when its own stop
-  event is set (a release), and the read goes on for the others. A read
-  that fails lets every chain go (the iterator's position is unknown);
-  the chains waiting for it raise its error, and the chains read again
-  from the start of their pass, once for all those that meet there.
+  Reads run in a :class:`Reader` of their own (in the loader's reading
+  threads; a new one each time every chain is let go, so that new chains
+  never wait behind a read of chains gone): a chain waiting for one gives
+  up when its own stop event is set (a release), and the read goes on for
+  the others. A read that fails lets every chain go (the iterator's
+  position is unknown); the chains waiting for it raise its error, and
+  the chains read again from the start of their pass, once for all those
+  that meet there.
   """
 
   def __init__(self, data: tf.data.Dataset, count: int, rows_per_read: int,
@@ -215,7 +215,7 @@ class SharedReads:
     # failed); a read of an older generation is dropped.
     self._generation = 0
     self._failure: Optional[Tuple[int, BaseException]] = None
-    self._reader = Reader()
+    self._reader = reading.reader()
 
   @property
   def reach(self) -> int:
@@ -447,7 +447,7 @@ class SharedReads:
     if self._busy:  # that read may never end: later ones go elsewhere
       self._busy = False
       self._reader.close()
-      self._reader = Reader()
+      self._reader = self._reading.reader()
 
   def _read(self, generation: int) -> None:
     """Reads the next block and makes the next window (in the reader's
@@ -600,7 +600,7 @@ class PipelineRows:
     self._in_shared = False
     self.count = count
     self._iterator: Optional[Iterator] = None
-    self._reader = Reader()
+    self._reader = reading.reader()
     self._cancelled = threading.Event()
     self.restart(0)
     if shared is not None:  # a chain dropped unclosed leaves too
@@ -842,7 +842,7 @@ class PipelineRows:
     fresh = self._iterator is None
     if fresh:
       self._iterator = in_order(
-          self._data.repeat().batch(self._rows_per_read))
+          self._data.repeat().batch(self._rows_per_read), one_of_many=True)
     rows = self._reading.next_rows(self._iterator, fresh, self._reader)
     size = len(rows[0])
     block = _from((np.arange(self._next, self._next + size), rows),

@@ -38,7 +38,6 @@ from jax_data.loaders.chains import Span
 from jax_data.loaders.chains import readable
 from jax_data.loaders.tensorflow_rows import IteratorCloser
 from jax_data.loaders.tensorflow_rows import MemoryRows
-from jax_data.loaders.tensorflow_rows import Reader
 from jax_data.loaders.tensorflow_rows import Reading
 from jax_data.loaders.tensorflow_rows import Rows
 from jax_data.loaders.tensorflow_rows import in_order
@@ -329,7 +328,7 @@ class OrderedPipelineCursor(_OrderedCursor):
     self._pass = data.concatenate(data.take(padding)) if padding else data
     self._iterator: Optional[Iterator] = None
     self._next_batch: Optional[int] = None  # where the iterator stands
-    self._reader = Reader()
+    self._reader = reading.reader()
 
   def trim(self) -> None:
     """Drops the pipeline iterator (in the background)."""
