@@ -117,8 +117,8 @@ class ReadThreads:
   ``_IDLE_S`` seconds without one. The host reads its chains one after
   another, so one or two threads read for any number of chains. A thread
   that has called into TensorFlow keeps memory of its own there: 1,024
-  chains that each read in a thread of their own held 686 MiB more than
-  the same chains read by one or two threads (TensorFlow 2.21, 2 cores).
+  iterators read each in a thread of its own held 686 MiB, read by one or
+  two threads 161-165 MiB (TensorFlow 2.21, 2 cores).
   A read that never returns keeps its thread; the next job starts
   another."""
 
