@@ -247,6 +247,73 @@ def test_readers_run_their_jobs_in_order_and_a_stuck_read_keeps_one_thread():
     go_on.set()
 
 
+def test_threads_beyond_what_the_reads_need_end_while_reads_go_on(
+    monkeypatch):
+  """Eight readers' jobs at once start eight threads; while one reader
+  then goes on reading, the threads it does not need end after _IDLE_S
+  (each job woke the thread idle the shortest time, so the others time
+  out)."""
+  from jax_data.loaders import tensorflow_rows
+  monkeypatch.setattr(tensorflow_rows, "_IDLE_S", 0.2)
+
+  def alive():
+    return {t for t in threading.enumerate()
+            if t.name == "jax_data-tf-read"} - before
+
+  before = {t for t in threading.enumerate() if t.name == "jax_data-tf-read"}
+  threads = tensorflow_rows.ReadThreads()
+  readers = [tensorflow_rows.Reader(threads) for _ in range(8)]
+  go_on, started = threading.Event(), threading.Semaphore(0)
+
+  def hold():
+    started.release()
+    go_on.wait(10)
+
+  for reader in readers:
+    reader.submit(hold)
+  for _ in readers:
+    assert started.acquire(timeout=10)
+  assert len(alive()) == 8
+  go_on.set()
+  deadline = time.monotonic() + 1.5
+  while time.monotonic() < deadline:
+    assert readers[0].next(iter([1])) == 1
+    time.sleep(0.01)
+  assert len(alive()) <= 2
+
+
+def test_a_read_whose_thread_cannot_start_fails_and_the_next_reads_work(
+    monkeypatch):
+  """A thread that cannot start (the interpreter exiting, too many
+  threads) fails the read that needed it, with its error; the reader and
+  the other readers of the loader read on afterwards."""
+  from jax_data.loaders import tensorflow_rows
+  threads = tensorflow_rows.ReadThreads()
+  first, second = (tensorflow_rows.Reader(threads) for _ in range(2))
+  start = threading.Thread.start
+  failures = [RuntimeError("can't start new thread")]
+
+  def fails_once(thread):
+    if failures and thread.name == "jax_data-tf-read":
+      raise failures.pop()
+    return start(thread)
+
+  monkeypatch.setattr(threading.Thread, "start", fails_once)
+  with pytest.raises(RuntimeError, match="can't start new thread"):
+    first.next(iter([0, 1]))
+  items, got = iter([0, 1]), []
+
+  def reads():  # in a thread: a read that waits for ever fails the test
+    got.append(first.next(items))  # the failed read took nothing
+    got.append(second.next(iter([5])))
+    got.append(first.next(items))
+
+  reading = threading.Thread(target=reads, daemon=True)
+  reading.start()
+  reading.join(10)
+  assert got == [0, 5, 1]
+
+
 def _cursors(loader, seeds, layout, **keywords):
   return [loader.open_chain(loader.chain_spec(False, seed=s, **keywords),
                             layout) for s in seeds]

@@ -446,7 +446,6 @@ class SharedReads:
     self._closer.close_later(held)
     if self._busy:  # that read may never end: later ones go elsewhere
       self._busy = False
-      self._reader.close()
       self._reader = self._reading.reader()
 
   def _read(self, generation: int) -> None:
@@ -633,9 +632,8 @@ class PipelineRows:
       self._shared.leave(id(self))
 
   def close(self) -> None:
-    """Drops what it holds and ends its reads' thread."""
+    """Drops what it holds."""
     self.restart(0)
-    self._reader.close()
 
   def cancel(self) -> None:
     """A release: a read it waits for, and every later one, raises

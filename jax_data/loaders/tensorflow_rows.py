@@ -113,49 +113,80 @@ def released_error() -> PipelineReleasedError:
 
 class ReadThreads:
   """The threads that run a loader's :class:`Reader` jobs: as many as
-  jobs run at once, started when a job finds none idle, each ending after
-  ``_IDLE_S`` seconds without one. The host reads its chains one after
-  another, so one or two threads read for any number of chains. A thread
-  that has called into TensorFlow keeps memory of its own there: 1,024
-  iterators read each in a thread of its own held 686 MiB, read by one or
-  two threads 161-165 MiB (TensorFlow 2.21, 2 cores).
-  A read that never returns keeps its thread; the next job starts
-  another."""
+  readers wait for one at once, started when a job finds none idle, each
+  ending after ``_IDLE_S`` seconds without a job (a job wakes the thread
+  idle the shortest time, so that those beyond what the jobs need end).
+  The host reads its chains one after another, so one or two threads
+  read for any number of chains. A thread that has called into TensorFlow
+  keeps memory of its own there: 1,024 iterators read each in a thread of
+  its own held 686 MiB, read by one or two threads 161-165 MiB
+  (TensorFlow 2.21, 2 cores). A read that never returns keeps its thread;
+  the next job starts another."""
 
   def __init__(self):
-    self._cond = threading.Condition()
+    self._lock = threading.Lock()
     self._ready: Deque[Reader] = collections.deque()  # to run a job of
+    # The waits of idle threads, the one idle the shortest time last.
+    self._sleeping: List[threading.Condition] = []
     self._idle = 0  # threads not running a job
     self.started = 0  # threads started so far (for tests)
 
   def schedule(self, reader: "Reader") -> None:
-    """Runs ``reader``'s next job in one of the threads."""
-    with self._cond:
+    """Runs ``reader``'s next job in one of the threads.
+
+    Raises:
+      RuntimeError: no thread was idle and none could be started (the
+        interpreter is exiting, or too many threads); the job is not
+        queued.
+    """
+    with self._lock:
       self._ready.append(reader)
       if self._idle >= len(self._ready):
-        self._cond.notify()
+        if self._sleeping:
+          self._sleeping.pop().notify()
         return
       self._idle += 1
       self.started += 1
-    threading.Thread(target=self._work, name="jax_data-tf-read",
-                     daemon=True).start()
+    try:
+      threading.Thread(target=self._work, name="jax_data-tf-read",
+                       daemon=True).start()
+    except BaseException:
+      with self._lock:
+        self._idle -= 1
+        self.started -= 1
+        try:
+          self._ready.remove(reader)
+        except ValueError:  # an idle thread took it after all
+          return
+      raise
 
   def _work(self) -> None:
-    reader, more = None, False
-    while True:
-      with self._cond:
-        if reader is not None:
-          self._idle += 1
-          if more:  # after the jobs of the readers that waited
-            self._ready.append(reader)
-          reader = None
+    wait = threading.Condition(self._lock)
+    with self._lock:
+      while True:
         while not self._ready:
-          if not self._cond.wait(_IDLE_S) and not self._ready:
-            self._idle -= 1
-            return
+          self._sleeping.append(wait)
+          if not wait.wait(_IDLE_S):
+            if wait in self._sleeping:
+              self._sleeping.remove(wait)
+            if not self._ready:
+              self._idle -= 1
+              return
         reader = self._ready.popleft()
         self._idle -= 1
-      more = reader.run_next()
+        self._lock.release()
+        try:
+          more, done = reader.run_next()
+        finally:
+          self._lock.acquire()
+        # Idle again before the reader's caller hears of it: a next job
+        # it queues at once runs here, not in a new thread.
+        self._idle += 1
+        if more:  # after the jobs of the readers that waited
+          self._ready.append(reader)
+        del reader
+        if done is not None:
+          done.set()
 
 
 class Reader:
@@ -205,11 +236,18 @@ class Reader:
       if self._scheduled:
         return
       self._scheduled = True
-    self._threads.schedule(self)
+    try:
+      self._threads.schedule(self)
+    except BaseException:
+      with self._lock:  # not queued: the job was its only one
+        self._jobs.clear()
+        self._scheduled = False
+      raise
 
-  def run_next(self) -> bool:
+  def run_next(self) -> Tuple[bool, Optional[threading.Event]]:
     """Runs its oldest job (in a thread of its :class:`ReadThreads`);
-    returns whether it has another."""
+    returns whether it has another, and the event to set for the caller
+    of a read (the thread sets it)."""
     with self._lock:
       work, done, outcome = self._jobs.popleft()
     try:
@@ -227,18 +265,12 @@ class Reader:
       # drops it, not the caller.
       del work
       value = None
-    if done is not None:
-      done.set()
     with self._lock:
       self._scheduled = bool(self._jobs)
-      return self._scheduled
+      return self._scheduled, done
 
   def cancel(self) -> None:
     self._stop.set()
-
-  def close(self) -> None:
-    """Nothing to end: its jobs run in its loader's threads, which end
-    when idle."""
 
 
 def in_order(dataset: tf.data.Dataset, one_of_many: bool = False

@@ -337,7 +337,6 @@ class OrderedPipelineCursor(_OrderedCursor):
 
   def close(self) -> None:
     self.trim()
-    self._reader.close()
 
   def cancel(self) -> None:
     self._reader.cancel()
