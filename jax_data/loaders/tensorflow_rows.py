@@ -162,8 +162,14 @@ class ReadThreads:
 
   def _work(self) -> None:
     wait = threading.Condition(self._lock)
-    with self._lock:
-      while True:
+    reader, more = None, False
+    while True:
+      with self._lock:
+        if reader is not None:
+          self._idle += 1
+          if more:  # after the jobs of the readers that waited
+            self._ready.append(reader)
+          reader = None
         while not self._ready:
           self._sleeping.append(wait)
           if not wait.wait(_IDLE_S):
@@ -174,19 +180,7 @@ class ReadThreads:
               return
         reader = self._ready.popleft()
         self._idle -= 1
-        self._lock.release()
-        try:
-          more, done = reader.run_next()
-        finally:
-          self._lock.acquire()
-        # Idle again before the reader's caller hears of it: a next job
-        # it queues at once runs here, not in a new thread.
-        self._idle += 1
-        if more:  # after the jobs of the readers that waited
-          self._ready.append(reader)
-        del reader
-        if done is not None:
-          done.set()
+      more = reader.run_next()
 
 
 class Reader:
@@ -244,10 +238,9 @@ class Reader:
         self._scheduled = False
       raise
 
-  def run_next(self) -> Tuple[bool, Optional[threading.Event]]:
+  def run_next(self) -> bool:
     """Runs its oldest job (in a thread of its :class:`ReadThreads`);
-    returns whether it has another, and the event to set for the caller
-    of a read (the thread sets it)."""
+    returns whether it has another."""
     with self._lock:
       work, done, outcome = self._jobs.popleft()
     try:
@@ -265,9 +258,11 @@ class Reader:
       # drops it, not the caller.
       del work
       value = None
+    if done is not None:
+      done.set()
     with self._lock:
       self._scheduled = bool(self._jobs)
-      return self._scheduled, done
+      return self._scheduled
 
   def cancel(self) -> None:
     self._stop.set()
