@@ -6,8 +6,7 @@ Either the pipeline, read in order pass after pass
 :func:`in_order`, read by a :class:`Reader` in the loader's
 :class:`ReadThreads` and dropped in a background thread by an
 :class:`IteratorCloser`, since dropping one can take seconds), or NumPy
-arrays read once (:class:`MemoryRows`,
-``in_memory=True``). The cursors of
+arrays read once (:class:`MemoryRows`, ``in_memory=True``). The cursors of
 :mod:`jax_data.loaders.tensorflow_streams` take rows from them.
 """
 
