@@ -211,9 +211,16 @@ class Reader:
     while not done.wait(_STOP_POLL_S):
       if self._stop.is_set():
         raise released_error()
-    ok, value = outcome[0]
+    ok, value = outcome.pop()
     if not ok:
-      raise value
+      try:
+        raise value
+      finally:
+        # The error's traceback holds this frame: without its reference
+        # to the error, the two (and the iterator that the traceback's
+        # frames hold) go when the caller drops the error, not at the
+        # next garbage collection.
+        del value
     return value
 
   def submit(self, work: Callable[[], None]) -> None:
