@@ -811,6 +811,38 @@ def test_an_answer_keeps_its_first_settlement():
     failed.result()
 
 
+
+def test_stored_futures_wake_their_waiters_and_keep_their_first_answer():
+  """A stored chunk's future answers as a future does: a request waiting
+  in another thread wakes at its first result or error, and later ones
+  are ignored; futures that share a condition wake only when their own
+  answer comes."""
+  import threading
+
+  from jax_data.serving.chain_records import StoredFuture
+  from jax_data.serving.chain_records import settle
+
+  changed = threading.Condition(threading.Lock())
+  first, second = StoredFuture(changed), StoredFuture(changed)
+  got = []
+  waiters = [threading.Thread(target=lambda f=f: got.append(f.result()),
+                              daemon=True) for f in (first, second)]
+  for waiter in waiters:
+    waiter.start()
+  settle(first, "chunk")
+  settle(first, error=ValueError("late"))
+  waiters[0].join(10)
+  assert got == ["chunk"] and not second.done() and waiters[1].is_alive()
+  settle(second, "other")
+  waiters[1].join(10)
+  assert got == ["chunk", "other"]
+  failed = StoredFuture(changed)
+  settle(failed, error=ValueError("unreadable"))
+  settle(failed, "late")
+  assert isinstance(failed.exception(), ValueError)
+  with pytest.raises(ValueError, match="unreadable"):
+    failed.result()
+
 def _stacked(init_fn, seeds, **mode):
   return jax.tree_util.tree_map(
       lambda *s: jnp.stack(s),

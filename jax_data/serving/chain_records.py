@@ -37,7 +37,7 @@ from jax_data.loaders.host_loader import StoreLimits
 from jax_data.validation import check_int
 
 #: A chunk to produce: its chain, its index, the future its requests wait
-#: on (a ``concurrent.futures.Future`` or a ``production.Answer``).
+#: on (a :class:`StoredFuture` or a ``production.Answer``).
 Job = Tuple["ChainRecord", int, Any]
 
 
@@ -54,7 +54,60 @@ def keep_snapshot(index: int, newest: int, recent: int) -> bool:
   return index % spacing == 0
 
 
-def settle(future: concurrent.futures.Future, result: Any = None,
+class StoredFuture:
+  """The future of a stored chunk, which requests in other threads may
+  wait for. The futures of one :class:`Shelf` share its condition
+  variable: a ``concurrent.futures.Future`` makes one of its own, ten
+  objects for the garbage collector (a condition, its lock and deque,
+  their bound methods), 10,000 per refresh of 1,024 lanes. Their full
+  collections, over the ~500,000 objects of a process that imported
+  TensorFlow, took 145 ms each, 2.3 s of a 13 s run of 1,024 vmapped
+  chains."""
+
+  __slots__ = ("_changed", "_settled", "_value", "_error")
+
+  def __init__(self, changed: threading.Condition):
+    self._changed = changed
+    self._settled = False
+    self._value: Any = None
+    self._error: Optional[BaseException] = None
+
+  def done(self) -> bool:
+    return self._settled
+
+  def set_result(self, value: Any) -> None:
+    self._settle(value, None)
+
+  def set_exception(self, error: BaseException) -> None:
+    self._settle(None, error)
+
+  def exception(self) -> Optional[BaseException]:
+    """Its error (None if it has a result), once it has either."""
+    self._wait()
+    return self._error
+
+  def result(self) -> Any:
+    """Its result once it has one, or raises its error."""
+    self._wait()
+    if self._error is not None:
+      raise self._error
+    return self._value
+
+  def _settle(self, value: Any, error: Optional[BaseException]) -> None:
+    with self._changed:
+      if self._settled:
+        raise concurrent.futures.InvalidStateError("the chunk has an answer")
+      self._settled, self._value, self._error = True, value, error
+      self._changed.notify_all()
+
+  def _wait(self) -> None:
+    if not self._settled:
+      with self._changed:
+        while not self._settled:
+          self._changed.wait()
+
+
+def settle(future: Any, result: Any = None,
            error: Optional[BaseException] = None) -> None:
   """Sets a future's result or error, unless it has one already."""
   try:
@@ -66,10 +119,10 @@ def settle(future: concurrent.futures.Future, result: Any = None,
     pass
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Entry:
   """A stored chunk and how many more requests are expected for it."""
-  future: concurrent.futures.Future
+  future: StoredFuture
   pending: Optional[int] = None  # None: produced ahead, not yet requested
 
 
@@ -222,6 +275,8 @@ class Shelf:
         collections.OrderedDict())
     self.lanes = 1
     self.idle: List[ChainRecord] = []
+    # What waits for its futures: one condition for all of them.
+    self._changed = threading.Condition(threading.Lock())
 
   def ahead(self) -> int:
     """Chunks produced ahead of each chain's requests: ``store_limits.
@@ -241,7 +296,7 @@ class Shelf:
     return lanes * self._nbytes > self._limits.store_bytes
 
   def claim(self, record: ChainRecord, index: int, device_count: int
-            ) -> Tuple[concurrent.futures.Future, bool]:
+            ) -> Tuple[StoredFuture, bool]:
     """The future of chunk ``index`` for a request, and whether the caller
     must produce it (it was not stored, or failed before any request)."""
     record.devices = max(record.devices, device_count)
@@ -259,7 +314,7 @@ class Shelf:
       record.chunks.move_to_end(index)
       self._stored.move_to_end((record.number, index))
       return entry.future, False
-    self.put(record, index, Entry(concurrent.futures.Future(),
+    self.put(record, index, Entry(StoredFuture(self._changed),
                                   device_count - 1))
     return record.chunks[index].future, True
 
@@ -297,13 +352,13 @@ class Shelf:
     for record, index in {(record.number, index): (record, index)
                           for record, index in wanted}.values():
       if index not in record.chunks:
-        entry = Entry(concurrent.futures.Future())
+        entry = Entry(StoredFuture(self._changed))
         self.put(record, index, entry)
         jobs.append((record, index, entry.future))
     return jobs
 
   def forget(self, record: ChainRecord, index: int,
-             future: concurrent.futures.Future) -> None:
+             future: StoredFuture) -> None:
     """Drops a failed chunk if ``future`` is still its entry's."""
     entry = record.chunks.get(index)
     if entry is not None and entry.future is future:

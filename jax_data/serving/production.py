@@ -137,7 +137,7 @@ class Producer:
     self._released = message
 
   def produce_into(self, record: ChainRecord, index: int,
-                   future: concurrent.futures.Future,
+                   future: Any,
                    out: Optional[Chunk] = None) -> None:
     """Produces chunk ``index`` (into ``out`` if given, see
     :meth:`produce_many`) and sets ``future`` to it, or to the failure
