@@ -325,13 +325,13 @@ class Shelf:
     self._evict(record)
     self._evict_across_chains()
 
-  def claim_done(self, wanted: Sequence[Tuple[Optional[ChainRecord], int]]
-                 ) -> Optional[List[Any]]:
-    """Claims chunk ``index`` of each ``(chain, index)`` for a one-device
-    request and returns them if all were produced; None, and nothing
-    claimed, if one was not or failed."""
+  def claim_done(self, records: Sequence[Optional[ChainRecord]],
+                 indices: Sequence[int]) -> Optional[List[Any]]:
+    """Claims chunk ``indices[i]`` of each chain ``records[i]`` for a
+    one-device request and returns them if all were produced; None, and
+    nothing claimed, if one was not or failed."""
     futures = []
-    for record, index in wanted:
+    for record, index in zip(records, indices):
       entry = None if record is None else record.chunks.get(index)
       if entry is None or not entry.future.done():
         return None
@@ -340,17 +340,18 @@ class Shelf:
       chunks = [future.result() for future in futures]
     except Exception:  # pylint: disable=broad-except
       return None
-    for record, index in wanted:
+    for record, index in zip(records, indices):
       self.claim(record, index, 1)
     return chunks
 
-  def claim_ahead(self, wanted: Sequence[Tuple[ChainRecord, int]]
-                  ) -> List[Job]:
-    """Stores a future for each ``(chain, index)`` not stored yet, to be
-    produced before it is requested; the jobs that produce them."""
+  def claim_ahead(self, records: Sequence[ChainRecord],
+                  indices: Sequence[int]) -> List[Job]:
+    """Stores a future for chunk ``indices[i]`` of each chain
+    ``records[i]`` not stored yet, to be produced before it is requested;
+    the jobs that produce them (one per chunk named twice: its future is
+    stored at the first)."""
     jobs = []
-    for record, index in {(record.number, index): (record, index)
-                          for record, index in wanted}.values():
+    for record, index in zip(records, indices):
       if index not in record.chunks:
         entry = Entry(StoredFuture(self._changed))
         self.put(record, index, entry)

@@ -68,8 +68,31 @@ from jax_data.serving.production import Answer
 from jax_data.serving.production import Producer
 from jax_data.serving.production import interrupted
 
-# Chunks whose production follows the copy of a served one: (chain, index).
-Deferred = List[Tuple[ChainRecord, int]]
+
+class Served:
+  """Served chunks whose following ones are to be produced ahead (see
+  :meth:`ChainStore.schedule_next`): their chains and indices, in two
+  lists. A ``(chain, index)`` tuple per lane, 1,024 a refresh of 1,024
+  lanes, lived until the production job ran, long enough for the garbage
+  collector to go over each one and move it to an older generation."""
+
+  __slots__ = ("records", "indices")
+
+  def __init__(self):
+    self.records: List[ChainRecord] = []
+    self.indices: List[int] = []
+
+  def add(self, record: ChainRecord, index: int) -> None:
+    self.records.append(record)
+    self.indices.append(index)
+
+  def extend(self, records: Sequence[ChainRecord], indices: Sequence[int]
+             ) -> None:
+    self.records.extend(records)
+    self.indices.extend(indices)
+
+  def __len__(self) -> int:
+    return len(self.records)
 
 
 class Scheduler(Protocol):
@@ -233,7 +256,7 @@ class ChainStore:
   # -- serving ------------------------------------------------------------
 
   def chunks(self, wanted: Sequence[Tuple[int, int]], device_count: int = 1,
-             defer: Optional[Deferred] = None,
+             defer: Optional[Served] = None,
              into: Optional[Sequence[Chunk]] = None) -> List[Chunk]:
     """Chunk ``index`` of chain ``chain`` for each ``(chain, index)``.
 
@@ -250,7 +273,7 @@ class ChainStore:
     of a replicated state); it is kept until they all came, within a cap.
 
     The next chunks of every chain (:meth:`Shelf.ahead`) are scheduled now,
-    or, if ``defer`` is a list and the chunks were ready when asked for or
+    or, if ``defer`` is given and the chunks were ready when asked for or
     are several, appended to it for :meth:`schedule_next` after the
     caller's copy, which they would compete with.
 
@@ -278,14 +301,14 @@ class ChainStore:
           with self._lock:
             self._shelf.forget(record, index, future)
         failure = failure or future.exception()
-    now = []
+    now = Served()
     for record, index, _, ready, stored in claims:
       if not stored or (in_place and record.regenerates):
         continue  # read in place next time too: nothing ahead
       # Several lanes: their copies are many short calls that need the GIL
       # the production would hold; the next chunks wait for them too.
       later = defer is not None and (ready or len(claims) > 1)
-      (defer if later else now).append((record, index))
+      (defer if later else now).add(record, index)
     self.schedule_next(now)
     if failure is not None:
       raise failure
@@ -345,17 +368,18 @@ class ChainStore:
         with self._lock:
           self._shelf.forget(record, index, future)
 
-  def ready(self, wanted: Sequence[Tuple[int, int]], defer: Deferred
-            ) -> Optional[List[Chunk]]:
-    """:meth:`chunks` for a one-device request whose chunks were all
-    produced before it came (the common refresh), with the least
-    bookkeeping: the chains and indices go to ``defer`` (see
-    :meth:`chunks`). None, and nothing claimed, if one is not ready."""
-    records = [(self._chains.get(chain), index) for chain, index in wanted]
+  def ready(self, chains: Sequence[int], indices: Sequence[int],
+            defer: Served) -> Optional[List[Chunk]]:
+    """:meth:`chunks` of chunk ``indices[i]`` of chain ``chains[i]`` for a
+    one-device request whose chunks were all produced before it came (the
+    common refresh), with the least bookkeeping: the chains and indices go
+    to ``defer`` (see :meth:`chunks`). None, and nothing claimed, if one is
+    not ready."""
+    records = [self._chains.get(chain) for chain in chains]
     with self._lock:
-      chunks = self._shelf.claim_done(records)
+      chunks = self._shelf.claim_done(records, indices)
     if chunks is not None:
-      defer.extend(records)
+      defer.extend(records, indices)
     return chunks
 
   def note_lanes(self, lanes: int) -> None:
@@ -372,10 +396,9 @@ class ChainStore:
     following = index + 1
     return following if self.cycle is None else following % self.cycle
 
-  def schedule_next(self, served: Sequence[Tuple[ChainRecord, int]],
-                    trim: bool = False) -> None:
+  def schedule_next(self, served: Served, trim: bool = False) -> None:
     """Queues one job that claims and produces the :meth:`Shelf.ahead`
-    chunks after each served ``(chain, index)`` not stored yet, then, with
+    chunks after each of the ``served`` not stored yet, then, with
     ``trim``, does the housekeeping of :meth:`trim_later`."""
     scheduler = self._scheduler
     if scheduler is None or not served:
@@ -385,24 +408,25 @@ class ChainStore:
     trims = trim and not self._trim_queued.is_set()
     if trims:
       self._trim_queued.set()
-    served = list(served)
     if not scheduler.submit(
         functools.partial(self._produce_ahead, served, trims),
         functools.partial(_untrimmed, self._trim_queued) if trims else _skip):
       self._trim_queued.clear()
 
-  def _produce_ahead(self, served: Sequence[Tuple[ChainRecord, int]],
-                     trim: bool) -> None:
+  def _produce_ahead(self, served: Served, trim: bool) -> None:
     try:
       # A chain asked for another chunk since (the job ran late): that
       # request's own job produces what follows it.
-      following = [(record, index) for record, index in served
-                   if record.requested == index]
+      records, indices = [], []
+      for record, index in zip(served.records, served.indices):
+        if record.requested == index:
+          records.append(record)
+          indices.append(index)
       for _ in range(self._shelf.ahead()):
-        following = [(record, self._following(index))
-                     for record, index in following]
+        indices = [self._following(index) for index in indices]
         with self._lock:  # none once released: they would keep the loader
-          jobs = [] if self._released else self._shelf.claim_ahead(following)
+          jobs = [] if self._released else self._shelf.claim_ahead(
+              records, indices)
         if jobs:
           self._producer.produce_many(jobs)
     finally:

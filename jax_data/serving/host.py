@@ -42,8 +42,8 @@ from jax_data.loaders.pinning import pin
 from jax_data.serving.chain_records import ChainRecord
 from jax_data.serving.chain_records import ChainTable
 from jax_data.serving.chunk_store import ChainStore
-from jax_data.serving.chunk_store import Deferred
 from jax_data.serving.chunk_store import Prefetcher
+from jax_data.serving.chunk_store import Served
 from jax_data.serving.group_refresh import GroupRefresh
 from jax_data.serving.group_refresh import same_memory
 from jax_data.serving.rendezvous import Rendezvous
@@ -165,7 +165,7 @@ class Host:
 
   def lanes(self, pipelines: np.ndarray, chains: np.ndarray,
             chunks: np.ndarray, need: np.ndarray, device_count: int = 1,
-            participants: int = 1, defer: Optional[Deferred] = None,
+            participants: int = 1, defer: Optional[Served] = None,
             into: Optional[Sequence[np.ndarray]] = None) -> List[Chunk]:
     """The chunk of each of ``L`` lanes (``defer`` and ``into``: see
     :meth:`ChainStore.chunks`; ``into`` holds each leaf's and the mask's
@@ -261,7 +261,7 @@ class Host:
         device_count * participants == 1 and self._progress is None, cpu):
       self.requests += 1
       return
-    deferred: Deferred = []
+    deferred = Served()
     try:
       lanes = self._ready(store, pipelines, chains, chunks, need,
                           device_count, participants, deferred)
@@ -278,7 +278,7 @@ class Host:
 
   def _ready(self, store: ChainStore, pipelines: np.ndarray,
              chains: np.ndarray, chunks: np.ndarray, need: np.ndarray,
-             device_count: int, participants: int, defer: Deferred
+             device_count: int, participants: int, defer: Served
              ) -> Optional[List[Chunk]]:
     """:meth:`lanes` for the common refresh (one device, every lane a chunk
     of this pipeline produced ahead: :meth:`ChainStore.ready`), on lists:
@@ -290,8 +290,7 @@ class Host:
       return None
     store.note_lanes(len(need))
     served = None if store.reads_in_place(len(need)) else store.ready(
-        list(zip(chains.reshape(-1).tolist(), chunks.reshape(-1).tolist())),
-        defer)
+        chains.reshape(-1).tolist(), chunks.reshape(-1).tolist(), defer)
     if served is not None:
       self.requests += 1
       for check in dict.fromkeys(chunk.check for chunk in served):
