@@ -335,13 +335,19 @@ class _SpanChunk(Chunk):
 
   def __init__(self, span: Span, g: int, check: Callable[[], None]):
     # pylint: disable=super-init-not-called (leaves and mask are views)
-    self.span = (span, g)
+    # Not a (span, g) tuple: it would be one more object per lane for the
+    # garbage collector, kept as long as the chunk.
+    self._span, self._g = span, g
     self.check = check
     self._views: Optional[Tuple[List[np.ndarray], np.ndarray]] = None
 
+  @property  # type: ignore[override]
+  def span(self) -> Tuple[Span, int]:
+    return self._span, self._g
+
   def _made(self) -> Tuple[List[np.ndarray], np.ndarray]:
     if self._views is None:
-      span, g = self.span
+      span, g = self._span, self._g
       self._views = [leaf[g] for leaf in span.leaves], span.mask[g]
     return self._views
 
@@ -362,7 +368,8 @@ def spanned(chunks: Sequence[Chunk]) -> Optional[Span]:
     return None
   span = first[0]
   for g, chunk in enumerate(chunks):
-    if chunk.span is None or chunk.span[0] is not span or chunk.span[1] != g:
+    at = chunk.span
+    if at is None or at[0] is not span or at[1] != g:
       return None
   return span
 
