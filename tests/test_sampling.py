@@ -229,6 +229,10 @@ def test_buffer_shuffle_does_not_depend_on_chunks_or_seeks(chunk):
     assert np.array_equal(stream.take(chunk), whole[position:position + chunk])
   assert not np.array_equal(_buffer_stream(count, 50, 2, 100, 100),
                             whole[:100])
+  # Back and forth among slots drawn ahead, and past them.
+  for position in (10, 3, 3, 4000, 3990, 100, 2**16 - 40, 2**16 - 41):
+    stream.seek(position)
+    assert np.array_equal(stream.take(chunk), whole[position:position + chunk])
 
 
 def _buffer_stream_by_definition(count, size, seed, passes):

@@ -412,11 +412,14 @@ class BufferShuffle:
     self._block: Optional[Tuple[int, int]] = None
     self._rng: Optional[np.random.Generator] = None
     self._drawn = 0
+    self._slot_type = np.min_scalar_type(self.buffer_size - 1)
+    # Slots drawn ahead: those of the block's fill steps _drawn -
+    # _ahead.size .. _drawn - 1.
+    self._ahead = np.empty(0, self._slot_type)
     self.position: Optional[int] = None  # steps emitted; None: unknown
     self._pass = 0
     self._step = 0
     self._buffer: Optional[np.ndarray] = None  # element number per slot
-    self._slot_type = np.min_scalar_type(self.buffer_size - 1)
 
   def seek(self, position: int) -> None:
     """Moves to step ``position`` of the stream (replays its pass)."""
@@ -501,16 +504,20 @@ class BufferShuffle:
     return out.T
 
   def trim(self) -> None:
-    """Drops the buffer's slots (8 bytes each) and the generator of slot
-    draws; the position becomes unknown: :meth:`seek` computes them
-    again."""
+    """Drops the buffer's slots (8 bytes each), the generator of slot
+    draws and the draws made ahead; the position becomes unknown:
+    :meth:`seek` computes them again."""
     self.position = None
     self._block, self._rng, self._drawn = None, None, 0
+    self._ahead = np.empty(0, self._slot_type)
     self._buffer = None
 
   def held_bytes(self) -> int:
-    """The bytes of the buffer slots kept (see :meth:`trim`)."""
-    return 0 if self._buffer is None else self._buffer.nbytes
+    """The bytes of the buffer slots and the draws ahead kept (see
+    :meth:`trim`)."""
+    ahead = self._ahead
+    held = (ahead if ahead.base is None else ahead.base).nbytes
+    return held if self._buffer is None else held + self._buffer.nbytes
 
   def buffered(self) -> np.ndarray:
     """The element numbers read into the buffer and not yet emitted, in no
@@ -555,26 +562,52 @@ class BufferShuffle:
     return np.random.default_rng([self.seed, self._pass, 1]).permutation(
         self.buffer_size)
 
-  def _slots(self, k: int) -> np.ndarray:
-    """The slots drawn at the next ``k`` fill steps, all in one block.
+  # Slot draws made ahead, at least this many bytes' worth a chain: a
+  # call of ``integers`` cost about 5 us whatever it drew, 5 ms a
+  # refresh of 1,024 chains that each drew the 640 slots of a chunk.
+  _AHEAD_BYTES = 4096
 
-    The block's draws come from a generator kept between calls, ``k`` at
-    a time: NumPy's ``integers`` draws one value after another from the
-    bit generator, whose state carries any bits left over, so the pieces
-    are the block's ``integers(0, buffer_size, 2**16)`` exactly. A chain
-    keeps a generator, not the block's 2**16 draws (64-512 KiB, 64 MiB
-    for 1,024 chains)."""
+  def _slots(self, k: int) -> np.ndarray:
+    """The slots drawn at the next ``k`` fill steps, all in one block
+    (read-only).
+
+    The block's draws come from a generator kept between calls, in pieces
+    of ``k`` or more (the rest kept for the next steps): NumPy's
+    ``integers`` draws one value after another from the bit generator,
+    whose state carries any bits left over, so the pieces are the block's
+    ``integers(0, buffer_size, 2**16)`` exactly. A chain keeps a
+    generator and a few KiB of draws, not the block's 2**16 draws (64-512
+    KiB, 64 MiB for 1,024 chains)."""
     block, first = divmod(self._step, self._BLOCK)
-    if self._block != (self._pass, block) or self._drawn > first:
+    ahead = self._ahead
+    if (self._block != (self._pass, block)
+        or self._drawn - ahead.size > first):
       self._block = (self._pass, block)
       self._rng = np.random.default_rng([self.seed, self._pass, 0, block])
-      self._drawn = 0
+      self._drawn, ahead = 0, np.empty(0, self._slot_type)
     if self._drawn < first:  # a seek within the block: draws passed over
       self._rng.integers(0, self.buffer_size, first - self._drawn)
-    self._drawn = first + k
-    # In the least integer type that holds a slot: _fill's stable argsort
-    # of them is then a radix sort.
-    return self._rng.integers(0, self.buffer_size, k).astype(self._slot_type)
+      self._drawn, ahead = first, np.empty(0, self._slot_type)
+    start = first - (self._drawn - ahead.size)  # step first in ahead
+    if first + k > self._drawn:
+      more = min(max(first + k - self._drawn,
+                     self._AHEAD_BYTES // ahead.itemsize),
+                 self._BLOCK - self._drawn)
+      # In the least integer type that holds a slot: _fill's stable
+      # argsort of them is then a radix sort.
+      drawn = self._rng.integers(0, self.buffer_size, more).astype(
+          self._slot_type)
+      ahead = np.concatenate([ahead[start:], drawn]) if start < ahead.size \
+          else drawn
+      self._drawn += more
+      start = 0
+    slots = ahead[start:start + k]
+    rest = ahead[start + k:]
+    # The rest alone, not the whole draw of a long take it is the end of.
+    self._ahead = rest.copy() if ahead.size > 2 * (
+        self._AHEAD_BYTES // ahead.itemsize) else rest
+    slots.setflags(write=False)
+    return slots
 
   def _fill(self, k: int) -> np.ndarray:
     """``k`` fill steps: each emits a slot and refills it."""
