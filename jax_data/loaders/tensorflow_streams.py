@@ -180,10 +180,13 @@ class ShuffleCursor(ChainCursor):
       for chain in chains:
         chain._stand()  # pylint: disable=protected-access
       shuffles = [chain._shuffle for chain in chains]  # pylint: disable=protected-access
-      wanted = BufferShuffle.take_together(shuffles, size)
-      if wanted is None:
+      taken = BufferShuffle.take_and_hold_together(shuffles, size)
+      if taken is None:
         wanted = np.stack([shuffle.take(size) for shuffle in shuffles])
-      keeps = [shuffle.buffered() for shuffle in shuffles]
+        keeps: Sequence[np.ndarray] = [shuffle.buffered()
+                                       for shuffle in shuffles]
+      else:  # every buffer as a row of one array
+        wanted, keeps = taken
       out = [allocate((lanes * size,) + leaf.shape, leaf.dtype)
              for leaf in layout.leaves]
       # Compiled code's buffers with the lane axis second take the rows

@@ -452,13 +452,23 @@ class BufferShuffle:
   @classmethod
   def take_together(cls, shuffles: Sequence["BufferShuffle"], steps: int
                     ) -> Optional[np.ndarray]:
+    """:meth:`take_and_hold_together`'s element numbers taken."""
+    taken = cls.take_and_hold_together(shuffles, steps)
+    return None if taken is None else taken[0]
+
+  @classmethod
+  def take_and_hold_together(cls, shuffles: Sequence["BufferShuffle"],
+                             steps: int
+                             ) -> Optional[Tuple[np.ndarray, np.ndarray]]:
     """The element numbers the next ``steps`` steps of each of
     ``shuffles`` emit (row ``i``: ``shuffles[i].take(steps)``), computed
     step by step for all of them at once, one NumPy call per step for
     every buffer: where many shuffles (chains of one ``vmap``) stand at the
     same fill step of one pass, within one block of draws, and their
     buffers are small enough to stack. None otherwise, with nothing moved
-    (take them one by one).
+    (take them one by one). With them, each buffer's element numbers
+    afterwards (row ``i``: ``shuffles[i].buffered()``, read-only), one
+    array for all of them.
 
     Raises:
       RuntimeError: a shuffle's position is unknown; :meth:`seek` first.
@@ -501,7 +511,9 @@ class BufferShuffle:
       shuffle._buffer[...] = buffers[lane * size:(lane + 1) * size]
       shuffle._step += steps
       shuffle.position += steps
-    return out.T
+    held = buffers.reshape(lanes, size)
+    held.setflags(write=False)
+    return out.T, held
 
   def trim(self) -> None:
     """Drops the buffer's slots (8 bytes each), the generator of slot
