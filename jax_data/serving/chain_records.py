@@ -64,11 +64,12 @@ class StoredFuture:
   TensorFlow, took 145 ms each, 2.3 s of a 13 s run of 1,024 vmapped
   chains."""
 
-  __slots__ = ("_changed", "_settled", "_value", "_error")
+  __slots__ = ("_changed", "_settled", "_waited", "_value", "_error")
 
   def __init__(self, changed: threading.Condition):
     self._changed = changed
     self._settled = False
+    self._waited = False  # a thread waits, or waited, for its answer
     self._value: Any = None
     self._error: Optional[BaseException] = None
 
@@ -98,12 +99,14 @@ class StoredFuture:
       if self._settled:
         raise concurrent.futures.InvalidStateError("the chunk has an answer")
       self._settled, self._value, self._error = True, value, error
-      self._changed.notify_all()
+      if self._waited:  # most are answered before anyone asks
+        self._changed.notify_all()
 
   def _wait(self) -> None:
     if not self._settled:
       with self._changed:
         while not self._settled:
+          self._waited = True
           self._changed.wait()
 
 

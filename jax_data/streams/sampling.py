@@ -491,9 +491,9 @@ class BufferShuffle:
       if shuffle._buffer is None:
         shuffle._fill_buffer()
     try:
-      at = np.empty((lanes, steps), np.int64)  # slot by lane, then step
-      for lane, shuffle in enumerate(shuffles):
-        at[lane] = shuffle._slots(steps)
+      # Slot by lane, then step.
+      at = np.stack([shuffle._slots(steps) for shuffle in shuffles]).astype(
+          np.int64)
       at += np.arange(0, lanes * size, size)[:, None]
       at = np.ascontiguousarray(at.T)
       buffers = np.concatenate([shuffle._buffer for shuffle in shuffles])
