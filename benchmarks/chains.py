@@ -555,7 +555,7 @@ def source_memory(n: int = 100_000, chains: int = 1024,
 
 def streamed_chains(n: int = 100_000, chains: tuple[int, ...] = (16, 256,
                                                                   1024),
-                    calls: int = 3) -> list[dict[str, Any]]:
+                    calls: int = 5) -> list[dict[str, Any]]:
   """Many random chains of a ``TensorflowDataLoader`` (``from_tensor_slices``
   of the case's data; caches of 10 batches of 64): streamed (the pipeline
   read pass after pass) through one shared iterator and, with
@@ -563,7 +563,9 @@ def streamed_chains(n: int = 100_000, chains: tuple[int, ...] = (16, 256,
   shuffle buffer, and with ``stream="counter"``), with
   ``shuffle_cache=100``; and streamed, shared, with
   ``shuffle_cache=10_000`` from 256 chains. Threads, time a step (median
-  of the calls after the first, of 100 steps) against compute only and
+  of the calls after the first, of 100 steps; of two, one that a full
+  garbage collection of the process's objects fell in, 60-200 ms with
+  TensorFlow imported, was half the median) against compute only and
   device-resident data in the same process, and peak RSS above the start
   against twice the caches plus 256 MiB, each in a fresh process.
   Printed as a table (``python chains.py --streamed``)."""

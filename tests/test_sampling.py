@@ -308,6 +308,28 @@ def test_buffer_shuffles_taken_together_take_what_each_takes(
     np.testing.assert_array_equal(b.take(100), a.take(100))
 
 
+
+def test_buffer_shuffles_stepped_together_and_alone_in_turn_keep_streams():
+  """Chains stepped together draw their slots ahead; steps taken alone in
+  between use those draws, and every chain's stream stays its own."""
+  count, size = 3000, 10
+  shuffles = [sampling.BufferShuffle(count, size, seed) for seed in range(256)]
+  for shuffle in shuffles:
+    shuffle.seek(0)
+  parts = []
+  for steps, together in ((640, True), (100, False), (640, True), (7, False),
+                          (640, True)):
+    if together:
+      parts.append(sampling.BufferShuffle.take_together(shuffles, steps))
+      assert parts[-1] is not None
+    else:
+      parts.append(np.stack([shuffle.take(steps) for shuffle in shuffles]))
+  got = np.concatenate(parts, axis=1)
+  for seed in (0, 1, 255):
+    np.testing.assert_array_equal(
+        got[seed], _buffer_stream(count, size, seed, got.shape[1],
+                                  got.shape[1]))
+
 def test_buffer_shuffles_at_different_steps_are_taken_one_by_one():
   shuffles = [sampling.BufferShuffle(3000, 10, seed) for seed in range(256)]
   for shuffle in shuffles:

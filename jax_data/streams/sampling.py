@@ -492,7 +492,8 @@ class BufferShuffle:
         shuffle._fill_buffer()
     try:
       # Slot by lane, then step.
-      at = np.stack([shuffle._slots(steps) for shuffle in shuffles]).astype(
+      at = np.stack([shuffle._slots(steps, draw_ahead=True)
+                     for shuffle in shuffles]).astype(
           np.int64)
       at += np.arange(0, lanes * size, size)[:, None]
       at = np.ascontiguousarray(at.T)
@@ -574,14 +575,17 @@ class BufferShuffle:
     return np.random.default_rng([self.seed, self._pass, 1]).permutation(
         self.buffer_size)
 
-  # Slot draws made ahead, at least this many bytes' worth a chain: a
-  # call of ``integers`` cost about 5 us whatever it drew, 5 ms a
-  # refresh of 1,024 chains that each drew the 640 slots of a chunk.
+  # Slot draws made ahead by chains stepped together, at least this many
+  # bytes' worth a chain: a call of ``integers`` cost about 5 us whatever
+  # it drew, 5 ms a refresh of 1,024 chains that each drew the 640 slots
+  # of a chunk. (Not for a chain stepped alone, whose steps cost more than
+  # the call: 1,024 chains of 10,000 slots, too many to step together,
+  # held 6-8 MiB more with them.)
   _AHEAD_BYTES = 4096
 
-  def _slots(self, k: int) -> np.ndarray:
+  def _slots(self, k: int, draw_ahead: bool = False) -> np.ndarray:
     """The slots drawn at the next ``k`` fill steps, all in one block
-    (read-only).
+    (read-only); with ``draw_ahead``, more are drawn for the next steps.
 
     The block's draws come from a generator kept between calls, in pieces
     of ``k`` or more (the rest kept for the next steps): NumPy's
@@ -602,9 +606,10 @@ class BufferShuffle:
       self._drawn, ahead = first, np.empty(0, self._slot_type)
     start = first - (self._drawn - ahead.size)  # step first in ahead
     if first + k > self._drawn:
-      more = min(max(first + k - self._drawn,
-                     self._AHEAD_BYTES // ahead.itemsize),
-                 self._BLOCK - self._drawn)
+      more = first + k - self._drawn
+      if draw_ahead:
+        more = min(max(more, self._AHEAD_BYTES // ahead.itemsize),
+                   self._BLOCK - self._drawn)
       # In the least integer type that holds a slot: _fill's stable
       # argsort of them is then a radix sort.
       drawn = self._rng.integers(0, self.buffer_size, more).astype(
