@@ -679,21 +679,38 @@ def test_chains_produced_together_serve_the_chunks_each_would_alone(seed):
 def test_buffers_split_together_split_as_each_alone(seed):
   """Chains stepped together split their buffers at their horizons (the
   elements whose rows they hold, and the least of the rest) in one array
-  as each one's buffer alone is split: also rows all or none of whose
-  elements are before, and none of which are."""
+  as each one's buffer alone is split, in element numbers past 2**32
+  (buffers hold int32 numbers within a pass): also rows all or none of
+  whose elements are before, and none of which are."""
   from jax_data.loaders import tensorflow_reads
+  from jax_data.streams.sampling import Held
+  from jax_data.streams.sampling import HeldRows
   rng = np.random.default_rng(seed)
-  keeps = rng.permutation(5000)[:300 * 7].reshape(300, 7).astype(np.int64)
-  horizons = rng.integers(-10, 5100, 300)
-  horizons[:3] = [-1, 5000, 0]  # none, all, none
-  horizons[3] = keeps[3].min()  # none: the least is not before
-  together = tensorflow_reads._split_all(keeps, horizons)
-  alone = tensorflow_reads._split_all(list(keeps), horizons)
+  base = 3 * 2**32 + 5000  # the pass's first element
+  local = rng.permutation(5000)[:300 * 7].reshape(300, 7).astype(np.int32)
+  horizons = base + rng.integers(-10, 5100, 300)
+  horizons[:3] = [base - 1, base + 5000, 0]  # none, all, none
+  horizons[3] = base + int(local[3].min())  # none: the least is not before
+  horizons[4] = base + 2**40  # all, far past the pass
+  together = tensorflow_reads._split_all(HeldRows(local, base), horizons)
+  alone = tensorflow_reads._split_all([Held(row, base) for row in local],
+                                      horizons)
   for a, b in zip(together[:2], alone[:2]):
     assert a.dtype == b.dtype == np.int64
     np.testing.assert_array_equal(a, b)
   assert together[2] == alone[2]
-  assert alone[2][0] == keeps[0].min() and alone[2][1] is None
+  assert alone[2][0] == base + int(local[0].min()) and alone[2][1] is None
+  kept, counts, _ = alone
+  ends = np.cumsum(counts)
+  for lane in (1, 4, 7):  # sorted, and what the definition keeps
+    numbers = np.sort(local[lane].astype(np.int64) + base)
+    np.testing.assert_array_equal(
+        kept[ends[lane] - counts[lane]:ends[lane]],
+        numbers[numbers < horizons[lane]])
+  assert HeldRows(local, base).max_each().tolist() == [
+      Held(row, base).max() for row in local]
+
+
 
 def test_many_chains_hold_the_rows_of_few_of_their_buffers_elements():
   """64 chains of 400-slot shuffle buffers, in step: the window of shared

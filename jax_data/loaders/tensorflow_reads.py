@@ -42,6 +42,8 @@ from jax_data.loaders.tensorflow_rows import Reading
 from jax_data.loaders.tensorflow_rows import Rows
 from jax_data.loaders.tensorflow_rows import in_order
 from jax_data.loaders.tensorflow_rows import released_error
+from jax_data.streams.sampling import Held
+from jax_data.streams.sampling import HeldRows
 
 Block = Tuple[np.ndarray, Rows]  # element numbers (sorted), their rows
 
@@ -521,35 +523,16 @@ def _copy(error: BaseException) -> BaseException:
   return copied.with_traceback(error.__traceback__)
 
 
-def _split(keep: np.ndarray, horizon: int) -> Tuple[np.ndarray, Optional[int]]:
-  """The elements of ``keep`` before ``horizon``, sorted (a chain holds
-  their rows), and the least of the others (None if none)."""
-  before = keep < horizon
-  kept = np.sort(keep[before])
-  return kept, (None if kept.size == keep.size else int(keep[~before].min()))
-
-
-def _split_all(keeps: Sequence[np.ndarray], horizons: np.ndarray
+def _split_all(keeps: Sequence[Held], horizons: np.ndarray
                ) -> Tuple[np.ndarray, np.ndarray, List[Optional[int]]]:
-  """:func:`_split` of each chain's ``keeps[i]`` at ``horizons[i]``: the
-  elements before, sorted and concatenated in chain order, how many each
-  chain has there, and the least of each one's others. Buffers of one
-  size stacked in one array (chains stepped together) are split in a few
-  array calls, not a few per chain (3 ms a refresh of 1,024 chains)."""
-  if isinstance(keeps, np.ndarray) and keeps.ndim == 2 and keeps.shape[1]:
-    before = keeps < horizons[:, None]
-    counts = np.count_nonzero(before, axis=1)
-    ends = np.where(before, np.iinfo(keeps.dtype).max, keeps).min(axis=1)
-    rests = [None if count == keeps.shape[1] else end
-             for count, end in zip(counts.tolist(), ends.tolist())]
-    if not counts.any():
-      return np.empty(0, np.int64), counts.astype(np.int64), rests
-    # Those before first in each row, in order (few: the buffers' oldest).
-    ordered = np.sort(np.where(before, keeps, np.iinfo(keeps.dtype).max),
-                      axis=1)
-    kept = ordered[np.arange(ordered.shape[1]) < counts[:, None]]
-    return kept.astype(np.int64), counts.astype(np.int64), rests
-  splits = [_split(keep, horizon)
+  """:meth:`Held.split` of each chain's ``keeps[i]`` at ``horizons[i]``:
+  the elements before, sorted and concatenated in chain order, how many
+  each chain has there, and the least of each one's others. Buffers of
+  chains stepped together (:class:`HeldRows`) are split in a few array
+  calls, not a few per chain (3 ms a refresh of 1,024 chains)."""
+  if isinstance(keeps, HeldRows) and keeps.local.shape[1]:
+    return keeps.split_each(horizons)
+  splits = [keep.split(horizon)
             for keep, horizon in zip(keeps, horizons.tolist())]
   counts = np.asarray([part.size for part, _ in splits], np.int64)
   kept = (np.concatenate([part for part, _ in splits]) if counts.any()
@@ -681,7 +664,7 @@ class PipelineRows:
 
   @staticmethod
   def rows_together(sources: Sequence[PipelineRows], wanted: np.ndarray,
-                    keeps: Sequence[np.ndarray], flat: np.ndarray,
+                    keeps: Sequence[Held], flat: np.ndarray,
                     lane_of: Callable[[np.ndarray], np.ndarray],
                     out: Rows) -> bool:
     """:meth:`rows` of chains of one :meth:`group_key` at once: chain
@@ -697,8 +680,8 @@ class PipelineRows:
       return False
     if any(s._cancelled.is_set() for s in sources):  # pylint: disable=protected-access
       raise released_error()
-    stops = np.maximum(wanted.max(axis=1), keeps.max(axis=1) if isinstance(
-        keeps, np.ndarray) and keeps.ndim == 2 and keeps.shape[1] else [
+    stops = np.maximum(wanted.max(axis=1), keeps.max_each() if isinstance(
+        keeps, HeldRows) and keeps.local.shape[1] else [
             keep.max() if keep.size else -1 for keep in keeps]) + 1
     # Chains that do not read there yet (the first chunk, or chains
     # restored together) join together, unless reading by themselves;
@@ -713,7 +696,7 @@ class PipelineRows:
       for key, (lane, s) in outside.items():
         horizon = int(stops[lane]) - reach + 2 * shared.rows_per_read
         if horizon > s._mark:  # pylint: disable=protected-access
-          wants = np.union1d(wanted[lane], keeps[lane])
+          wants = np.union1d(wanted[lane], keeps[lane].numbers())
           wants = wants[(wants >= s._mark) & (wants < horizon)]  # pylint: disable=protected-access
           if wants.size:
             needs[key] = (horizon, wants)
@@ -781,7 +764,7 @@ class PipelineRows:
     """Whether it reads through its shard's :class:`SharedReads` now."""
     return self._in_shared
 
-  def rows(self, wanted: np.ndarray, keep: np.ndarray, out: Rows) -> Rows:
+  def rows(self, wanted: np.ndarray, keep: Held, out: Rows) -> Rows:
     """The rows of elements ``wanted`` written into ``out``. Afterwards the
     chain can still give the elements ``keep`` (its shuffle buffer's) and
     those after all ``wanted`` and ``keep``: it holds the rows of those of
@@ -802,7 +785,7 @@ class PipelineRows:
         raise
       taken = self._ahead
     _gather(self._held, taken, wanted, out)
-    kept, rest = _split(keep, self._horizon(stop))
+    kept, rest = keep.split(self._horizon(stop))
     held = None
     if kept.size:
       held = (kept, [np.empty((kept.size,) + fmt.shape, fmt.dtype)

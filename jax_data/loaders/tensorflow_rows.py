@@ -398,7 +398,7 @@ class MemoryRows:
     """Nothing beyond the loader's arrays, which stay."""
     return 0
 
-  def rows(self, wanted: np.ndarray, keep: np.ndarray, out: Rows) -> Rows:
+  def rows(self, wanted: np.ndarray, keep: Any, out: Rows) -> Rows:
     """The rows of stream elements ``wanted`` (numbered along passes)."""
     del keep
     return self.gather(wanted % self.count, out)
@@ -410,7 +410,7 @@ class MemoryRows:
 
   @staticmethod
   def rows_together(sources: Sequence[MemoryRows], wanted: np.ndarray,
-                    keeps: Sequence[np.ndarray], flat: np.ndarray,
+                    keeps: Sequence[Any], flat: np.ndarray,
                     lane_of: Callable[[np.ndarray], np.ndarray],
                     out: Rows) -> bool:
     """:meth:`rows` of chains of one :meth:`group_key` at once (see

@@ -42,6 +42,7 @@ from jax_data.loaders.tensorflow_rows import Reading
 from jax_data.loaders.tensorflow_rows import Rows
 from jax_data.loaders.tensorflow_rows import in_order
 from jax_data.streams.sampling import BufferShuffle
+from jax_data.streams.sampling import Held
 from jax_data.streams.sampling import ObservationRange
 from jax_data.streams.sampling import OrderedStream
 from jax_data.validation import check_int
@@ -62,7 +63,7 @@ def _shaped(rows: Rows, layout: ChunkLayout) -> Rows:
 
 
 def _rows_each(chains: Sequence[ShuffleCursor], wanted: np.ndarray,
-               keeps: Sequence[np.ndarray], out: Rows, layout: ChunkLayout,
+               keeps: Sequence[Held], out: Rows, layout: ChunkLayout,
                interleaved: bool) -> None:
   """The rows of a group's chunks (see :meth:`ShuffleCursor.produce_group`)
   read chain by chain, each copied into its place in ``out``; where one
@@ -128,11 +129,11 @@ class ShuffleCursor(ChainCursor):
     self._moved()
     return Chunk(_shaped(rows, self._layout), self._all_valid)
 
-  def _draw(self) -> Tuple[np.ndarray, np.ndarray]:
+  def _draw(self) -> Tuple[np.ndarray, Held]:
     """The element numbers of its next chunk, and those its shuffle buffer
     holds afterwards; the shuffle moves past them."""
     self._stand()
-    return self._shuffle.take(self._size), self._shuffle.buffered()
+    return self._shuffle.take(self._size), self._shuffle.held()
 
   def _stand(self) -> None:
     """Its shuffle at its next chunk's step. A source elsewhere reads again
@@ -144,9 +145,8 @@ class ShuffleCursor(ChainCursor):
       shuffle.seek(step)
     if self._source_step != step:
       start = step // shuffle.count * shuffle.count
-      buffered = shuffle.buffered()  # empty at a pass's start
-      self._source.restart(start, int(buffered.min()) if buffered.size
-                           else start)
+      held = shuffle.held()  # empty at a pass's start
+      self._source.restart(start, held.min() if held.size else start)
       self._source_step = step
 
   def _moved(self) -> None:
@@ -183,8 +183,7 @@ class ShuffleCursor(ChainCursor):
       taken = BufferShuffle.take_and_hold_together(shuffles, size)
       if taken is None:
         wanted = np.stack([shuffle.take(size) for shuffle in shuffles])
-        keeps: Sequence[np.ndarray] = [shuffle.buffered()
-                                       for shuffle in shuffles]
+        keeps: Sequence[Held] = [shuffle.held() for shuffle in shuffles]
       else:  # every buffer as a row of one array
         wanted, keeps = taken
       out = [allocate((lanes * size,) + leaf.shape, leaf.dtype)

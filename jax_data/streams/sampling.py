@@ -378,6 +378,99 @@ def ordered_batches(first: Any, count: int, mb_size: int,
 
 
 
+class Held:
+  """The element numbers a shuffle buffer holds: ``base + local``, where
+  ``local`` (read-only, in the buffer's own integer type) numbers them
+  within their pass and ``base`` is the pass's first element number. The
+  buffer's array itself while it fills: 1,024 chains of 10,000 slots need
+  no copy each of 80 KB to say what they hold.
+
+  Args:
+    local: The numbers within the pass, any order.
+    base: The pass's first element number.
+  """
+
+  __slots__ = ("local", "base")
+
+  def __init__(self, local: np.ndarray, base: int):
+    self.local = local
+    self.base = base
+
+  @property
+  def size(self) -> int:
+    return self.local.size
+
+  def max(self) -> int:
+    """The greatest (there must be one)."""
+    return int(self.local.max()) + self.base
+
+  def min(self) -> int:
+    """The least (there must be one)."""
+    return int(self.local.min()) + self.base
+
+  def numbers(self) -> np.ndarray:
+    """The element numbers, int64, in the order held."""
+    return np.add(self.local, self.base, dtype=np.int64)
+
+  def split(self, horizon: int) -> Tuple[np.ndarray, Optional[int]]:
+    """Those before element ``horizon``, sorted (int64), and the least of
+    the others (None if none)."""
+    before = self.local < _within(horizon - self.base, self.local.dtype)
+    kept = np.add(np.sort(self.local[before]), self.base, dtype=np.int64)
+    return kept, (None if kept.size == self.size
+                  else int(self.local[~before].min()) + self.base)
+
+
+class HeldRows:
+  """What each of several shuffle buffers of one size and pass holds (chains
+  stepped together): row ``i`` of ``local`` plus ``base`` (see
+  :class:`Held`), as one array."""
+
+  __slots__ = ("local", "base")
+
+  def __init__(self, local: np.ndarray, base: int):
+    self.local = local
+    self.base = base
+
+  def __len__(self) -> int:
+    return len(self.local)
+
+  def __getitem__(self, lane: int) -> Held:
+    return Held(self.local[lane], self.base)
+
+  def max_each(self) -> np.ndarray:
+    """Each buffer's greatest element number (int64)."""
+    return np.add(self.local.max(axis=1), self.base, dtype=np.int64)
+
+  def split_each(self, horizons: np.ndarray
+                 ) -> Tuple[np.ndarray, np.ndarray, List[Optional[int]]]:
+    """:meth:`Held.split` of each buffer at ``horizons[i]``, in a few array
+    calls: those before, sorted and concatenated in buffer order (int64),
+    how many each has there, and the least of each one's others."""
+    local, base = self.local, self.base
+    top = np.iinfo(local.dtype).max
+    at = np.clip(np.asarray(horizons, np.int64) - base, -1, top)
+    before = local < at.astype(local.dtype)[:, None]
+    counts = np.count_nonzero(before, axis=1).astype(np.int64)
+    ends = np.where(before, top, local).min(axis=1)
+    rests = [None if count == local.shape[1] else end + base
+             for count, end in zip(counts.tolist(), ends.tolist())]
+    if not counts.any():
+      return np.empty(0, np.int64), counts, rests
+    # Those before first in each row, in order (few: the buffers' oldest).
+    ordered = np.sort(np.where(before, local, top), axis=1)
+    kept = ordered[np.arange(ordered.shape[1]) < counts[:, None]]
+    return np.add(kept, base, dtype=np.int64), counts, rests
+
+
+def _within(value: int, dtype: np.dtype) -> int:
+  """``value`` clipped to ``dtype``'s range, less one below: the same
+  comparisons with numbers of a pass (0 or more), without an integer too
+  large for ``dtype``."""
+  info = np.iinfo(dtype)
+  return max(-1, min(value, int(info.max)))
+
+
 class BufferShuffle:
   """The order of a shuffle buffer over passes of ``count`` elements.
 
@@ -398,7 +491,9 @@ class BufferShuffle:
 
   Elements are numbered along the stream: element ``i`` of pass ``p`` is
   ``p * count + i``, the ``p * count + i``-th element a source reading
-  pass after pass in order gives.
+  pass after pass in order gives. The buffer holds ``i`` in the least
+  signed type that holds the numbers of a pass (int32 up to 2**31
+  elements): 1,024 chains of 10,000 slots hold 39 MiB, not 78.
   """
 
   _BLOCK = 2**16
@@ -419,7 +514,9 @@ class BufferShuffle:
     self.position: Optional[int] = None  # steps emitted; None: unknown
     self._pass = 0
     self._step = 0
-    self._buffer: Optional[np.ndarray] = None  # element number per slot
+    # Per slot, the number within its pass of the element it holds.
+    self._buffer: Optional[np.ndarray] = None
+    self._local_type = np.dtype(np.int32 if count <= 2**31 else np.int64)
 
   def seek(self, position: int) -> None:
     """Moves to step ``position`` of the stream (replays its pass)."""
@@ -442,6 +539,21 @@ class BufferShuffle:
     self.position = position + steps
     return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
+  def held(self) -> Held:
+    """The element numbers read into the buffer and not yet emitted, in no
+    particular order: read-only, and valid until the stream moves (a view
+    of the buffer while it fills)."""
+    if self._buffer is None:
+      return Held(np.empty(0, self._local_type), 0)
+    base = self._pass * self.count
+    drained = max(0, self._step - (self.count - self.buffer_size))
+    if drained:
+      order = self._drain_order()
+      return Held(self._buffer[order[drained:]], base)
+    view = self._buffer.view()
+    view.setflags(write=False)
+    return Held(view, base)
+
   # Shuffles stepped together (take_together) from this many on, with
   # their buffers' slots together at most this many (8 MiB): 1,024 of 100
   # slots took 13.4 against 22.5 ms for 640 steps, 256 4.8 against 5.8;
@@ -459,7 +571,7 @@ class BufferShuffle:
   @classmethod
   def take_and_hold_together(cls, shuffles: Sequence["BufferShuffle"],
                              steps: int
-                             ) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+                             ) -> Optional[Tuple[np.ndarray, HeldRows]]:
     """The element numbers the next ``steps`` steps of each of
     ``shuffles`` emit (row ``i``: ``shuffles[i].take(steps)``), computed
     step by step for all of them at once, one NumPy call per step for
@@ -467,8 +579,8 @@ class BufferShuffle:
     same fill step of one pass, within one block of draws, and their
     buffers are small enough to stack. None otherwise, with nothing moved
     (take them one by one). With them, each buffer's element numbers
-    afterwards (row ``i``: ``shuffles[i].buffered()``, read-only), one
-    array for all of them.
+    afterwards (row ``i``: ``shuffles[i].held()``), one array for all of
+    them.
 
     Raises:
       RuntimeError: a shuffle's position is unknown; :meth:`seek` first.
@@ -498,12 +610,14 @@ class BufferShuffle:
       at += np.arange(0, lanes * size, size)[:, None]
       at = np.ascontiguousarray(at.T)
       buffers = np.concatenate([shuffle._buffer for shuffle in shuffles])
-      out = np.empty((steps, lanes), np.int64)
-      # Step t emits its slot's element and reads element first_new + t.
-      first_new = first._pass * first.count + size + step
+      out = np.empty((steps, lanes), buffers.dtype)
+      # Step t emits its slot's element and reads element first_new + t
+      # (numbers within the pass).
+      first_new = size + step
       for t in range(steps):
         np.take(buffers, at[t], out=out[t])
         buffers.put(at[t], first_new + t)
+      base = first._pass * first.count
     except BaseException:
       for shuffle in shuffles:  # drew slots: they seek again
         shuffle.position = None
@@ -514,10 +628,10 @@ class BufferShuffle:
       shuffle.position += steps
     held = buffers.reshape(lanes, size)
     held.setflags(write=False)
-    return out.T, held
+    return np.add(out.T, base, dtype=np.int64), HeldRows(held, base)
 
   def trim(self) -> None:
-    """Drops the buffer's slots (8 bytes each), the generator of slot
+    """Drops the buffer's slots (4 bytes each), the generator of slot
     draws and the draws made ahead; the position becomes unknown:
     :meth:`seek` computes them again."""
     self.position = None
@@ -533,18 +647,9 @@ class BufferShuffle:
     return held if self._buffer is None else held + self._buffer.nbytes
 
   def buffered(self) -> np.ndarray:
-    """The element numbers read into the buffer and not yet emitted, in no
-    particular order: read-only, and valid until the stream moves (a view
-    of the buffer while it fills; 80 KB a chain with 10,000 slots)."""
-    if self._buffer is None:
-      return np.empty(0, np.int64)
-    drained = max(0, self._step - (self.count - self.buffer_size))
-    if drained:
-      order = self._drain_order()
-      return self._buffer[order[drained:]]
-    view = self._buffer.view()
-    view.setflags(write=False)
-    return view
+    """:meth:`held`'s element numbers, int64 (a copy: 80 KB a chain with
+    10,000 slots)."""
+    return self.held().numbers()
 
   def _advance(self, steps: int) -> List[np.ndarray]:
     parts = []
@@ -560,7 +665,9 @@ class BufferShuffle:
       else:
         drained = self._step - fill_steps
         k = min(steps, size - drained)
-        parts.append(self._buffer[self._drain_order()[drained:drained + k]])
+        parts.append(np.add(
+            self._buffer[self._drain_order()[drained:drained + k]],
+            self._pass * self.count, dtype=np.int64))
       self._step += k
       steps -= k
       if self._step == self.count:
@@ -569,7 +676,7 @@ class BufferShuffle:
 
   def _fill_buffer(self) -> None:
     """The buffer at its pass's start: the pass's first elements."""
-    self._buffer = self._pass * self.count + np.arange(self.buffer_size)
+    self._buffer = np.arange(self.buffer_size, dtype=self._local_type)
 
   def _drain_order(self) -> np.ndarray:
     return np.random.default_rng([self.seed, self._pass, 1]).permutation(
@@ -633,14 +740,16 @@ class BufferShuffle:
     # step order within a slot), a draw of a slot drawn just before emits
     # the element read at that draw, and the last draw of each slot leaves
     # the element read then in it.
-    first_new = self._pass * self.count + self.buffer_size + self._step
+    # (Numbers within the pass.)
+    first_new = self.buffer_size + self._step
     order = np.argsort(slots, kind="stable")
     ordered = slots[order]
     again = ordered[1:] == ordered[:-1]
     emitted = self._buffer[ordered]
     np.copyto(emitted[1:], order[:-1] + first_new, where=again)
-    out = np.empty_like(emitted)
+    out = np.empty(emitted.size, np.int64)
     out[order] = emitted
+    out += self._pass * self.count
     last = np.append(~again, True)
     self._buffer[ordered[last]] = order[last] + first_new
     return out
