@@ -264,6 +264,26 @@ def test_buffer_shuffle_follows_its_definition(size):
                         expected)
 
 
+
+@pytest.mark.parametrize("count", [2**31 - 1, 2**31, 2**40])
+def test_buffer_shuffle_holds_the_numbers_of_huge_passes(count):
+  """Passes of 2**31 elements and more: what a buffer holds is numbered
+  along the stream, and split at a horizon past its pass it keeps all of
+  it, also the last element of a pass (a pass of exactly 2**31 once kept
+  that one out)."""
+  stream = sampling.BufferShuffle(count, 3, 0)
+  stream.seek(count + 5)  # pass 1
+  held = stream.held()
+  numbers = held.numbers()
+  assert numbers.dtype == np.int64 and numbers.min() >= count
+  kept, rest = held.split(2 * count + 10)
+  assert kept.tolist() == sorted(numbers.tolist()) and rest is None
+  last = sampling.Held(np.array([count - 1, 0], held.local.dtype), count)
+  kept, rest = last.split(2 * count)  # one past the pass
+  assert kept.tolist() == [count, 2 * count - 1] and rest is None
+  kept, rest = last.split(2 * count - 1)
+  assert kept.tolist() == [count] and rest == 2 * count - 1
+
 def test_buffer_shuffle_buffered_is_read_but_not_emitted():
   count, size = 12, 5
   stream = sampling.BufferShuffle(count, size, 0)

@@ -98,7 +98,8 @@ class StoredFuture:
     with self._changed:
       if self._settled:
         raise concurrent.futures.InvalidStateError("the chunk has an answer")
-      self._settled, self._value, self._error = True, value, error
+      # Settled last: nothing reads the answer of an unsettled future.
+      self._value, self._error, self._settled = value, error, True
       if self._waited:  # most are answered before anyone asks
         self._changed.notify_all()
 

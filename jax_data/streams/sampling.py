@@ -492,7 +492,7 @@ class BufferShuffle:
   Elements are numbered along the stream: element ``i`` of pass ``p`` is
   ``p * count + i``, the ``p * count + i``-th element a source reading
   pass after pass in order gives. The buffer holds ``i`` in the least
-  signed type that holds the numbers of a pass (int32 up to 2**31
+  signed type that holds the numbers of a pass (int32 below 2**31
   elements): 1,024 chains of 10,000 slots hold 39 MiB, not 78.
   """
 
@@ -516,7 +516,9 @@ class BufferShuffle:
     self._step = 0
     # Per slot, the number within its pass of the element it holds.
     self._buffer: Optional[np.ndarray] = None
-    self._local_type = np.dtype(np.int32 if count <= 2**31 else np.int64)
+    # Every number of a pass below the type's greatest, which a horizon
+    # past the pass is clipped to (Held.split).
+    self._local_type = np.dtype(np.int32 if count < 2**31 else np.int64)
 
   def seek(self, position: int) -> None:
     """Moves to step ``position`` of the stream (replays its pass)."""
