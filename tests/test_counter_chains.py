@@ -792,8 +792,8 @@ def test_an_answer_keeps_its_first_settlement():
   first result or error, kept; asked before it has one, it says so."""
   import concurrent.futures
 
+  from jax_data.serving.chain_records import Answer
   from jax_data.serving.chain_records import settle
-  from jax_data.serving.production import Answer
 
   answer = Answer()
   assert not answer.done()

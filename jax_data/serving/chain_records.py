@@ -37,7 +37,7 @@ from jax_data.loaders.host_loader import StoreLimits
 from jax_data.validation import check_int
 
 #: A chunk to produce: its chain, its index, the future its requests wait
-#: on (a :class:`StoredFuture` or a ``production.Answer``).
+#: on (a :class:`StoredFuture` or an :class:`Answer`).
 Job = Tuple["ChainRecord", int, Any]
 
 
@@ -54,22 +54,18 @@ def keep_snapshot(index: int, newest: int, recent: int) -> bool:
   return index % spacing == 0
 
 
-class StoredFuture:
-  """The future of a stored chunk, which requests in other threads may
-  wait for. The futures of one :class:`Shelf` share its condition
-  variable: a ``concurrent.futures.Future`` makes one of its own, ten
-  objects for the garbage collector (a condition, its lock and deque,
-  their bound methods), 10,000 per refresh of 1,024 lanes. Their full
-  collections, over the ~500,000 objects of a process that imported
-  TensorFlow, took 145 ms each, 2.3 s of a 13 s run of 1,024 vmapped
-  chains."""
+class Answer:
+  """The future of a chunk that the requesting thread produces itself (read
+  straight into compiled code's buffers, see ``ChainStore.chunks``): no
+  other thread waits for it, so it needs no lock, and asked before it has
+  an answer it raises ``InvalidStateError``. A
+  ``concurrent.futures.Future`` makes a condition variable, 1,024 of them
+  per refresh of 1,024 lanes."""
 
-  __slots__ = ("_changed", "_settled", "_waited", "_value", "_error")
+  __slots__ = ("_settled", "_value", "_error")
 
-  def __init__(self, changed: threading.Condition):
-    self._changed = changed
+  def __init__(self):
     self._settled = False
-    self._waited = False  # a thread waits, or waited, for its answer
     self._value: Any = None
     self._error: Optional[BaseException] = None
 
@@ -95,11 +91,36 @@ class StoredFuture:
     return self._value
 
   def _settle(self, value: Any, error: Optional[BaseException]) -> None:
+    if self._settled:
+      raise concurrent.futures.InvalidStateError("the chunk has an answer")
+    # Settled last: nothing reads the answer of an unsettled future.
+    self._value, self._error, self._settled = value, error, True
+
+  def _wait(self) -> None:
+    if not self._settled:
+      raise concurrent.futures.InvalidStateError("the chunk has no answer")
+
+
+class StoredFuture(Answer):
+  """The future of a stored chunk, which requests in other threads may
+  wait for. The futures of one :class:`Shelf` share its condition
+  variable: a ``concurrent.futures.Future`` makes one of its own, ten
+  objects for the garbage collector (a condition, its lock and deque,
+  their bound methods), 10,000 per refresh of 1,024 lanes. Their full
+  collections, over the ~500,000 objects of a process that imported
+  TensorFlow, took 145 ms each, 2.3 s of a 13 s run of 1,024 vmapped
+  chains."""
+
+  __slots__ = ("_changed", "_waited")
+
+  def __init__(self, changed: threading.Condition):
+    super().__init__()
+    self._changed = changed
+    self._waited = False  # a thread waits, or waited, for its answer
+
+  def _settle(self, value: Any, error: Optional[BaseException]) -> None:
     with self._changed:
-      if self._settled:
-        raise concurrent.futures.InvalidStateError("the chunk has an answer")
-      # Settled last: nothing reads the answer of an unsettled future.
-      self._value, self._error, self._settled = value, error, True
+      super()._settle(value, error)
       if self._waited:  # most are answered before anyone asks
         self._changed.notify_all()
 

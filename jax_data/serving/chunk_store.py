@@ -58,13 +58,13 @@ from typing import Sequence
 from typing import Tuple
 
 from jax_data.loaders.chains import Chunk
+from jax_data.serving.chain_records import Answer
 from jax_data.serving.chain_records import ChainRecord
 from jax_data.serving.chain_records import ChainTable
 from jax_data.serving.chain_records import Job
 from jax_data.serving.chain_records import Shelf
 from jax_data.serving.chain_records import settle
 from jax_data.serving.cursor_budget import CursorBudget
-from jax_data.serving.production import Answer
 from jax_data.serving.production import Producer
 from jax_data.serving.production import interrupted
 

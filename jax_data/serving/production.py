@@ -16,7 +16,6 @@ Only NumPy runs here; nothing calls JAX.
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 import traceback
 import warnings
@@ -44,49 +43,6 @@ from jax_data.serving.chain_records import ChainRecord
 from jax_data.serving.chain_records import Job
 from jax_data.serving.chain_records import settle
 from jax_data.serving.cursor_budget import CursorBudget
-
-
-class Answer:
-  """The future of a chunk that the requesting thread produces itself (read
-  straight into compiled code's buffers, see :meth:`ChainStore.chunks`):
-  no other thread waits for it, so it needs no lock. A
-  ``concurrent.futures.Future`` makes a condition variable, 1,024 of them
-  per refresh of 1,024 lanes."""
-
-  __slots__ = ("_settled", "_value", "_error")
-
-  def __init__(self):
-    self._settled = False
-    self._value: Any = None
-    self._error: Optional[BaseException] = None
-
-  def done(self) -> bool:
-    return self._settled
-
-  def set_result(self, value: Any) -> None:
-    self._settle(value, None)
-
-  def set_exception(self, error: BaseException) -> None:
-    self._settle(None, error)
-
-  def exception(self) -> Optional[BaseException]:
-    self._check()
-    return self._error
-
-  def result(self) -> Any:
-    self._check()
-    if self._error is not None:
-      raise self._error
-    return self._value
-
-  def _settle(self, value: Any, error: Optional[BaseException]) -> None:
-    if self._settled:
-      raise concurrent.futures.InvalidStateError("the chunk has an answer")
-    self._settled, self._value, self._error = True, value, error
-
-  def _check(self) -> None:
-    if not self._settled:
-      raise concurrent.futures.InvalidStateError("the chunk has no answer")
 
 
 def interrupted(error: BaseException) -> RuntimeError:
