@@ -557,9 +557,10 @@ class BufferShuffle:
     return Held(view, base)
 
   # Shuffles stepped together (take_together) from this many on, with
-  # their buffers' slots together at most this many (8 MiB): 1,024 of 100
-  # slots took 13.4 against 22.5 ms for 640 steps, 256 4.8 against 5.8;
-  # 64 took 1.7 against 1.4 ms, as a step costs a few NumPy calls.
+  # their buffers' slots together at most this many (4 MiB of int32):
+  # 1,024 of 100 slots took 8.4 against 22 ms for 640 steps (13.4 before
+  # slots were drawn ahead), 256 4.8 against 5.8; 64 took 1.7 against
+  # 1.4 ms, as a step costs a few NumPy calls.
   _TOGETHER_FROM = 256
   _TOGETHER_SLOTS = 2**20
 
@@ -605,10 +606,8 @@ class BufferShuffle:
       if shuffle._buffer is None:
         shuffle._fill_buffer()
     try:
-      # Slot by lane, then step.
-      at = np.stack([shuffle._slots(steps, draw_ahead=True)
-                     for shuffle in shuffles]).astype(
-          np.int64)
+      at = np.stack([shuffle._slots(steps, draw_ahead=True)  # lane, step
+                     for shuffle in shuffles]).astype(np.int64)
       at += np.arange(0, lanes * size, size)[:, None]
       at = np.ascontiguousarray(at.T)
       buffers = np.concatenate([shuffle._buffer for shuffle in shuffles])
