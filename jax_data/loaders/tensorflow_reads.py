@@ -523,6 +523,12 @@ def _copy(error: BaseException) -> BaseException:
   return copied.with_traceback(error.__traceback__)
 
 
+def _stacked(keeps: Sequence[Held]) -> bool:
+  """Whether ``keeps`` are the non-empty buffers of chains stepped
+  together, one array (:class:`HeldRows`)."""
+  return isinstance(keeps, HeldRows) and keeps.local.shape[1] > 0
+
+
 def _split_all(keeps: Sequence[Held], horizons: np.ndarray
                ) -> Tuple[np.ndarray, np.ndarray, List[Optional[int]]]:
   """:meth:`Held.split` of each chain's ``keeps[i]`` at ``horizons[i]``:
@@ -530,7 +536,7 @@ def _split_all(keeps: Sequence[Held], horizons: np.ndarray
   each chain has there, and the least of each one's others. Buffers of
   chains stepped together (:class:`HeldRows`) are split in a few array
   calls, not a few per chain (3 ms a refresh of 1,024 chains)."""
-  if isinstance(keeps, HeldRows) and keeps.local.shape[1]:
+  if _stacked(keeps):
     return keeps.split_each(horizons)
   splits = [keep.split(horizon)
             for keep, horizon in zip(keeps, horizons.tolist())]
@@ -680,9 +686,8 @@ class PipelineRows:
       return False
     if any(s._cancelled.is_set() for s in sources):  # pylint: disable=protected-access
       raise released_error()
-    stops = np.maximum(wanted.max(axis=1), keeps.max_each() if isinstance(
-        keeps, HeldRows) and keeps.local.shape[1] else [
-            keep.max() if keep.size else -1 for keep in keeps]) + 1
+    stops = np.maximum(wanted.max(axis=1), keeps.max_each() if _stacked(
+        keeps) else [keep.max() if keep.size else -1 for keep in keeps]) + 1
     # Chains that do not read there yet (the first chunk, or chains
     # restored together) join together, unless reading by themselves;
     # those that need elements beyond the window's reach (restored into a

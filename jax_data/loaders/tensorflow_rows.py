@@ -32,6 +32,7 @@ from jax_data.errors import PipelineReleasedError
 from jax_data.loaders.chains import LeafFormat
 from jax_data.loaders.gather import Gatherer
 from jax_data.loaders.gather import is_run
+from jax_data.streams.sampling import Held
 from jax_data.streams.sampling import ObservationRange
 
 Rows = List[np.ndarray]  # one array per leaf, observations first
@@ -398,7 +399,7 @@ class MemoryRows:
     """Nothing beyond the loader's arrays, which stay."""
     return 0
 
-  def rows(self, wanted: np.ndarray, keep: Any, out: Rows) -> Rows:
+  def rows(self, wanted: np.ndarray, keep: Held, out: Rows) -> Rows:
     """The rows of stream elements ``wanted`` (numbered along passes)."""
     del keep
     return self.gather(wanted % self.count, out)
@@ -410,7 +411,7 @@ class MemoryRows:
 
   @staticmethod
   def rows_together(sources: Sequence[MemoryRows], wanted: np.ndarray,
-                    keeps: Sequence[Any], flat: np.ndarray,
+                    keeps: Sequence[Held], flat: np.ndarray,
                     lane_of: Callable[[np.ndarray], np.ndarray],
                     out: Rows) -> bool:
     """:meth:`rows` of chains of one :meth:`group_key` at once (see
