@@ -350,6 +350,104 @@ def test_buffer_shuffles_stepped_together_and_alone_in_turn_keep_streams():
         got[seed], _buffer_stream(count, size, seed, got.shape[1],
                                   got.shape[1]))
 
+@pytest.mark.parametrize("seed", range(3))
+def test_buffer_shuffles_stepped_together_in_any_sequence_keep_streams(
+    monkeypatch, seed):
+  """Shuffles stepped together share their buffers and slot draws; random
+  sequences of steps together (all of them, reordered, a part), alone,
+  seeks, trims and failed steps keep every shuffle's stream its
+  definition, over blocks of draws and passes, and what each buffer
+  holds what a shuffle stepped alone holds."""
+  monkeypatch.setattr(sampling.BufferShuffle, "_TOGETHER_FROM", 2)
+  count, size, lanes = 2**16 + 300, 40, 6
+  reference = {lane: _buffer_stream_by_definition(count, size, lane, 3)
+               for lane in range(lanes)}
+  shuffles = [sampling.BufferShuffle(count, size, lane)
+              for lane in range(lanes)]
+  for shuffle in shuffles:
+    shuffle.seek(0)
+  rng = np.random.default_rng(seed)
+  fill_rows = sampling._fill_rows
+
+  def check(lane, start, got):
+    np.testing.assert_array_equal(got, reference[lane][start:start + got.size])
+
+  for _ in range(120):
+    op = rng.choice(["all", "all", "all", "reordered", "part", "alone",
+                     "seek", "trim", "fail"])
+    steps = int(rng.choice([1, 63, 640, 2000, 7000]))
+    lanes_now = list(range(lanes))
+    if op == "reordered":
+      lanes_now = rng.permutation(lanes).tolist()
+    elif op == "part":
+      lanes_now = sorted(rng.choice(lanes, 3, replace=False).tolist())
+    at = [shuffles[lane].position for lane in lanes_now]
+    if op in ("all", "reordered", "part"):
+      if max(at) + steps > 3 * count - size:
+        continue
+      taken = sampling.BufferShuffle.take_and_hold_together(
+          [shuffles[lane] for lane in lanes_now], steps)
+      if taken is None:
+        rows = [shuffles[lane].take(steps) for lane in lanes_now]
+      else:
+        rows = list(taken[0])
+        for held, lane in zip(taken[1].local, lanes_now):
+          np.testing.assert_array_equal(
+              np.sort(held + taken[1].base),
+              np.sort(shuffles[lane].buffered()))
+      for lane, start, row in zip(lanes_now, at, rows):
+        check(lane, start, row)
+    elif op == "alone":
+      lane = int(rng.integers(lanes))
+      start = shuffles[lane].position
+      if start + steps <= 3 * count - size:
+        check(lane, start, shuffles[lane].take(steps))
+    elif op == "seek":
+      target = int(rng.choice(at)) if rng.random() < 0.7 else int(
+          rng.integers(0, 2 * count))
+      for shuffle in shuffles:
+        shuffle.seek(target)
+    elif op == "trim":
+      lane = int(rng.integers(lanes))
+      position = shuffles[lane].position
+      shuffles[lane].trim()
+      assert shuffles[lane].held_bytes() == 0
+      shuffles[lane].seek(position)
+    else:  # a step together fails part way; its shuffles seek again
+      def failing(*args):
+        raise KeyboardInterrupt
+      monkeypatch.setattr(sampling, "_fill_rows", failing)
+      try:
+        sampling.BufferShuffle.take_and_hold_together(shuffles, steps)
+      except KeyboardInterrupt:
+        assert all(shuffle.position is None for shuffle in shuffles)
+        for shuffle, position in zip(shuffles, at):
+          shuffle.seek(position)
+      monkeypatch.setattr(sampling, "_fill_rows", fill_rows)
+    for lane, shuffle in enumerate(shuffles):
+      alone = sampling.BufferShuffle(count, size, lane)
+      alone.seek(shuffle.position)
+      np.testing.assert_array_equal(np.sort(shuffle.buffered()),
+                                    np.sort(alone.buffered()))
+
+
+def test_buffer_shuffles_stepped_together_to_a_blocks_end_draw_the_next():
+  """A group stepped together up to the end of a block of slot draws
+  takes the next block's draws for its next steps together."""
+  count, size = 2**17 + 50, 20
+  shuffles = [sampling.BufferShuffle(count, size, seed) for seed in range(256)]
+  for shuffle in shuffles:
+    shuffle.seek(2**16 - 1280)
+  parts = [sampling.BufferShuffle.take_together(shuffles, 640)
+           for _ in range(4)]
+  assert all(part is not None for part in parts)
+  got = np.concatenate(parts, axis=1)
+  for seed in (0, 255):
+    expected = _buffer_stream_by_definition(count, size, seed, 1)
+    np.testing.assert_array_equal(got[seed],
+                                  expected[2**16 - 1280:2**16 + 1280])
+
+
 def test_buffer_shuffles_at_different_steps_are_taken_one_by_one():
   shuffles = [sampling.BufferShuffle(3000, 10, seed) for seed in range(256)]
   for shuffle in shuffles:
