@@ -390,7 +390,7 @@ def test_buffer_shuffles_stepped_together_in_any_sequence_keep_streams(
       if taken is None:
         rows = [shuffles[lane].take(steps) for lane in lanes_now]
       else:
-        rows = list(taken[0])
+        rows = list(taken[0].numbers())
         for held, lane in zip(taken[1].local, lanes_now):
           np.testing.assert_array_equal(
               np.sort(held + taken[1].base),

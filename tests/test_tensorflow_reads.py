@@ -942,11 +942,14 @@ def test_chains_keep_one_snapshot_however_long_they_run(in_memory):
 
 
 @pytest.mark.parametrize("in_memory", [False, True])
+@pytest.mark.parametrize("scanned", [False, True])
 def test_256_vmapped_chains_shuffled_together_serve_their_own_streams(
-    in_memory, monkeypatch):
+    in_memory, scanned, monkeypatch):
   """256 vmapped chains step their shuffle buffers together
   (``BufferShuffle.take_together``) over passes and a pass's drain: the
-  batches are those of the same chains shuffled one by one."""
+  batches are those of the same chains shuffled one by one, also where a
+  vmapped ``jax_data.scan`` takes whole chunks with the lane axis second
+  (rows laid out batch by batch)."""
   from jax_data.streams import sampling
 
   def served(together):
@@ -955,15 +958,25 @@ def test_256_vmapped_chains_shuffled_together_serve_their_own_streams(
     init_fn, batch_fn, release_fn = jax_data.random_reference_data(
         TensorflowDataLoader(_pipeline(150), shuffle_cache=10,
                              in_memory=in_memory), 4, 2)
-    step = jax.jit(jax.vmap(batch_fn))
     states = init_fn(seed=range(256))
+    if scanned:
+      def run(state):
+        (_, state), xs = jax_data.scan(lambda c, b: (c, b["x"]), 0, state,
+                                       batch_fn=batch_fn, length=50)
+        return state, xs
+
+      step = jax.jit(jax.vmap(run))
+      calls = 4
+    else:
+      step = jax.jit(jax.vmap(batch_fn))
+      calls = 200  # 2.7 passes
     batches = []
-    for _ in range(200):  # 2.7 passes
+    for _ in range(calls):
       states, batch = step(states)
-      batches.append(np.asarray(batch["x"]))
+      batches.append(np.asarray(batch if scanned else batch["x"]))
     release_fn()
     monkeypatch.undo()
-    return np.stack(batches)
+    return np.concatenate(batches, axis=1) if scanned else np.stack(batches)
 
   np.testing.assert_array_equal(served(True), served(False))
 
@@ -1011,3 +1024,38 @@ def test_the_next_chunk_is_never_past_max_replay():
     states, batch = step(states)
   assert np.asarray(batch["x"]).size
   release_fn()
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_wanted_numbers_take_the_order_of_the_buffers_rows(interleaved):
+  """``Wanted`` gives the chains' element numbers, offsets and row numbers
+  in the order of a group's buffers (chain after chain, or batch by batch)
+  and each position's chain; numbers within one pass (chains stepped
+  together) give the same as int64 numbers."""
+  from jax_data.loaders.tensorflow_rows import Wanted
+  from jax_data.streams.sampling import HeldRows
+
+  lanes, cache, mb, count = 3, 2, 4, 50
+  base = 2 * count
+  local = np.random.default_rng(0).integers(0, count, (lanes, cache * mb))
+  numbers = local + base
+  if interleaved:  # (batch, lane, row): every chain's batch j first
+    order = numbers.reshape(lanes, cache, mb).swapaxes(0, 1).reshape(-1)
+    lanes_at = np.broadcast_to(np.arange(lanes)[None, :, None],
+                               (cache, lanes, mb)).reshape(-1)
+  else:
+    order = numbers.reshape(-1)
+    lanes_at = np.repeat(np.arange(lanes), cache * mb)
+  for given in (numbers, HeldRows(local.astype(np.int32), base)):
+    wanted = Wanted(given, mb, interleaved)
+    assert len(wanted) == lanes
+    np.testing.assert_array_equal(wanted.numbers, numbers)
+    np.testing.assert_array_equal(wanted.max_each(), numbers.max(axis=1))
+    flat = wanted.flat(7)
+    assert flat.dtype == np.int64
+    np.testing.assert_array_equal(flat, order - 7)
+    np.testing.assert_array_equal(wanted.rows(count), order % count)
+    at = np.arange(order.size)
+    np.testing.assert_array_equal(wanted.lane_of(at), lanes_at)
+    flat[:] = -1  # a new array: the numbers stay
+    np.testing.assert_array_equal(wanted.numbers, numbers)

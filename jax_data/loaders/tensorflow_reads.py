@@ -40,6 +40,7 @@ import tensorflow as tf
 from jax_data.loaders.tensorflow_rows import IteratorCloser
 from jax_data.loaders.tensorflow_rows import Reading
 from jax_data.loaders.tensorflow_rows import Rows
+from jax_data.loaders.tensorflow_rows import Wanted
 from jax_data.loaders.tensorflow_rows import in_order
 from jax_data.loaders.tensorflow_rows import released_error
 from jax_data.streams.sampling import Held
@@ -563,17 +564,15 @@ def _mark_after(rest: Optional[int], mark: int, stop: int) -> int:
   return rest if rest is not None else max(mark, stop)
 
 
-def _gather_window(window: Block, flat: np.ndarray, out: Rows,
+def _gather_window(window: Block, offset: np.ndarray, out: Rows,
                    sources: Sequence[PipelineRows],
                    lane_of: Callable[[np.ndarray], np.ndarray]) -> None:
-  """Fills ``out`` with the rows of the elements ``flat`` of several
-  chains: from the ``window`` of consecutive elements where they are in
-  it (found by subtraction), else from the shuffle buffer of their chain,
-  ``sources[lane_of(positions)]``. ``flat`` is overwritten (with offsets
-  into the window: no copy of every chain's numbers)."""
+  """Fills ``out`` with the rows of the elements of several chains at
+  ``offset`` from the start of the ``window`` of consecutive elements:
+  from the window where they are in it, else (before it) from the shuffle
+  buffer of their chain, ``sources[lane_of(positions)]``."""
   numbers, rows = window
   base = int(numbers[0])
-  offset = np.subtract(flat, base, out=flat)
   beyond = np.count_nonzero(offset >= numbers.size)
   if beyond:
     raise _not_held(beyond)
@@ -669,15 +668,12 @@ class PipelineRows:
     return self._shared
 
   @staticmethod
-  def rows_together(sources: Sequence[PipelineRows], wanted: np.ndarray,
-                    keeps: Sequence[Held], flat: np.ndarray,
-                    lane_of: Callable[[np.ndarray], np.ndarray],
-                    out: Rows) -> bool:
+  def rows_together(sources: Sequence[PipelineRows], wanted: Wanted,
+                    keeps: Sequence[Held], out: Rows) -> bool:
     """:meth:`rows` of chains of one :meth:`group_key` at once: chain
-    ``i`` wants the elements ``wanted[i]`` and keeps ``keeps[i]``;
-    ``flat`` is every chain's ``wanted``, in the order of the rows of
-    ``out`` (overwritten), and ``lane_of(positions)`` the chains of
-    positions of ``flat``. Where every chain reads through the shared
+    ``i`` wants the elements ``wanted.numbers[i]``, in the order of the
+    rows of ``out`` that ``wanted`` gives, and keeps ``keeps[i]``. Where
+    every chain reads through the shared
     reads now (or they join them together), their rows are gathered from
     its window in one piece and True is returned; else False, with
     nothing written and no chain moved (read them chain by chain)."""
@@ -686,7 +682,7 @@ class PipelineRows:
       return False
     if any(s._cancelled.is_set() for s in sources):  # pylint: disable=protected-access
       raise released_error()
-    stops = np.maximum(wanted.max(axis=1), keeps.max_each() if _stacked(
+    stops = np.maximum(wanted.max_each(), keeps.max_each() if _stacked(
         keeps) else [keep.max() if keep.size else -1 for keep in keeps]) + 1
     # Chains that do not read there yet (the first chunk, or chains
     # restored together) join together, unless reading by themselves;
@@ -701,7 +697,7 @@ class PipelineRows:
       for key, (lane, s) in outside.items():
         horizon = int(stops[lane]) - reach + 2 * shared.rows_per_read
         if horizon > s._mark:  # pylint: disable=protected-access
-          wants = np.union1d(wanted[lane], keeps[lane].numbers())
+          wants = np.union1d(wanted.numbers[lane], keeps[lane].numbers())
           wants = wants[(wants >= s._mark) & (wants < horizon)]  # pylint: disable=protected-access
           if wants.size:
             needs[key] = (horizon, wants)
@@ -738,7 +734,8 @@ class PipelineRows:
       return False
     # Every element from a chain's mark on is in the window; the elements
     # before the window, in the chain's rows held.
-    _gather_window(window, flat, out, sources, lane_of)
+    _gather_window(window, wanted.flat(int(window[0][0])), out, sources,
+                   wanted.lane_of)
     # As rows() does chain by chain: the elements of each buffer before
     # its horizon are held as rows (one array for all chains, few rows).
     marks = np.asarray([s._mark for s in sources])  # pylint: disable=protected-access
@@ -749,7 +746,7 @@ class PipelineRows:
                  for row in window[1]]
     if kept.size:
       lanes = np.repeat(np.arange(len(sources)), counts)
-      _gather_window(window, kept.copy(), held_rows, sources,
+      _gather_window(window, kept - int(window[0][0]), held_rows, sources,
                      lambda at: lanes[at])
     ends = np.cumsum(counts).tolist()
     new_marks = {}

@@ -33,6 +33,7 @@ from jax_data.loaders.chains import LeafFormat
 from jax_data.loaders.gather import Gatherer
 from jax_data.loaders.gather import is_run
 from jax_data.streams.sampling import Held
+from jax_data.streams.sampling import HeldRows
 from jax_data.streams.sampling import ObservationRange
 
 Rows = List[np.ndarray]  # one array per leaf, observations first
@@ -367,6 +368,72 @@ class IteratorCloser:
         self.dropped += 1
 
 
+class Wanted:
+  """The element numbers of the chunks of chains read together, a row per
+  chain, and the order the rows of the group's buffers take them in:
+  chain after chain, or, ``interleaved`` (compiled code's buffers with the
+  lane axis second), batch by batch, every chain's batch ``j`` before any
+  batch ``j + 1``.
+
+  Args:
+    numbers: int64, a row per chain; or, for chains stepped together
+      within one pass, :class:`~jax_data.streams.sampling.HeldRows`
+      (numbers within the pass: sources that read by row number need no
+      other, and int32 copies cost half).
+    mb_size: The rows of a batch.
+    interleaved: The order of the buffers' rows.
+  """
+
+  def __init__(self, numbers: Any, mb_size: int, interleaved: bool):
+    self._within = numbers if isinstance(numbers, HeldRows) else None
+    self._numbers = None if self._within is not None else numbers
+    self._lanes, self._size = numbers.local.shape if self._within \
+        is not None else numbers.shape
+    self._run = mb_size if interleaved else self._size  # a lane's rows
+    self._interleaved = interleaved
+
+  def __len__(self) -> int:
+    return self._lanes
+
+  @property
+  def numbers(self) -> np.ndarray:
+    """The element numbers, int64, a row per chain (made once)."""
+    if self._numbers is None:
+      self._numbers = self._within.numbers()
+    return self._numbers
+
+  def max_each(self) -> np.ndarray:
+    """Each chain's greatest element number (int64)."""
+    if self._within is not None:
+      return self._within.max_each()
+    return self._numbers.max(axis=1)
+
+  def flat(self, minus: int = 0) -> np.ndarray:
+    """Every element number less ``minus`` (int64), in the order of the
+    buffers' rows: a new array."""
+    if self._within is not None:
+      return np.subtract(self._ordered(self._within.local),
+                         minus - self._within.base, dtype=np.int64)
+    return np.subtract(self._ordered(self._numbers), minus)
+
+  def rows(self, count: int) -> np.ndarray:
+    """The elements' row numbers in passes of ``count`` rows, in the order
+    of the buffers' rows: where the chains stand in one pass, the numbers
+    within it as they are."""
+    if self._within is not None:
+      return self._ordered(self._within.local)
+    return np.remainder(self._ordered(self._numbers), count)
+
+  def lane_of(self, at: np.ndarray) -> np.ndarray:
+    """The chains of positions ``at`` of :meth:`flat`."""
+    return at // self._run % self._lanes
+
+  def _ordered(self, rows: np.ndarray) -> np.ndarray:
+    if not self._interleaved:
+      return rows.reshape(-1)
+    return rows.reshape(self._lanes, -1, self._run).swapaxes(0, 1).reshape(-1)
+
+
 class MemoryRows:
   """A chain's observations held as NumPy arrays (``in_memory=True``).
 
@@ -410,17 +477,15 @@ class MemoryRows:
     return self._key
 
   @staticmethod
-  def rows_together(sources: Sequence[MemoryRows], wanted: np.ndarray,
-                    keeps: Sequence[Held], flat: np.ndarray,
-                    lane_of: Callable[[np.ndarray], np.ndarray],
-                    out: Rows) -> bool:
+  def rows_together(sources: Sequence[MemoryRows], wanted: Wanted,
+                    keeps: Sequence[Held], out: Rows) -> bool:
     """:meth:`rows` of chains of one :meth:`group_key` at once (see
     :meth:`~jax_data.loaders.tensorflow_reads.PipelineRows.rows_together`):
-    one gather of every chain's rows ``flat`` (overwritten) into ``out``."""
-    del wanted, keeps, lane_of
+    one gather of every chain's rows into ``out``."""
+    del keeps
     first = sources[0]
     first._gatherer.take_all(list(zip(first._arrays, out)),  # pylint: disable=protected-access
-                             np.remainder(flat, first.count, out=flat))
+                             wanted.rows(first.count))
     return True
 
   def gather(self, flat: np.ndarray, out: Rows) -> Rows:

@@ -40,6 +40,7 @@ from jax_data.loaders.tensorflow_rows import IteratorCloser
 from jax_data.loaders.tensorflow_rows import MemoryRows
 from jax_data.loaders.tensorflow_rows import Reading
 from jax_data.loaders.tensorflow_rows import Rows
+from jax_data.loaders.tensorflow_rows import Wanted
 from jax_data.loaders.tensorflow_rows import in_order
 from jax_data.streams.sampling import BufferShuffle
 from jax_data.streams.sampling import Held
@@ -182,25 +183,18 @@ class ShuffleCursor(ChainCursor):
       shuffles = [chain._shuffle for chain in chains]  # pylint: disable=protected-access
       taken = BufferShuffle.take_and_hold_together(shuffles, size)
       if taken is None:
-        wanted = np.stack([shuffle.take(size) for shuffle in shuffles])
+        numbers: Any = np.stack([shuffle.take(size) for shuffle in shuffles])
         keeps: Sequence[Held] = [shuffle.held() for shuffle in shuffles]
-      else:  # every buffer as a row of one array
-        wanted, keeps = taken
+      else:  # every chain's numbers and buffer as a row of one array each
+        numbers, keeps = taken
       out = [allocate((lanes * size,) + leaf.shape, leaf.dtype)
              for leaf in layout.leaves]
       # Compiled code's buffers with the lane axis second take the rows
       # batch by batch, every chain's batch j before any batch j + 1.
-      run = mb if interleaved else size  # a lane's rows in a run
-
-      def lane_of(at: np.ndarray) -> np.ndarray:
-        return at // run % lanes
-
-      flat = (wanted.reshape(lanes, cache, mb).swapaxes(0, 1).reshape(-1)
-              if interleaved else wanted.reshape(-1))
+      wanted = Wanted(numbers, mb, interleaved)
       sources = [chain._source for chain in chains]  # pylint: disable=protected-access
-      if not type(sources[0]).rows_together(sources, wanted, keeps, flat,
-                                            lane_of, out):
-        _rows_each(chains, wanted, keeps, out, layout, interleaved)
+      if not type(sources[0]).rows_together(sources, wanted, keeps, out):
+        _rows_each(chains, wanted.numbers, keeps, out, layout, interleaved)
     except BaseException:
       for chain in chains:  # drew their chunks: they draw them again
         chain._shuffle.position = None  # pylint: disable=protected-access

@@ -422,9 +422,10 @@ class Held:
 
 
 class HeldRows:
-  """What each of several shuffle buffers of one size and pass holds (chains
-  stepped together): row ``i`` of ``local`` plus ``base`` (see
-  :class:`Held`), as one array."""
+  """Element numbers of one pass for several shuffles stepped together (the
+  chains of a ``vmap``): row ``i`` of ``local`` plus ``base`` (see
+  :class:`Held`), as one array; what each buffer holds, or what each
+  emitted."""
 
   __slots__ = ("local", "base")
 
@@ -438,8 +439,12 @@ class HeldRows:
   def __getitem__(self, lane: int) -> Held:
     return Held(self.local[lane], self.base)
 
+  def numbers(self) -> np.ndarray:
+    """The element numbers, int64, a row each."""
+    return np.add(self.local, self.base, dtype=np.int64)
+
   def max_each(self) -> np.ndarray:
-    """Each buffer's greatest element number (int64)."""
+    """Each row's greatest element number (int64)."""
     return np.add(self.local.max(axis=1), self.base, dtype=np.int64)
 
   def split_each(self, horizons: np.ndarray
@@ -669,16 +674,17 @@ class BufferShuffle:
   @classmethod
   def take_together(cls, shuffles: Sequence["BufferShuffle"], steps: int
                     ) -> Optional[np.ndarray]:
-    """:meth:`take_and_hold_together`'s element numbers taken."""
+    """:meth:`take_and_hold_together`'s element numbers taken (int64)."""
     taken = cls.take_and_hold_together(shuffles, steps)
-    return None if taken is None else taken[0]
+    return None if taken is None else taken[0].numbers()
 
   @classmethod
   def take_and_hold_together(cls, shuffles: Sequence["BufferShuffle"],
                              steps: int
-                             ) -> Optional[Tuple[np.ndarray, HeldRows]]:
+                             ) -> Optional[Tuple[HeldRows, HeldRows]]:
     """The element numbers the next ``steps`` steps of each of
-    ``shuffles`` emit (row ``i``: ``shuffles[i].take(steps)``), computed for
+    ``shuffles`` emit (row ``i``: ``shuffles[i].take(steps)``, numbered
+    within the pass in the buffers' type: half the bytes), computed for
     all of them at once in a few array calls (:class:`_Together`): where
     many shuffles (chains of one ``vmap``) stand at the same fill step of
     one pass, within one block of draws, and their buffers are small
@@ -718,7 +724,7 @@ class BufferShuffle:
     base = first._pass * first.count
     held = group.buffers.view()
     held.setflags(write=False)
-    return np.add(out, base, dtype=np.int64), HeldRows(held, base)
+    return HeldRows(out, base), HeldRows(held, base)
 
   @classmethod
   def _join(cls, shuffles: Sequence["BufferShuffle"], steps: int
