@@ -168,7 +168,8 @@ class ChainRecord:
     produce_lock: Held while the cursor works.
     devices: The largest ``device_count`` a request for the chain named.
     requested: The chunk of the chain's latest request (None before one):
-      chunks are produced ahead only after it.
+      chunks are produced ahead only after it, and only it warns when
+      produced again (``verify_calls``).
     keep: Served chunks kept besides those produced ahead; 0 for a random
       chain whose cursor reaches any chunk at once, a counter-based one
       (:attr:`regenerates`).

@@ -334,6 +334,8 @@ class ChainStore:
       with self._lock:
         stored = not (in_place and record.regenerates
                       and index not in record.chunks)
+        if not stored:
+          record.requested = index  # the shelf's claim notes it otherwise
         if stored:
           before = record.chunks.get(index)
           try:
