@@ -78,7 +78,7 @@ class Config:
 
 
 FULL = Config()
-SMOKE = Config(feature_bytes=64 * 2 ** 20, steps=1_000, speed_steps=2_000,
+SMOKE = Config(feature_bytes=16 * 2 ** 20, steps=500, speed_steps=1_000,
                short_steps=200, source_steps=200, cold_steps=200,
                cold_reads=2_000)
 

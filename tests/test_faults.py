@@ -318,7 +318,7 @@ _EXIT_IN_FLIGHT = textwrap.dedent("""
       def body(state, _):
         state, batch = batch_fn(state)
         return state, lax.psum(batch["x"].sum(), "d")
-      return lax.scan(body, state, None, length=3000)
+      return lax.scan(body, state, None, length=1000)
 
     run = jax.pmap(per_device, axis_name="d")
     try:  # chain 0 fails at its chunk 1
