@@ -1021,6 +1021,82 @@ def test_256_vmapped_chains_shuffled_together_serve_their_own_streams(
   np.testing.assert_array_equal(served(True), served(False))
 
 
+@pytest.mark.parametrize("callback", ["auto", "pure"])
+def test_in_memory_chains_together_read_their_rows_when_served(
+    callback, monkeypatch):
+  """The chunks of in-memory chains produced together keep their rows'
+  numbers until served (``Span.later``): a refresh of them all reads the
+  rows straight into compiled code's buffers, not into the store's first;
+  a chunk read on its own (asked for alone) reads the group's rows once.
+  Both serve the chains' own streams: those of the same chains reading
+  the pipeline."""
+  from jax_data.loaders import chains
+  reads = []
+  read = chains.LaterRows.read
+  monkeypatch.setattr(chains.LaterRows, "read",
+                      lambda self, leaves: (reads.append(self._pending),  # pylint: disable=protected-access
+                                            read(self, leaves))[1])
+
+  def served(in_memory):
+    pipeline = jax_data.random_reference_data(
+        TensorflowDataLoader(_pipeline(150), shuffle_cache=10,
+                             in_memory=in_memory), 3, 2, callback=callback)
+    init_fn, batch_fn, release_fn = pipeline
+    states = init_fn(seed=range(6))
+    step = jax.jit(jax.vmap(batch_fn))
+    batches = []
+    for _ in range(39):  # 13 whole chunks, past a pass
+      states, batch = step(states)
+      batches.append(np.asarray(batch["x"]))
+    assert pipeline.host.wait_idle()
+    # The chunks the next refresh asks for, produced ahead.
+    alone = [np.asarray(pipeline.host.chunk(chain, chunk).leaves[0]).copy()
+             for chain, chunk in zip(np.asarray(states.chain),
+                                     np.asarray(states.chunk))]
+    for _ in range(3):  # the chunks asked for alone
+      states, batch = step(states)
+      batches.append(np.asarray(batch["x"]))
+    release_fn()
+    return np.stack(batches), np.stack(alone)
+
+  in_memory, alone = served(True)
+  # The group's rows read once, for the first chunk asked for alone; the
+  # refresh that serves them copies those rows (its seventh read).
+  assert reads == [True] + [False] * 6
+  read_each, _ = served(False)
+  np.testing.assert_array_equal(in_memory, read_each)
+  # The chunks asked for alone are those the next refresh served.
+  np.testing.assert_array_equal(
+      alone.reshape(6, -1),
+      in_memory[39:42].transpose(1, 0, 2).reshape(6, -1))
+
+
+def test_in_memory_chains_together_read_into_a_vmapped_scans_caches():
+  """A vmapped ``jax_data.scan`` takes whole chunks into buffers laid out
+  with the lane axis second (batch by batch): the rows read there when
+  served are the chains' own streams, those of the same chains reading
+  the pipeline."""
+  def served(in_memory):
+    init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+        TensorflowDataLoader(_pipeline(150), shuffle_cache=10,
+                             in_memory=in_memory), 4, 2)
+
+    def run(state):
+      (_, state), xs = jax_data.scan(lambda c, b: (c, b["x"]), 0, state,
+                                     batch_fn=batch_fn, length=40)
+      return state, xs
+
+    step = jax.jit(jax.vmap(run))
+    states, out = init_fn(seed=range(8)), []
+    for _ in range(3):
+      states, xs = step(states)
+      out.append(np.asarray(xs))
+    release_fn()
+    return np.concatenate(out, axis=1)
+
+  np.testing.assert_array_equal(served(True), served(False))
+
+
 @pytest.mark.parametrize("vmapped", [False, True])
 def test_a_chunk_far_past_where_a_chain_reached_is_refused(vmapped):
   """A chain that seeks straight to its chunks (a shuffle buffer's) is held

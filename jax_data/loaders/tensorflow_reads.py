@@ -25,6 +25,7 @@ import math
 import threading
 import traceback
 import weakref
+from typing import Any
 from typing import Callable
 from typing import Deque
 from typing import Dict
@@ -37,6 +38,7 @@ from typing import Tuple
 import numpy as np
 import tensorflow as tf
 
+from jax_data.loaders.chains import ChunkLayout
 from jax_data.loaders.tensorflow_rows import IteratorCloser
 from jax_data.loaders.tensorflow_rows import Reading
 from jax_data.loaders.tensorflow_rows import Rows
@@ -666,6 +668,13 @@ class PipelineRows:
     """Its shard's shared reads, if it has them: chains whose rows have
     one key can gather their rows together (:meth:`rows_together`)."""
     return self._shared
+
+  @staticmethod
+  def rows_later(sources: Sequence[PipelineRows], numbers: Any,
+                 mb_size: int, layout: ChunkLayout) -> None:
+    """None: a pipeline's rows are read now, while its reads hold them (see
+    :meth:`MemoryRows.rows_later`)."""
+    del sources, numbers, mb_size, layout
 
   @staticmethod
   def rows_together(sources: Sequence[PipelineRows], wanted: Wanted,

@@ -29,6 +29,8 @@ import numpy as np
 import tensorflow as tf
 
 from jax_data.errors import PipelineReleasedError
+from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.chains import LaterRows
 from jax_data.loaders.chains import LeafFormat
 from jax_data.loaders.gather import Gatherer
 from jax_data.loaders.gather import is_run
@@ -487,6 +489,27 @@ class MemoryRows:
     first._gatherer.take_all(list(zip(first._arrays, out)),  # pylint: disable=protected-access
                              wanted.rows(first.count))
     return True
+
+  @staticmethod
+  def rows_later(sources: Sequence[MemoryRows], numbers: Any, mb_size: int,
+                 layout: ChunkLayout) -> Optional[LaterRows]:
+    """The rows of element ``numbers`` (:class:`Wanted`'s, a row per chain
+    of one :meth:`group_key`), read when served, straight into compiled
+    code's buffers (see :class:`~jax_data.loaders.chains.LaterRows`); the
+    numbers are all a chunk keeps until then. The arrays do not change."""
+    first = sources[0]
+    arrays, gatherer = first._arrays, first._gatherer  # pylint: disable=protected-access
+    shapes = [leaf.shape for leaf in layout.leaves]
+
+    def take(outs: Sequence[np.ndarray], interleaved: bool) -> None:
+      # Laid out without gaps (LaterRows.read_into): views, not copies.
+      flat = [(out.swapaxes(0, 1) if interleaved else out).reshape(
+          (-1,) + shape) for out, shape in zip(outs, shapes)]
+      gatherer.take_all(list(zip(arrays, flat)),
+                        Wanted(numbers, mb_size, interleaved).rows(
+                            first.count))
+
+    return LaterRows(take)
 
   def gather(self, flat: np.ndarray, out: Rows) -> Rows:
     """The rows ``flat`` of the chain's observations."""

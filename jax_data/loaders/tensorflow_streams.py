@@ -171,7 +171,11 @@ class ShuffleCursor(ChainCursor):
     chunk: each chain's shuffle draws its elements, and the rows of all
     of them are gathered at once (the source's ``rows_together``), or,
     where the source cannot (chains of a pipeline that do not all read
-    its shared reads now), chain by chain."""
+    its shared reads now), chain by chain. Rows in memory produced into
+    the store's buffers are gathered when served instead (the source's
+    ``rows_later``), straight into compiled code's buffers: at 1,024
+    chains of 10 batches of 64 rows of 32 floats, a step took 3.8-4.0 ms,
+    not 4.6-4.7 (compute alone 1.0)."""
     del indices  # each cursor stands at its chunk
     lanes, cache, mb = len(cursors), layout.cache_size, layout.mb_size
     chains: List[ShuffleCursor] = list(cursors)  # type: ignore[arg-type]
@@ -189,12 +193,19 @@ class ShuffleCursor(ChainCursor):
         numbers, keeps = taken
       out = [allocate((lanes * size,) + leaf.shape, leaf.dtype)
              for leaf in layout.leaves]
-      # Compiled code's buffers with the lane axis second take the rows
-      # batch by batch, every chain's batch j before any batch j + 1.
-      wanted = Wanted(numbers, mb, interleaved)
       sources = [chain._source for chain in chains]  # pylint: disable=protected-access
-      if not type(sources[0]).rows_together(sources, wanted, keeps, out):
-        _rows_each(chains, wanted.numbers, keeps, out, layout, interleaved)
+      later = None
+      if not hasattr(allocate, "interleaved"):  # the store's buffers, not
+        # compiled code's (which say how their rows are laid out): the
+        # rows are read when served, into compiled code's then
+        later = type(sources[0]).rows_later(sources, numbers, mb, layout)
+      if later is None:
+        # Compiled code's buffers with the lane axis second take the rows
+        # batch by batch, every chain's batch j before any batch j + 1.
+        wanted = Wanted(numbers, mb, interleaved)
+        if not type(sources[0]).rows_together(sources, wanted, keeps, out):
+          _rows_each(chains, wanted.numbers, keeps, out, layout,
+                     interleaved)
     except BaseException:
       for chain in chains:  # drew their chunks: they draw them again
         chain._shuffle.position = None  # pylint: disable=protected-access
@@ -209,7 +220,7 @@ class ShuffleCursor(ChainCursor):
       leaves = [leaf.reshape((lanes,) + shape)
                 for leaf, shape in zip(out, shapes)]
     mask = np.broadcast_to(np.True_, (lanes,) + layout.lead)
-    return Span(leaves, mask).chunks([readable] * lanes)
+    return Span(leaves, mask, later).chunks([readable] * lanes)
 
   def trim(self) -> None:
     """Drops the pipeline iterator (in the background), the rows held and
