@@ -1021,26 +1021,34 @@ def test_256_vmapped_chains_shuffled_together_serve_their_own_streams(
   np.testing.assert_array_equal(served(True), served(False))
 
 
+_READS = {"in memory": {"in_memory": True}, "shared": {},
+          "own": {"share_reads": False}}
+
+
 @pytest.mark.parametrize("callback", ["auto", "pure"])
-def test_in_memory_chains_together_read_their_rows_when_served(
-    callback, monkeypatch):
-  """The chunks of in-memory chains produced together keep their rows'
-  numbers until served (``Span.later``): a refresh of them all reads the
-  rows straight into compiled code's buffers, not into the store's first;
-  a chunk read on its own (asked for alone) reads the group's rows once.
-  Both serve the chains' own streams: those of the same chains reading
-  the pipeline."""
+@pytest.mark.parametrize("reads", ["in memory", "shared"])
+def test_chains_together_read_their_rows_when_served(callback, reads,
+                                                     monkeypatch):
+  """The chunks of chains produced together, in memory or through the
+  shared reads, keep their rows' numbers until served (``Span.later``):
+  a refresh of them all reads the rows straight into compiled code's
+  buffers, not into the store's first; a chunk read on its own (asked for
+  alone) reads the group's rows once. Both serve the chains' own streams:
+  those of the same chains reading iterators of their own, which read
+  their rows when they produce them. (Shared reads read rows now where a
+  shuffle buffer holds an element older than their window: a small
+  buffer here, so that none does.)"""
   from jax_data.loaders import chains
-  reads = []
+  read_rows = []
   read = chains.LaterRows.read
   monkeypatch.setattr(chains.LaterRows, "read",
-                      lambda self, leaves: (reads.append(self._pending),  # pylint: disable=protected-access
+                      lambda self, leaves: (read_rows.append(self._pending),  # pylint: disable=protected-access
                                             read(self, leaves))[1])
 
-  def served(in_memory):
+  def served(reads):
     pipeline = jax_data.random_reference_data(
-        TensorflowDataLoader(_pipeline(150), shuffle_cache=10,
-                             in_memory=in_memory), 3, 2, callback=callback)
+        TensorflowDataLoader(_pipeline(150), shuffle_cache=4,
+                             **_READS[reads]), 3, 2, callback=callback)
     init_fn, batch_fn, release_fn = pipeline
     states = init_fn(seed=range(6))
     step = jax.jit(jax.vmap(batch_fn))
@@ -1059,27 +1067,30 @@ def test_in_memory_chains_together_read_their_rows_when_served(
     release_fn()
     return np.stack(batches), np.stack(alone)
 
-  in_memory, alone = served(True)
+  together, alone = served(reads)
   # The group's rows read once, for the first chunk asked for alone; the
   # refresh that serves them copies those rows (its seventh read).
-  assert reads == [True] + [False] * 6
-  read_each, _ = served(False)
-  np.testing.assert_array_equal(in_memory, read_each)
+  assert read_rows == [True] + [False] * 6
+  read_rows.clear()
+  own, _ = served("own")
+  assert not read_rows
+  np.testing.assert_array_equal(together, own)
   # The chunks asked for alone are those the next refresh served.
   np.testing.assert_array_equal(
       alone.reshape(6, -1),
-      in_memory[39:42].transpose(1, 0, 2).reshape(6, -1))
+      together[39:42].transpose(1, 0, 2).reshape(6, -1))
 
 
-def test_in_memory_chains_together_read_into_a_vmapped_scans_caches():
+@pytest.mark.parametrize("reads", ["in memory", "shared"])
+def test_chains_together_read_into_a_vmapped_scans_caches(reads):
   """A vmapped ``jax_data.scan`` takes whole chunks into buffers laid out
   with the lane axis second (batch by batch): the rows read there when
   served are the chains' own streams, those of the same chains reading
-  the pipeline."""
-  def served(in_memory):
+  iterators of their own."""
+  def served(reads):
     init_fn, batch_fn, release_fn = jax_data.random_reference_data(
         TensorflowDataLoader(_pipeline(150), shuffle_cache=10,
-                             in_memory=in_memory), 4, 2)
+                             **_READS[reads]), 4, 2)
 
     def run(state):
       (_, state), xs = jax_data.scan(lambda c, b: (c, b["x"]), 0, state,
@@ -1094,7 +1105,7 @@ def test_in_memory_chains_together_read_into_a_vmapped_scans_caches():
     release_fn()
     return np.concatenate(out, axis=1)
 
-  np.testing.assert_array_equal(served(True), served(False))
+  np.testing.assert_array_equal(served(reads), served("own"))
 
 
 @pytest.mark.parametrize("vmapped", [False, True])

@@ -25,7 +25,6 @@ import math
 import threading
 import traceback
 import weakref
-from typing import Any
 from typing import Callable
 from typing import Deque
 from typing import Dict
@@ -34,16 +33,18 @@ from typing import List
 from typing import Optional
 from typing import Sequence
 from typing import Tuple
+from typing import Union
 
 import numpy as np
 import tensorflow as tf
 
-from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.chains import LaterRows
 from jax_data.loaders.tensorflow_rows import IteratorCloser
 from jax_data.loaders.tensorflow_rows import Reading
 from jax_data.loaders.tensorflow_rows import Rows
 from jax_data.loaders.tensorflow_rows import Wanted
 from jax_data.loaders.tensorflow_rows import in_order
+from jax_data.loaders.tensorflow_rows import read_later
 from jax_data.loaders.tensorflow_rows import released_error
 from jax_data.streams.sampling import Held
 from jax_data.streams.sampling import HeldRows
@@ -670,22 +671,24 @@ class PipelineRows:
     return self._shared
 
   @staticmethod
-  def rows_later(sources: Sequence[PipelineRows], numbers: Any,
-                 mb_size: int, layout: ChunkLayout) -> None:
-    """None: a pipeline's rows are read now, while its reads hold them (see
-    :meth:`MemoryRows.rows_later`)."""
-    del sources, numbers, mb_size, layout
-
-  @staticmethod
   def rows_together(sources: Sequence[PipelineRows], wanted: Wanted,
-                    keeps: Sequence[Held], out: Rows) -> bool:
+                    keeps: Sequence[Held], out: Rows,
+                    later: Optional[Sequence[Tuple[int, ...]]] = None
+                    ) -> Union[bool, LaterRows]:
     """:meth:`rows` of chains of one :meth:`group_key` at once: chain
     ``i`` wants the elements ``wanted.numbers[i]``, in the order of the
     rows of ``out`` that ``wanted`` gives, and keeps ``keeps[i]``. Where
     every chain reads through the shared
     reads now (or they join them together), their rows are gathered from
     its window in one piece and True is returned; else False, with
-    nothing written and no chain moved (read them chain by chain)."""
+    nothing written and no chain moved (read them chain by chain).
+
+    With ``later`` (the leaves' shapes), rows that are all in the window
+    are read from it when served instead (the window's arrays do not
+    change: each read makes new ones), and their reading is returned
+    (:func:`~jax_data.loaders.tensorflow_rows.read_later`); the chains
+    move as they would have. A shuffle buffer of 100 slots almost never
+    holds an element older than the window of 1,024 chains."""
     shared = sources[0]._shared  # pylint: disable=protected-access
     if shared is None or any(s._shared is not shared for s in sources):  # pylint: disable=protected-access
       return False
@@ -743,8 +746,18 @@ class PipelineRows:
       return False
     # Every element from a chain's mark on is in the window; the elements
     # before the window, in the chain's rows held.
-    _gather_window(window, wanted.flat(int(window[0][0])), out, sources,
-                   wanted.lane_of)
+    base = int(window[0][0])
+
+    def gather(wanted: Wanted, out: Rows) -> None:
+      _gather_window(window, wanted.flat(base), out, sources,
+                     wanted.lane_of)
+
+    read: Union[bool, LaterRows] = True
+    if later is not None and wanted.least() >= base and int(
+        stops.max()) <= base + window[0].size:
+      read = read_later(wanted, later, gather)  # none held by a chain
+    else:
+      gather(wanted, out)
     # As rows() does chain by chain: the elements of each buffer before
     # its horizon are held as rows (one array for all chains, few rows).
     marks = np.asarray([s._mark for s in sources])  # pylint: disable=protected-access
@@ -769,7 +782,7 @@ class PipelineRows:
                                  int(stops[lane]))
       new_marks[id(source)] = source._mark  # pylint: disable=protected-access
     shared.advance(new_marks)
-    return True
+    return read
 
   def reads_shared(self) -> bool:
     """Whether it reads through its shard's :class:`SharedReads` now."""

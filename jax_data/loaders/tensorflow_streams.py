@@ -31,6 +31,7 @@ from jax_data.loaders.chains import ChainCursor
 from jax_data.loaders.chains import Chunk
 from jax_data.loaders.chains import ChunkLayout
 from jax_data.loaders.chains import GroupKey
+from jax_data.loaders.chains import LaterRows
 from jax_data.loaders.chains import OrderedChain
 from jax_data.loaders.chains import Position
 from jax_data.loaders.chains import RandomChain
@@ -171,11 +172,10 @@ class ShuffleCursor(ChainCursor):
     chunk: each chain's shuffle draws its elements, and the rows of all
     of them are gathered at once (the source's ``rows_together``), or,
     where the source cannot (chains of a pipeline that do not all read
-    its shared reads now), chain by chain. Rows in memory produced into
-    the store's buffers are gathered when served instead (the source's
-    ``rows_later``), straight into compiled code's buffers: at 1,024
-    chains of 10 batches of 64 rows of 32 floats, a step took 3.8-4.0 ms,
-    not 4.6-4.7 (compute alone 1.0)."""
+    its shared reads now), chain by chain. Produced into the store's
+    buffers, the rows are read when served where the source can
+    (``tensorflow_rows.read_later``), straight into compiled code's
+    buffers."""
     del indices  # each cursor stands at its chunk
     lanes, cache, mb = len(cursors), layout.cache_size, layout.mb_size
     chains: List[ShuffleCursor] = list(cursors)  # type: ignore[arg-type]
@@ -193,19 +193,19 @@ class ShuffleCursor(ChainCursor):
         numbers, keeps = taken
       out = [allocate((lanes * size,) + leaf.shape, leaf.dtype)
              for leaf in layout.leaves]
+      # Compiled code's buffers with the lane axis second take the rows
+      # batch by batch, every chain's batch j before any batch j + 1.
+      wanted = Wanted(numbers, mb, interleaved)
       sources = [chain._source for chain in chains]  # pylint: disable=protected-access
-      later = None
-      if not hasattr(allocate, "interleaved"):  # the store's buffers, not
-        # compiled code's (which say how their rows are laid out): the
-        # rows are read when served, into compiled code's then
-        later = type(sources[0]).rows_later(sources, numbers, mb, layout)
-      if later is None:
-        # Compiled code's buffers with the lane axis second take the rows
-        # batch by batch, every chain's batch j before any batch j + 1.
-        wanted = Wanted(numbers, mb, interleaved)
-        if not type(sources[0]).rows_together(sources, wanted, keeps, out):
-          _rows_each(chains, wanted.numbers, keeps, out, layout,
-                     interleaved)
+      # Into the store's buffers, not compiled code's (which say how their
+      # rows are laid out), rows may be read when served.
+      shapes = (None if hasattr(allocate, "interleaved")
+                else [leaf.shape for leaf in layout.leaves])
+      read = type(sources[0]).rows_together(sources, wanted, keeps, out,
+                                            shapes)
+      if not read:
+        _rows_each(chains, wanted.numbers, keeps, out, layout, interleaved)
+      later = read if isinstance(read, LaterRows) else None
     except BaseException:
       for chain in chains:  # drew their chunks: they draw them again
         chain._shuffle.position = None  # pylint: disable=protected-access
