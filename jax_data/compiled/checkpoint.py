@@ -286,6 +286,7 @@ def _read_tree(tree: Any, pipeline: pl.Pipeline
                           "dict")
   _check("format version", host.get("version"), FORMAT_VERSION)
   _check_counter_versions(host)
+  pipeline.prepare_restore(host.get("fingerprint"), host.get("lanes"))
   saved, here = host.get("fingerprint"), pipeline.fingerprint
   if pipeline.host is None and isinstance(saved, dict) and (
       saved.get("data") is None):

@@ -162,6 +162,14 @@ class Pipeline(collections.abc.Sequence):
         cached_chunk=jnp.full(lanes, -1, jnp.int32),
         key=jnp.asarray(arrays["key"], jnp.uint32))
 
+  def prepare_restore(self, fingerprint: Any, lanes: Any) -> None:
+    """Called before a checkpoint of ``fingerprint`` (its saved
+    :attr:`fingerprint`, unchecked) with ``lanes`` (its saved lane shape,
+    unchecked) is checked and restored into this pipeline; a pipeline
+    whose sizes are chosen when its first chains are made chooses them
+    here. The default does nothing."""
+    del fingerprint, lanes
+
   def check_saved_chain(self, saved: Any) -> None:
     """Raises :class:`~jax_data.CheckpointError` if ``saved`` (a lane's
     chain in a checkpoint, from :meth:`Host.save_chain`) is not one this
@@ -305,7 +313,8 @@ class Config:
 
   Attributes:
     loader: The data loader.
-    cache_size: Batches per chunk (``cached_batches_count``).
+    cache_size: Batches per chunk (``cached_batches_count``); None for
+      ``"auto"``, chosen when the chains are known (:func:`auto_cache_size`).
     mb_size: Observations per batch.
     callback: How compiled code receives chunks.
     observation_count: The observations drawn from (a random chain) or
@@ -314,7 +323,7 @@ class Config:
       chains.
   """
   loader: DataLoader
-  cache_size: int
+  cache_size: Optional[int]
   mb_size: int
   callback: Callback
   observation_count: Optional[int]
@@ -330,7 +339,8 @@ class Config:
               callback: Any, *, full: bool = False, shard_index: Any = None,
               shard_count: Any = None, stacklevel: int = 4) -> "Config":
     """The checked configuration of a random (or, ``full``, full-data)
-    pipeline over ``data_loader``.
+    pipeline over ``data_loader``. A random pipeline's
+    ``cached_batches_count`` may be ``"auto"`` (``cache_size`` None).
 
     Raises:
       TypeError, ValueError: an argument is wrong, named with its value;
@@ -351,6 +361,21 @@ class Config:
       observations = ObservationRange.from_arguments(count, shard_index,
                                                      shard_count)
       count = observations.count
+    if isinstance(cached_batches_count, str) and cached_batches_count == AUTO:
+      if full:
+        raise ValueError(
+            "cached_batches_count='auto' chooses a random pipeline's cache "
+            "by its number of chains; a full-data pass takes a number of "
+            "batches, got cached_batches_count='auto'")
+      _, mb_size = check_sizes(loader, 1, mb_size, count)
+      config = cls(loader, None, mb_size, callback, count, observations)
+      if not config.on_device:  # a cache of one batch at least
+        check_cache_bytes(loader, 1, mb_size)
+      return config
+    if isinstance(cached_batches_count, str) and not full:
+      raise TypeError(
+          "cached_batches_count must be an integer or 'auto', got "
+          f"cached_batches_count={cached_batches_count!r}")
     cache_size, mb_size = check_sizes(loader, cached_batches_count, mb_size,
                                       count)
     config = cls(loader, cache_size, mb_size, callback, count, observations)
@@ -402,13 +427,18 @@ def check_sizes(data_loader: DataLoader, cache_size: Any, mb_size: Any,
 MAX_CACHE_BYTES = 256 << 20
 
 
+def row_bytes(data_loader: DataLoader) -> int:
+  """The bytes a cache holds per observation: its leaves and its mask."""
+  return 1 + sum(int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype)
+                 .itemsize for s in
+                 jax.tree_util.tree_leaves(data_loader.observation_format))
+
+
 def check_cache_bytes(data_loader: DataLoader, cache_size: int,
                       mb_size: int) -> None:
   """Raises, before anything is allocated, if a cache of ``cache_size``
   batches of ``mb_size`` takes more than :data:`MAX_CACHE_BYTES`."""
-  row = 1 + sum(int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype)
-                .itemsize for s in
-                jax.tree_util.tree_leaves(data_loader.observation_format))
+  row = row_bytes(data_loader)
   size = cache_size * mb_size * row
   if size > MAX_CACHE_BYTES:
     raise ValueError(
@@ -416,6 +446,47 @@ def check_cache_bytes(data_loader: DataLoader, cache_size: int,
         f"observations of {row} bytes make a cache of {size / 2**20:,.0f} "
         f"MiB per chain, over the limit of {MAX_CACHE_BYTES >> 20} MiB "
         "(jax_data.pipeline.MAX_CACHE_BYTES); use fewer cached batches")
+
+
+#: What ``cached_batches_count`` may be instead of a number: chosen by
+#: :func:`auto_cache_size` when the pipeline's first chains are made.
+AUTO = "auto"
+#: The bytes that all chains' caches of ``cached_batches_count="auto"``
+#: hold together on a CPU device, where the caches and the host's reads
+#: share the cores' memory caches: on two cores, 8.7-21.8 MB ran fastest
+#: from 16 to 1,024 chains (docs/user_guide.rst).
+AUTO_CPU_BYTES = 16 << 20
+#: The same on other devices (not measured there): it bounds the device
+#: memory that the caches take beside the sampler's.
+AUTO_DEVICE_BYTES = 256 << 20
+#: The most batches a cache of ``cached_batches_count="auto"`` holds: more
+#: save no measurable time per step even for one chain.
+AUTO_MAX_BATCHES = 100
+
+
+def auto_cache_size(data_loader: DataLoader, mb_size: int, chain_count: int,
+                    platform: str) -> int:
+  """The batches per cache that ``cached_batches_count="auto"`` chooses for
+  ``chain_count`` chains on a device of ``platform`` (``"cpu"``, ...): as
+  many as keep all chains' caches within :data:`AUTO_CPU_BYTES` on a CPU
+  device (:data:`AUTO_DEVICE_BYTES` elsewhere), between 1 and
+  :data:`AUTO_MAX_BATCHES`, and no more than a pass over the data holds
+  (where its length is known) or :data:`MAX_CACHE_BYTES` allows.
+
+  >>> import numpy as np
+  >>> from jax_data import NumpyDataLoader
+  >>> loader = NumpyDataLoader(x=np.zeros((100_000, 33), np.float32))
+  >>> [auto_cache_size(loader, 64, c, "cpu") for c in (1, 16, 256, 1024)]
+  [100, 100, 7, 1]
+  """
+  batch = mb_size * row_bytes(data_loader)
+  budget = AUTO_CPU_BYTES if platform == "cpu" else AUTO_DEVICE_BYTES
+  size = min(budget // (max(chain_count, 1) * batch), AUTO_MAX_BATCHES,
+             MAX_CACHE_BYTES // batch)
+  count = data_loader.observation_count
+  if count is not None:
+    size = min(size, math.ceil(count / mb_size))
+  return max(int(size), 1)
 
 
 def warn_large_cache(cache_size: int, mb_size: int,

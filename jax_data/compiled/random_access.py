@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 from typing import Callable
 from typing import Optional
+from typing import Tuple
+from typing import Union
 from typing import cast
 
 import jax
@@ -26,11 +29,13 @@ from jax_data.types import CacheState
 from jax_data.types import Callback
 from jax_data.types import MiniBatchInformation
 from jax_data.types import RandomBatch
+from jax_data.validation import MAX_AXIS
 from jax_data.validation import check_bool
 from jax_data.validation import seed_list
 
 
-def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
+def random_reference_data(data_loader: DataLoader,
+                          cached_batches_count: Union[int, str],
                           mb_size: int, verify_calls: bool = False, *,
                           callback: Callback = "auto",
                           mesh: Optional[Mesh] = None,
@@ -57,7 +62,13 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
 
   Args:
     data_loader: A ``HostDataLoader`` or ``DeviceDataLoader``.
-    cached_batches_count: Batches fetched per host call (the device cache).
+    cached_batches_count: Batches fetched per host call (the device
+      cache), or ``"auto"``: chosen when the first chains are made, for
+      their number (``init_fn(seed=range(C))``: C; one seed: one), so that
+      all their caches hold about 16 MiB together on a CPU device (256 MiB
+      on others), 1 to 100 batches each
+      (:func:`~jax_data.compiled.pipeline.auto_cache_size`). Chains made
+      later get the same size; a restored checkpoint keeps its own.
     mb_size: Observations per batch.
     verify_calls: Warn when a chunk is requested again after the chain moved
       on (a state used twice or replayed), which costs regeneration.
@@ -94,6 +105,11 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
       raise TypeError(
           "global batches (mesh, batch_axis) need a host loader, got "
           f"data_loader={config.loader!r}")
+    if config.cache_size is None:
+      raise ValueError(
+          "global batches (mesh, batch_axis) lay their caches out when "
+          "made, before the chains are known: give cached_batches_count a "
+          "number, got cached_batches_count='auto'")
     axes = global_batches.MeshAxes.checked(mesh, batch_axis, chain_axis,
                                            config.mb_size)
     pipeline: pl.Pipeline = global_batches.GlobalPipeline(RandomPipeline(
@@ -109,26 +125,70 @@ def random_reference_data(data_loader: DataLoader, cached_batches_count: int,
 
 
 class RandomPipeline(pl.RandomPipeline):
-  """Random batches of a host loader; see :func:`random_reference_data`."""
+  """Random batches of a host loader; see :func:`random_reference_data`.
+
+  With ``cache_size`` None (``cached_batches_count="auto"``) its sizes, and
+  so its host side, its id and its template, are laid out when its first
+  chains are made (:meth:`init_fn`) or restored (:meth:`prepare_restore`).
+  """
 
   kind = "random"
 
-  def __init__(self, loader: HostDataLoader, cache_size: int, mb_size: int,
-               verify_calls: bool, callback: Callback):
-    host = pl.assemble(loader, cache_size, mb_size,
-                       verify_calls=verify_calls)
+  def __init__(self, loader: HostDataLoader, cache_size: Optional[int],
+               mb_size: int, verify_calls: bool, callback: Callback):
     self._count = loader.observation_count
-    self._cache_size, self._mb_size = cache_size, mb_size
-    self._batch_format, _ = loader.batch_format(cache_size, mb_size)
+    self._mb_size = mb_size
     self._callback = callback
-    template = CacheState.start(host.id, 0, mb_size, cache_size,
-                                self._batch_format)
-    super().__init__(host, template, loader, cache_size, mb_size,
-                     self._count)
-    self._owner = np.int32(self.id)
     # By name: bound methods kept here would make a cycle that keeps a
     # released, dropped pipeline (and its device cache) until a collection.
     self.function_names = ("init_fn", "batch_fn", "release_fn")
+    #: The loader and ``verify_calls`` until the pipeline is laid out.
+    self._unlaid: Optional[Tuple[HostDataLoader, bool]] = (loader,
+                                                           verify_calls)
+    if cache_size is not None:
+      self._lay_out(cache_size)
+
+  def _lay_out(self, cache_size: int) -> None:
+    """Builds the host side, the template and the id for caches of
+    ``cache_size`` batches."""
+    assert self._unlaid is not None
+    loader, verify_calls = self._unlaid
+    host = pl.assemble(loader, cache_size, self._mb_size,
+                       verify_calls=verify_calls)
+    self._cache_size = cache_size
+    self._batch_format, _ = loader.batch_format(cache_size, self._mb_size)
+    template = CacheState.start(host.id, 0, self._mb_size, cache_size,
+                                self._batch_format)
+    super().__init__(host, template, loader, cache_size, self._mb_size,
+                     self._count)
+    self._owner = np.int32(self.id)
+    self._unlaid = None
+
+  def _lay_out_for(self, chain_count: int) -> None:
+    """Lays an ``"auto"`` pipeline out for ``chain_count`` chains
+    (:func:`~jax_data.compiled.pipeline.auto_cache_size` on the default
+    device's platform); one laid out already stays as it is."""
+    if self._unlaid is not None:
+      self._lay_out(pl.auto_cache_size(self._unlaid[0], self._mb_size,
+                                       chain_count, jax.default_backend()))
+
+  def prepare_restore(self, fingerprint: Any, lanes: Any) -> None:
+    """An ``"auto"`` pipeline not laid out yet takes the checkpoint's cache
+    size, where it is one this pipeline can hold, so that the state is
+    restored exactly; else the size for its lanes (and the fingerprint's
+    check then says what differs)."""
+    if self._unlaid is None:
+      return
+    size = fingerprint.get("cache_size") if isinstance(fingerprint,
+                                                       dict) else None
+    if (isinstance(size, int) and not isinstance(size, bool)
+        and 1 <= size <= MAX_AXIS and size * self._mb_size * pl.row_bytes(
+            self._unlaid[0]) <= pl.MAX_CACHE_BYTES):
+      self._lay_out(size)
+    else:
+      valid = isinstance(lanes, list) and all(
+          isinstance(n, int) and n >= 0 for n in lanes)
+      self._lay_out_for(math.prod(lanes) if valid else 1)
 
   @functools.cached_property
   def _bridge(self) -> Bridge:
@@ -153,13 +213,18 @@ class RandomPipeline(pl.RandomPipeline):
     the loader draws such streams
     (:func:`~jax_data.loaders.host_loader.chain_specs`)."""
     seeds = seed_list(kwargs.get("seed"))
+    loader = (self.host.loader if self._unlaid is None
+              else self._unlaid[0])
     if seeds is None:
-      spec = self.host.loader.chain_spec(False, **kwargs)
+      spec = loader.chain_spec(False, **kwargs)
+      self._lay_out_for(1)
       chain = self.host.register(spec)
       return CacheState.start(self.id, chain, self._mb_size,
                               self._cache_size, self._batch_format)
-    # Every seed checked before any chain is registered.
-    specs = chain_specs(self.host.loader, seeds, **kwargs)
+    # Every seed checked before any chain is registered (or the sizes of
+    # "auto" are chosen).
+    specs = chain_specs(loader, seeds, **kwargs)
+    self._lay_out_for(len(specs))
     chains = [self.host.register(spec) for spec in specs]
     return CacheState.start_chains(self.id, chains, self._mb_size,
                                    self._cache_size, self._batch_format)
@@ -182,6 +247,11 @@ class RandomPipeline(pl.RandomPipeline):
   def check_state(self, state: Any, where: str) -> CacheState:
     """``state``, checked before anything is traced, its chain too where
     it is known (:func:`jax_data.compiled.states.check_chains`)."""
+    if self._unlaid is not None:
+      raise TypeError(
+          f"state does not belong to this pipeline: {where} got a state, "
+          "and this pipeline (cached_batches_count='auto') has made no "
+          "chain yet; make its states with its init_fn")
     state = super().check_state(state, where)
     self.host.check_open()  # a released pipeline has no chains: says so
     states.check_chains(state.chain, self.host.has_chain, self.host.chains,
@@ -228,8 +298,23 @@ class RandomPipeline(pl.RandomPipeline):
     """``state`` with the chunk it points at in its cache."""
     return _refresh(self._bridge, self._owner, state, device_count)
 
+  def saved_lanes(self, state: Any):
+    """See :meth:`Pipeline.saved_lanes`; an ``"auto"`` pipeline that made
+    no chain yet has no states to save."""
+    if self._unlaid is not None:
+      raise TypeError(
+          "state does not belong to this pipeline: this pipeline "
+          "(cached_batches_count='auto') has made no chain yet")
+    return super().saved_lanes(state)
+
+  def check_open(self) -> None:
+    """See :meth:`Pipeline.check_open`."""
+    if self._unlaid is None:
+      super().check_open()
+
   def release_fn(self) -> None:
     """Drops every reference the pipeline holds to the loader."""
+    self._lay_out_for(1)  # and so, released, refuses chains as others do
     self.host.release()
 
 

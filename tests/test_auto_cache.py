@@ -1,0 +1,181 @@
+"""``cached_batches_count="auto"``: a random pipeline's cache chosen by its
+number of chains when they are made, restored exactly, refused where the
+chains come too late."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax import lax
+
+import jax_data
+from jax_data import NumpyDataLoader
+from jax_data.compiled import pipeline as pl
+
+# Rows of 4,096 float32 and a mask byte: 64 KiB a batch of 16, so that a few
+# chains already share the CPU budget of 16 MiB.
+N, MB, WIDE = 600, 16, 4096
+
+
+def _wide():
+  rows = np.arange(N * WIDE, dtype=np.float32).reshape(N, WIDE)
+  return NumpyDataLoader(x=rows)
+
+
+def _first_columns(pipeline, state, steps):
+  """The batches' first columns under ``vmap``, and the final states."""
+  _, batch_fn, _ = pipeline
+
+  def run(state):
+    return jax_data.scan(lambda c, b: (c, b["x"][:, 0]), 0, state,
+                         batch_fn=batch_fn, length=steps)
+
+  (_, state), rows = jax.jit(jax.vmap(run))(state)
+  return np.asarray(rows), state
+
+
+def test_the_rule_fills_the_budget_between_one_and_a_hundred_batches():
+  loader = _wide()
+  batch = MB * pl.row_bytes(loader)
+  assert batch == MB * (4 * WIDE + 1)
+  for platform, budget in (("cpu", pl.AUTO_CPU_BYTES),
+                           ("gpu", pl.AUTO_DEVICE_BYTES)):
+    for chains in (1, 2, 3, 7, 64, 256, 4096):
+      size = pl.auto_cache_size(loader, MB, chains, platform)
+      assert 1 <= size <= min(pl.AUTO_MAX_BATCHES, -(-N // MB))
+      # The most batches within the budget, unless one batch is over it.
+      assert size == 1 or size * chains * batch <= budget
+      if size < min(pl.AUTO_MAX_BATCHES, -(-N // MB)):
+        assert (size + 1) * chains * batch > budget
+  # One pass over the data bounds it; small rows reach the hundred.
+  assert pl.auto_cache_size(NumpyDataLoader(x=np.arange(50)), 4, 1,
+                            "cpu") == 13
+  assert pl.auto_cache_size(NumpyDataLoader(x=np.arange(10**6)), 4, 1,
+                            "cpu") == pl.AUTO_MAX_BATCHES
+
+
+@pytest.mark.parametrize("chains", [1, 3, 12])
+def test_auto_is_the_rules_size_and_gives_its_batches(chains, pipelines):
+  """The states of ``init_fn(seed=range(C))`` hold the rule's batches for
+  C chains on this (CPU) device, and the chains give the batches of a
+  pipeline made with that number."""
+  loader = _wide()
+  size = pl.auto_cache_size(loader, MB, chains, jax.default_backend())
+  assert size == min(38, 16 * 2**20 // (chains * MB * (4 * WIDE + 1)))
+  auto = pipelines.random_reference_data(loader, "auto", MB)
+  state = auto[0](seed=range(chains), shuffle=True)
+  assert state.mask.shape == (chains, size, MB)
+  fixed = pipelines.random_reference_data(_wide(), size, MB)
+  want, _ = _first_columns(fixed, fixed[0](seed=range(chains), shuffle=True),
+                           2 * size + 5)
+  got, _ = _first_columns(auto, state, 2 * size + 5)
+  np.testing.assert_array_equal(got, want)
+  # Chains made later keep the size, a single one too.
+  assert auto[0](seed=range(2 * chains)).mask.shape[1] == size
+  assert auto[0](seed=1).mask.shape == (size, MB)
+  auto[2]()
+  fixed[2]()
+
+
+def test_a_single_seed_chooses_for_one_chain(pipelines):
+  init_fn, batch_fn, release_fn = pipelines.random_reference_data(
+      _wide(), "auto", MB)
+  state = init_fn(seed=4)
+  assert state.mask.shape == (min(38, 16 * 2**20 // (MB * (4 * WIDE + 1))),
+                              MB)
+  state, batch = jax.jit(batch_fn)(state)
+  assert batch["x"].shape == (MB, WIDE)
+  release_fn()
+
+
+def test_a_restored_auto_pipeline_keeps_the_saved_size(pipelines):
+  """A checkpoint of 12 chains (caches of 5 batches) restores into a new
+  ``"auto"`` pipeline that made no chain yet with caches of 10, and the
+  rest of every chain's stream is the same; one already laid out for other
+  sizes says why it does not fit."""
+  saved_pipeline = pipelines.random_reference_data(_wide(), "auto", MB)
+  state = saved_pipeline[0](seed=range(12), shuffle=True, in_epochs=True)
+  _, state = _first_columns(saved_pipeline, state, 13)
+  tree = jax_data.state_to_pytree(saved_pipeline, state)
+  rest, _ = _first_columns(saved_pipeline, state, 25)
+  saved_pipeline[2]()
+
+  again = pipelines.random_reference_data(_wide(), "auto", MB)
+  restored = jax_data.state_from_pytree(again, tree)
+  assert restored.mask.shape == (12, 5, MB)
+  got, _ = _first_columns(again, restored, 25)
+  np.testing.assert_array_equal(got, rest)
+  assert again[0](seed=range(40)).mask.shape[1] == 5  # the size it took
+  again[2]()
+
+  other = pipelines.random_reference_data(_wide(), "auto", MB)
+  other[0](seed=0)  # laid out for one chain: 38 batches
+  with pytest.raises(jax_data.CheckpointError, match="cache_size"):
+    jax_data.state_from_pytree(other, tree)
+  other[2]()
+
+
+def test_auto_on_a_device_loader_keeps_no_cache(pipelines):
+  init_fn, batch_fn, release_fn = pipelines.random_reference_data(
+      jax_data.DeviceNumpyDataLoader(x=np.arange(30)), "auto", 4)
+  state = init_fn(seed=range(3))
+  _, batches = jax.jit(jax.vmap(lambda s: lax.scan(
+      lambda st, _: batch_fn(st), s, None, length=5)))(state)
+  assert state.mask.shape == (3, 0, 4) and batches["x"].shape == (3, 5, 4)
+  release_fn()
+
+
+def test_where_auto_cannot_choose_it_is_refused_by_name(pipelines):
+  loader = NumpyDataLoader(x=np.arange(40))
+  for bad, error in (("Auto", TypeError), ("", TypeError)):
+    with pytest.raises(error, match=re.escape(
+        f"an integer or 'auto', got cached_batches_count={bad!r}")):
+      pipelines.random_reference_data(loader, bad, 4)
+  for make in (pipelines.full_reference_data, pipelines.full_data_mapper):
+    with pytest.raises(ValueError,
+                       match="a full-data pass takes a number of batches"):
+      make(loader, "auto", 4)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  with pytest.raises(ValueError, match="give cached_batches_count a number"):
+    pipelines.random_reference_data(loader, "auto", 4, mesh=mesh,
+                                    batch_axis="data")
+  # A batch over the cache limit is refused before anything is made.
+  row = np.zeros(2**20, np.float32)  # 4 MiB; 65 of them in a batch
+  huge = NumpyDataLoader(x=np.broadcast_to(row, (65, row.size)))
+  with pytest.raises(ValueError, match="over the limit"):
+    pipelines.random_reference_data(huge, "auto", 65)
+
+
+def test_an_auto_pipeline_without_chains_refuses_states_and_release_holds(
+    pipelines):
+  """Before its first chain, a state is not one of the pipeline's (also
+  for a checkpoint); a release before any chain refuses chains after."""
+  one = pipelines.random_reference_data(NumpyDataLoader(x=np.arange(40)),
+                                        3, 4)
+  foreign = one[0](seed=0)
+  auto = pipelines.random_reference_data(NumpyDataLoader(x=np.arange(40)),
+                                         "auto", 4)
+  init_fn, batch_fn, release_fn = auto
+  with pytest.raises(TypeError, match="has made no chain yet"):
+    batch_fn(foreign)
+  with pytest.raises(TypeError, match="has made no chain yet"):
+    jax_data.scan(lambda c, b: (c, None), 0, foreign, batch_fn=batch_fn,
+                  length=2)
+  with pytest.raises(TypeError, match="has made no chain yet"):
+    jax_data.state_to_pytree(auto, foreign)
+  release_fn()
+  release_fn()
+  with pytest.raises(jax_data.PipelineReleasedError):
+    init_fn(seed=0)
+  one[2]()
+
+
+def test_bad_init_keywords_choose_nothing(pipelines):
+  """A refused ``init_fn`` call lays nothing out: the next one chooses."""
+  init_fn, _, release_fn = pipelines.random_reference_data(
+      _wide(), "auto", MB)
+  with pytest.raises(ValueError, match="seed=-1"):
+    init_fn(seed=[1, -1])
+  assert init_fn(seed=range(12)).mask.shape == (12, 5, MB)
+  release_fn()
