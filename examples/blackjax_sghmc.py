@@ -226,10 +226,11 @@ def main() -> None:
   print(f"breast cancer: {count} training and {len(x_test)} test tumours, "
         f"{features} features")
 
-  # 10 batches per chain on the device: one host call every 10 steps, for
-  # all chains together, while the compiled loop runs.
+  # A cache of batches per chain on the device, refreshed by one host call
+  # for all chains together; "auto" sizes it for the chains init_fn makes
+  # (up to 100 batches each, fewer for many chains).
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(
-      train, cached_batches_count=10, mb_size=args.batch_size)
+      train, cached_batches_count="auto", mb_size=args.batch_size)
   # One data state per chain, each with its own seed, stacked for vmap.
   data_states = init_fn(
       seed=range(args.seed, args.seed + args.chains), shuffle=True)

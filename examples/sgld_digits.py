@@ -271,10 +271,11 @@ def sample_chains(model: Model, train_loader, test_loader, args, features: int,
         f"a multiple of --thin * {evaluate_every}; got --steps={args.steps} "
         f"--thin={args.thin}")
 
-  # The device keeps 16 batches per chain: one host call every 16 steps,
-  # for all chains together.
+  # The device keeps a cache of batches per chain, refreshed by one host
+  # call for all chains together; "auto" sizes it for the chains init_fn
+  # makes (up to 100 batches each, fewer for many chains).
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(
-      train_loader, cached_batches_count=16, mb_size=args.batch_size)
+      train_loader, cached_batches_count="auto", mb_size=args.batch_size)
 
   # One data state per chain, each with its own seed, stacked for vmap.
   data_states = init_fn(seed=range(args.seed, args.seed + args.chains),
