@@ -3,6 +3,7 @@ number of chains when they are made, restored exactly, refused where the
 chains come too late."""
 
 import re
+import warnings
 
 import jax
 import numpy as np
@@ -71,9 +72,23 @@ def test_auto_is_the_rules_size_and_gives_its_batches(chains, pipelines):
                            2 * size + 5)
   got, _ = _first_columns(auto, state, 2 * size + 5)
   np.testing.assert_array_equal(got, want)
-  # Chains made later keep the size, a single one too.
-  assert auto[0](seed=range(2 * chains)).mask.shape[1] == size
-  assert auto[0](seed=1).mask.shape == (size, MB)
+  # Chains made later keep the size, a single one too; a call of so many
+  # more that "auto" would choose fewer batches says so, once.
+  more = 4 * chains
+  smaller = pl.auto_cache_size(loader, MB, more, jax.default_backend())
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert auto[0](seed=range(more)).mask.shape[1] == size
+    assert auto[0](seed=range(more)).mask.shape[1] == size
+    assert auto[0](seed=1).mask.shape == (size, MB)
+  told = [str(w.message) for w in caught]
+  assert told == ([] if smaller == size else [
+      f"cached_batches_count='auto' sized this pipeline's caches at {size} "
+      f"batches for the {chains} chain(s) of its first init_fn call; this "
+      f"init_fn call makes {more} chains, for which it chooses {smaller}. "
+      "To size the caches for them, make them with the first init_fn call "
+      "of a new pipeline, or give cached_batches_count a number"])
+  assert caught == [] or caught[0].filename == __file__
   auto[2]()
   fixed[2]()
 
@@ -106,7 +121,9 @@ def test_a_restored_auto_pipeline_keeps_the_saved_size(pipelines):
   assert restored.mask.shape == (12, 5, MB)
   got, _ = _first_columns(again, restored, 25)
   np.testing.assert_array_equal(got, rest)
-  assert again[0](seed=range(40)).mask.shape[1] == 5  # the size it took
+  with pytest.warns(UserWarning, match="from the checkpoint restored into "
+                    "it; this init_fn call makes 40 chains"):
+    assert again[0](seed=range(40)).mask.shape[1] == 5  # the size it took
   again[2]()
 
   other = pipelines.random_reference_data(_wide(), "auto", MB)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any
 from typing import Callable
 from typing import Optional
@@ -145,6 +146,10 @@ class RandomPipeline(pl.RandomPipeline):
     #: The loader and ``verify_calls`` until the pipeline is laid out.
     self._unlaid: Optional[Tuple[HostDataLoader, bool]] = (loader,
                                                            verify_calls)
+    #: For "auto": the chain count the caches were sized for, and whether
+    #: a later init_fn was told that it makes more (:meth:`_check_more`).
+    self._sized_for: Optional[int] = None
+    self._told = cache_size is not None
     if cache_size is not None:
       self._lay_out(cache_size)
 
@@ -171,6 +176,28 @@ class RandomPipeline(pl.RandomPipeline):
     if self._unlaid is not None:
       self._lay_out(pl.auto_cache_size(self._unlaid[0], self._mb_size,
                                        chain_count, jax.default_backend()))
+      self._sized_for = chain_count
+
+  def _check_more(self, chain_count: int) -> None:
+    """Warns, once, when an ``init_fn`` call of an ``"auto"`` pipeline makes
+    more chains than its caches were sized for, so many that ``"auto"``
+    would choose fewer batches."""
+    if self._told:
+      return
+    wanted = pl.auto_cache_size(self.host.loader, self._mb_size,
+                                chain_count, jax.default_backend())
+    if wanted < self._cache_size:
+      self._told = True
+      origin = (f"for the {self._sized_for} chain(s) of its first "
+                "init_fn call" if self._sized_for is not None else
+                "from the checkpoint restored into it")
+      warnings.warn(
+          f"cached_batches_count='auto' sized this pipeline's caches at "
+          f"{self._cache_size} batches {origin}; this init_fn call makes "
+          f"{chain_count} chains, for which it chooses {wanted}. To size "
+          "the caches for them, make them with the first init_fn call of "
+          "a new pipeline, or give cached_batches_count a number",
+          UserWarning, stacklevel=3)
 
   def prepare_restore(self, fingerprint: Any, lanes: Any) -> None:
     """An ``"auto"`` pipeline not laid out yet takes the checkpoint's cache
@@ -184,7 +211,7 @@ class RandomPipeline(pl.RandomPipeline):
     if (isinstance(size, int) and not isinstance(size, bool)
         and 1 <= size <= MAX_AXIS and size * self._mb_size * pl.row_bytes(
             self._unlaid[0]) <= pl.MAX_CACHE_BYTES):
-      self._lay_out(size)
+      self._lay_out(size)  # _sized_for stays None: the checkpoint's
     else:
       valid = isinstance(lanes, list) and all(
           isinstance(n, int) and n >= 0 for n in lanes)
@@ -225,6 +252,7 @@ class RandomPipeline(pl.RandomPipeline):
     # "auto" are chosen).
     specs = chain_specs(loader, seeds, **kwargs)
     self._lay_out_for(len(specs))
+    self._check_more(len(specs))
     chains = [self.host.register(spec) for spec in specs]
     return CacheState.start_chains(self.id, chains, self._mb_size,
                                    self._cache_size, self._batch_format)
