@@ -459,8 +459,9 @@ AUTO_CPU_BYTES = 16 << 20
 #: The same on other devices (not measured there): it bounds the device
 #: memory that the caches take beside the sampler's.
 AUTO_DEVICE_BYTES = 256 << 20
-#: The most batches a cache of ``cached_batches_count="auto"`` holds: more
-#: save no measurable time per step even for one chain.
+#: The most batches a cache of ``cached_batches_count="auto"`` holds: the
+#: largest size the benchmarks measured (docs/benchmarks.md), which ran
+#: fastest, or within 8 % of 50, at one and 16 chains.
 AUTO_MAX_BATCHES = 100
 
 
