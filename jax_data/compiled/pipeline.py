@@ -461,7 +461,7 @@ AUTO_CPU_BYTES = 16 << 20
 AUTO_DEVICE_BYTES = 256 << 20
 #: The most batches a cache of ``cached_batches_count="auto"`` holds: the
 #: largest size the benchmarks measured (docs/benchmarks.md), which ran
-#: fastest, or within 8 % of 50, at one and 16 chains.
+#: fastest, or within 8 % of 50, at 16 chains.
 AUTO_MAX_BATCHES = 100
 
 
