@@ -12,8 +12,8 @@ call a ``lax.scan`` of ``steps`` steps:
   reads together, and with ``stream="exact"`` (the guide's streams, drawn
   chain by chain); counter chains in shuffled epochs (``shuffle=True,
   in_epochs=True``: what SG-MCMC users often run); and counter chains with
-  ``cached_batches_count="auto"`` (caches sized for the chain count: 100
-  batches for 1 and 16 chains here, 7 at 256, 1 at 1,024);
+  ``cached_batches_count="auto"`` (caches sized for the chain count:
+  1,000 batches for one chain here, 123 for 16, 7 at 256, 1 at 1,024);
 * compute over a cache: every chain scans over one fixed refresh of
   ``cache`` random batches on the device, again and again, as
   ``jax_data.scan`` scans its chunks (no host work: XLA slicing each

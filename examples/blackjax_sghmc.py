@@ -228,7 +228,7 @@ def main() -> None:
 
   # A cache of batches per chain on the device, refreshed by one host call
   # for all chains together; "auto" sizes it for the chains init_fn makes
-  # (up to 100 batches each, fewer for many chains).
+  # (up to 1,000 batches each, fewer for many chains).
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(
       train, cached_batches_count="auto", mb_size=args.batch_size)
   # One data state per chain, each with its own seed, stacked for vmap.

@@ -273,7 +273,7 @@ def sample_chains(model: Model, train_loader, test_loader, args, features: int,
 
   # The device keeps a cache of batches per chain, refreshed by one host
   # call for all chains together; "auto" sizes it for the chains init_fn
-  # makes (up to 100 batches each, fewer for many chains).
+  # makes (up to 1,000 batches each, fewer for many chains).
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(
       train_loader, cached_batches_count="auto", mb_size=args.batch_size)
 

@@ -49,7 +49,7 @@ def test_the_rule_fills_the_budget_between_one_and_a_hundred_batches():
       assert size == 1 or size * chains * batch <= budget
       if size < min(pl.AUTO_MAX_BATCHES, -(-N // MB)):
         assert (size + 1) * chains * batch > budget
-  # One pass over the data bounds it; small rows reach the hundred.
+  # One pass over the data bounds it; small rows reach the most.
   assert pl.auto_cache_size(NumpyDataLoader(x=np.arange(50)), 4, 1,
                             "cpu") == 13
   assert pl.auto_cache_size(NumpyDataLoader(x=np.arange(10**6)), 4, 1,

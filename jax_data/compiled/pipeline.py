@@ -459,10 +459,13 @@ AUTO_CPU_BYTES = 16 << 20
 #: The same on other devices (not measured there): it bounds the device
 #: memory that the caches take beside the sampler's.
 AUTO_DEVICE_BYTES = 256 << 20
-#: The most batches a cache of ``cached_batches_count="auto"`` holds: the
-#: largest size the benchmarks measured (docs/benchmarks.md), which ran
-#: fastest, or within 8 % of 50, at 16 chains.
-AUTO_MAX_BATCHES = 100
+#: The most batches a cache of ``cached_batches_count="auto"`` holds: one
+#: chain's step took 20-37 % less time with 1,000 than with 100 (fewer
+#: refreshes, each with a fixed part), the largest size measured
+#: (docs/benchmarks.md); more would make the first refresh of a slow
+#: source's chain (a Python ``__getitem__``, a decoding tf.data pipeline)
+#: wait for yet more rows.
+AUTO_MAX_BATCHES = 1000
 
 
 def auto_cache_size(data_loader: DataLoader, mb_size: int, chain_count: int,
@@ -478,7 +481,7 @@ def auto_cache_size(data_loader: DataLoader, mb_size: int, chain_count: int,
   >>> from jax_data import NumpyDataLoader
   >>> loader = NumpyDataLoader(x=np.zeros((100_000, 33), np.float32))
   >>> [auto_cache_size(loader, 64, c, "cpu") for c in (1, 16, 256, 1024)]
-  [100, 100, 7, 1]
+  [1000, 123, 7, 1]
   """
   batch = mb_size * row_bytes(data_loader)
   budget = AUTO_CPU_BYTES if platform == "cpu" else AUTO_DEVICE_BYTES

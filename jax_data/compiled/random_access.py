@@ -67,7 +67,7 @@ def random_reference_data(data_loader: DataLoader,
       cache), or ``"auto"``: chosen when the first chains are made, for
       their number (``init_fn(seed=range(C))``: C; one seed: one), so that
       all their caches hold about 16 MiB together on a CPU device (256 MiB
-      on others), 1 to 100 batches each
+      on others), 1 to 1,000 batches each
       (:func:`~jax_data.compiled.pipeline.auto_cache_size`). Chains made
       later get the same size; a restored checkpoint keeps its own.
     mb_size: Observations per batch.
