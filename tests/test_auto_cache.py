@@ -196,3 +196,21 @@ def test_bad_init_keywords_choose_nothing(pipelines):
     init_fn(seed=[1, -1])
   assert init_fn(seed=range(12)).mask.shape == (12, 5, MB)
   release_fn()
+
+
+def test_chains_that_refresh_one_by_one_keep_a_hundred_batches(pipelines):
+  """Exact streams (and tf.data shuffle buffers) refresh chain by chain,
+  with a fixed part each: "auto" gives them at least 100 batches where
+  they fit (here a pass, 38), counter-based chains the budget's 5."""
+  loader = _wide()
+  assert pl.auto_cache_size(loader, MB, 12, "cpu", together=False) == 38
+  big = NumpyDataLoader(x=np.zeros((100_000, 33), np.float32))
+  for chains, want in ((1, 1000), (256, 100), (4096, 100)):
+    assert pl.auto_cache_size(big, 64, chains, "cpu",
+                              together=False) == want
+  for stream, size in (("exact", 38), ("counter", 5)):
+    init_fn, _, release_fn = pipelines.random_reference_data(
+        _wide(), "auto", MB)
+    assert init_fn(seed=range(12),
+                   stream=stream).mask.shape == (12, size, MB)
+    release_fn()

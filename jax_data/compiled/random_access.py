@@ -67,7 +67,9 @@ def random_reference_data(data_loader: DataLoader,
       cache), or ``"auto"``: chosen when the first chains are made, for
       their number (``init_fn(seed=range(C))``: C; one seed: one), so that
       all their caches hold about 16 MiB together on a CPU device (256 MiB
-      on others), 1 to 1,000 batches each
+      on others), 1 to 1,000 batches each (at least 100, where they fit,
+      for chains that are not of counter-based streams, whose refreshes
+      pay a fixed part per chain)
       (:func:`~jax_data.compiled.pipeline.auto_cache_size`). Chains made
       later get the same size; a restored checkpoint keeps its own.
     mb_size: Observations per batch.
@@ -169,23 +171,25 @@ class RandomPipeline(pl.RandomPipeline):
     self._owner = np.int32(self.id)
     self._unlaid = None
 
-  def _lay_out_for(self, chain_count: int) -> None:
-    """Lays an ``"auto"`` pipeline out for ``chain_count`` chains
+  def _lay_out_for(self, chain_count: int, together: bool = True) -> None:
+    """Lays an ``"auto"`` pipeline out for ``chain_count`` chains, which
+    refresh ``together`` or not
     (:func:`~jax_data.compiled.pipeline.auto_cache_size` on the default
     device's platform); one laid out already stays as it is."""
     if self._unlaid is not None:
       self._lay_out(pl.auto_cache_size(self._unlaid[0], self._mb_size,
-                                       chain_count, jax.default_backend()))
+                                       chain_count, jax.default_backend(),
+                                       together))
       self._sized_for = chain_count
 
-  def _check_more(self, chain_count: int) -> None:
+  def _check_more(self, chain_count: int, together: bool) -> None:
     """Warns, once, when an ``init_fn`` call of an ``"auto"`` pipeline makes
     more chains than its caches were sized for, so many that ``"auto"``
     would choose fewer batches."""
     if self._told:
       return
     wanted = pl.auto_cache_size(self.host.loader, self._mb_size,
-                                chain_count, jax.default_backend())
+                                chain_count, jax.default_backend(), together)
     if wanted < self._cache_size:
       self._told = True
       origin = (f"for the {self._sized_for} chain(s) of its first "
@@ -251,8 +255,12 @@ class RandomPipeline(pl.RandomPipeline):
     # Every seed checked before any chain is registered (or the sizes of
     # "auto" are chosen).
     specs = chain_specs(loader, seeds, **kwargs)
-    self._lay_out_for(len(specs))
-    self._check_more(len(specs))
+    # Chains of counter-based streams refresh together, with no Python per
+    # chain; others pay a fixed part per chain and refresh.
+    together = all(getattr(spec, "stream", None) == "counter"
+                   for spec in specs)
+    self._lay_out_for(len(specs), together)
+    self._check_more(len(specs), together)
     chains = [self.host.register(spec) for spec in specs]
     return CacheState.start_chains(self.id, chains, self._mb_size,
                                    self._cache_size, self._batch_format)
