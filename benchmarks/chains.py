@@ -23,8 +23,9 @@ call a ``lax.scan`` of ``steps`` steps:
   in the step (``init_fn(seed=range(C), stream="counter")``); not a host
   loader, so not in the targets' "best";
 * gather floor: NumPy gathering the rows of one refresh (C x cache x mb
-  rows of x and y) into reused buffers, split over the usable cores, per
-  step (a refresh serves ``cache`` steps);
+  random rows of x and y, fresh ones for every gather) into reused
+  buffers, split over the usable cores, per step (a refresh serves
+  ``cache`` steps);
 * Datarax ``MemorySource`` (when installed, see ``datarax_peer.py``): each
   chain's shuffled epochs in Datarax's scan mode, a call one epoch of
   N // mb steps. An epoch starts with a permutation of N per chain (56 ms
@@ -224,8 +225,9 @@ def _section(config: Config, results: list, processes: int) -> Section:
           "init_fn(seed=range(C)) (independent draws; a sequence of seeds "
           "draws counter-based streams by default), 'jax_data exact' the "
           "same with stream='exact' (the guide's streams, chain by chain); "
-          "'gather floor' is NumPy gathering one refresh's rows into "
-          "reused buffers over the usable cores, per step; 'compute over "
+          "'gather floor' is NumPy gathering one refresh's rows (fresh "
+          "random ones each time) into reused buffers over the usable "
+          "cores, per step; 'compute over "
           "a cache' scans each chain over one fixed refresh of random "
           "batches on the device, as jax_data.scan scans its chunks, with "
           "no host work. Peak RSS: "
@@ -422,28 +424,33 @@ def _floor(request, data):
 
   rows = request["chains"] * request["cache"] * request["mb"]
   rng = np.random.default_rng(0)
-  indices = rng.integers(0, request["n"], rows)
   outs = {k: np.empty((rows,) + v.shape[1:], v.dtype)
           for k, v in data.items()}
   cores = max(1, len(os.sched_getaffinity(0)))
   parts = np.array_split(np.arange(rows), min(cores, max(1, rows // 8192)))
   pool = concurrent.futures.ThreadPoolExecutor(cores)
 
-  def gather(part):
+  def gather(part, indices):
     # mode="clip": no bounds checks (the indices are in range), as the
     # loaders gather; NumPy's default checks took 2.4x as long here.
     for k, v in data.items():
       np.take(v, indices[part[0]:part[-1] + 1], axis=0,
               out=outs[k][part[0]:part[-1] + 1], mode="clip")
 
-  def once():
-    list(pool.map(gather, parts))
+  def once(indices):
+    list(pool.map(gather, parts, [indices] * len(parts)))
 
-  once()
+  # Fresh rows for every gather, drawn before it, as every refresh reads
+  # rows it has not just read. The same rows again were found in the
+  # processor's caches, most where a refresh is small: one chain, 1.6
+  # against 3.3 us a step at N = 1e6; 1,024 chains of one batch, 722
+  # against 1,136 us (2 cores, 2026-11-30).
+  once(rng.integers(0, request["n"], rows))
   best = []
   for _ in range(5):
+    indices = rng.integers(0, request["n"], rows)
     start = time.perf_counter()
-    once()
+    once(indices)
     best.append(time.perf_counter() - start)
   pool.shutdown()
   return float(np.median(best)) / request["cache"]
