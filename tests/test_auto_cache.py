@@ -73,7 +73,7 @@ def test_auto_is_the_rules_size_and_gives_its_batches(chains, pipelines):
   got, _ = _first_columns(auto, state, 2 * size + 5)
   np.testing.assert_array_equal(got, want)
   # Chains made later keep the size, a single one too; a call of so many
-  # more that "auto" would choose fewer batches says so, once.
+  # more that "auto" would choose half the batches or fewer says so, once.
   more = 4 * chains
   smaller = pl.auto_cache_size(loader, MB, more, jax.default_backend())
   with warnings.catch_warnings(record=True) as caught:
@@ -82,7 +82,7 @@ def test_auto_is_the_rules_size_and_gives_its_batches(chains, pipelines):
     assert auto[0](seed=range(more)).mask.shape[1] == size
     assert auto[0](seed=1).mask.shape == (size, MB)
   told = [str(w.message) for w in caught]
-  assert told == ([] if smaller == size else [
+  assert told == ([] if 2 * smaller > size else [
       f"cached_batches_count='auto' sized this pipeline's caches at {size} "
       f"batches for the {chains} chain(s) of its first init_fn call; this "
       f"init_fn call makes {more} chains, for which it chooses {smaller}. "
@@ -101,6 +101,47 @@ def test_a_single_seed_chooses_for_one_chain(pipelines):
                               MB)
   state, batch = jax.jit(batch_fn)(state)
   assert batch["x"].shape == (MB, WIDE)
+  release_fn()
+
+
+def test_states_of_one_seed_held_together_say_so_once(pipelines):
+  """States of one chain each, held to stack for ``vmap``, have caches
+  sized for one chain: the ``init_fn`` call that brings the chains held to
+  so many that "auto" would choose half the batches or fewer warns, once.
+  States dropped or donated are not held."""
+  loader = _wide()
+  init_fn, _, release_fn = pipelines.random_reference_data(loader, "auto",
+                                                           MB)
+  size = init_fn(seed=0, stream="counter").mask.shape[0]
+  platform = jax.default_backend()
+  assert size == pl.auto_cache_size(loader, MB, 1, platform)
+  # The first count of chains held at once for which "auto" would choose
+  # half the batches or fewer.
+  many = next(c for c in range(2, 100)
+              if 2 * pl.auto_cache_size(loader, MB, c, platform) <= size)
+  assert 2 < many < 10
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for seed in range(3 * many):  # each dropped at once
+      init_fn(seed=seed, stream="counter")
+    held = [init_fn(seed=seed, stream="counter") for seed in range(many - 1)]
+    held[0].mask.delete()  # as a donated state is
+    held.append(init_fn(seed=many, stream="counter"))
+  with pytest.warns(UserWarning) as caught:
+    held.append(init_fn(seed=many + 1, stream="counter"))
+  wanted = pl.auto_cache_size(loader, MB, many, platform)
+  assert [str(w.message) for w in caught] == [
+      f"cached_batches_count='auto' sized this pipeline's caches at {size} "
+      "batches for the 1 chain(s) of its first init_fn call; with this "
+      "init_fn call's, the chains of the states its calls returned and "
+      f"still held number {many}, for which it chooses {wanted}. To size "
+      "the caches for many chains, make them with one "
+      "init_fn(seed=range(C)) call, the first of a new pipeline, or give "
+      "cached_batches_count a number"]
+  assert caught[0].filename == __file__
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # once
+    held += [init_fn(seed=range(2 * many), stream="counter")]
   release_fn()
 
 

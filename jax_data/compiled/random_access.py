@@ -5,8 +5,10 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+import weakref
 from typing import Any
 from typing import Callable
+from typing import List
 from typing import Optional
 from typing import Tuple
 from typing import Union
@@ -71,7 +73,9 @@ def random_reference_data(data_loader: DataLoader,
       for chains that are not of counter-based streams, whose refreshes
       pay a fixed part per chain)
       (:func:`~jax_data.compiled.pipeline.auto_cache_size`). Chains made
-      later get the same size; a restored checkpoint keeps its own.
+      later get the same size (a warning says when so many are made, or
+      held at once, that ``"auto"`` would choose half the batches or
+      fewer for them); a restored checkpoint keeps its own.
     mb_size: Observations per batch.
     verify_calls: Warn when a chunk is requested again after the chain moved
       on (a state used twice or replayed), which costs regeneration.
@@ -148,10 +152,13 @@ class RandomPipeline(pl.RandomPipeline):
     #: The loader and ``verify_calls`` until the pipeline is laid out.
     self._unlaid: Optional[Tuple[HostDataLoader, bool]] = (loader,
                                                            verify_calls)
-    #: For "auto": the chain count the caches were sized for, and whether
-    #: a later init_fn was told that it makes more (:meth:`_check_more`).
+    #: For "auto": the chain count the caches were sized for, whether a
+    #: later init_fn was told that it makes more (:meth:`_check_more`),
+    #: and the states init_fn returned (a weak reference to each one's
+    #: mask, its chains, whether they refresh together) until then.
     self._sized_for: Optional[int] = None
     self._told = cache_size is not None
+    self._held: List[Tuple[Any, int, bool]] = []
     if cache_size is not None:
       self._lay_out(cache_size)
 
@@ -183,25 +190,56 @@ class RandomPipeline(pl.RandomPipeline):
       self._sized_for = chain_count
 
   def _check_more(self, chain_count: int, together: bool) -> None:
-    """Warns, once, when an ``init_fn`` call of an ``"auto"`` pipeline makes
-    more chains than its caches were sized for, so many that ``"auto"``
-    would choose fewer batches."""
+    """Warns, once, when the chains of an ``"auto"`` pipeline's
+    ``init_fn`` call, or those of the states its calls returned that are
+    still held (kept to stack for ``vmap``) with them, are so many more
+    than its caches were sized for that ``"auto"`` would choose at most
+    half their batches for them: their caches then hold twice its budget
+    or more."""
     if self._told:
       return
-    wanted = pl.auto_cache_size(self.host.loader, self._mb_size,
-                                chain_count, jax.default_backend(), together)
-    if wanted < self._cache_size:
-      self._told = True
-      origin = (f"for the {self._sized_for} chain(s) of its first "
-                "init_fn call" if self._sized_for is not None else
-                "from the checkpoint restored into it")
-      warnings.warn(
-          f"cached_batches_count='auto' sized this pipeline's caches at "
-          f"{self._cache_size} batches {origin}; this init_fn call makes "
-          f"{chain_count} chains, for which it chooses {wanted}. To size "
-          "the caches for them, make them with the first init_fn call of "
-          "a new pipeline, or give cached_batches_count a number",
-          UserWarning, stacklevel=3)
+    held = [(ref, lanes, apart) for ref, lanes, apart in self._held
+            if _still_held(ref)]
+    self._held = held
+    total = chain_count + sum(lanes for _, lanes, _ in held)
+    platform = jax.default_backend()
+    loader = self.host.loader
+    origin = (f"for the {self._sized_for} chain(s) of its first init_fn "
+              "call" if self._sized_for is not None else
+              "from the checkpoint restored into it")
+    wanted = pl.auto_cache_size(loader, self._mb_size, chain_count,
+                                platform, together)
+    if 2 * wanted <= self._cache_size:
+      told = (f"this init_fn call makes {chain_count} chains, for which it "
+              f"chooses {wanted}. To size the caches for them, make them "
+              "with the first init_fn call of a new pipeline, or give "
+              "cached_batches_count a number")
+    else:
+      together = together and not any(apart for _, _, apart in held)
+      wanted = pl.auto_cache_size(loader, self._mb_size, total, platform,
+                                  together)
+      if 2 * wanted > self._cache_size:
+        return
+      told = (f"with this init_fn call's, the chains of the states its "
+              f"calls returned and still held number {total}, for which it "
+              f"chooses {wanted}. To size the caches for many chains, make "
+              "them with one init_fn(seed=range(C)) call, the first of a "
+              "new pipeline, or give cached_batches_count a number")
+    self._told = True
+    self._held = []
+    warnings.warn(
+        f"cached_batches_count='auto' sized this pipeline's caches at "
+        f"{self._cache_size} batches {origin}; {told}", UserWarning,
+        stacklevel=3)
+
+  def _hold(self, state: CacheState, lanes: int, together: bool) -> None:
+    """Notes the chains of a state ``init_fn`` returned, while it is held
+    (see :meth:`_check_more`)."""
+    if not self._told:
+      try:
+        self._held.append((weakref.ref(state.mask), lanes, not together))
+      except TypeError:  # an array without weak references: not noted
+        pass
 
   def prepare_restore(self, fingerprint: Any, lanes: Any) -> None:
     """An ``"auto"`` pipeline not laid out yet takes the checkpoint's cache
@@ -248,10 +286,14 @@ class RandomPipeline(pl.RandomPipeline):
               else self._unlaid[0])
     if seeds is None:
       spec = loader.chain_spec(False, **kwargs)
+      together = getattr(spec, "stream", None) == "counter"
       self._lay_out_for(1)
+      self._check_more(1, together)
       chain = self.host.register(spec)
-      return CacheState.start(self.id, chain, self._mb_size,
-                              self._cache_size, self._batch_format)
+      state = CacheState.start(self.id, chain, self._mb_size,
+                               self._cache_size, self._batch_format)
+      self._hold(state, 1, together)
+      return state
     # Every seed checked before any chain is registered (or the sizes of
     # "auto" are chosen).
     specs = chain_specs(loader, seeds, **kwargs)
@@ -262,8 +304,10 @@ class RandomPipeline(pl.RandomPipeline):
     self._lay_out_for(len(specs), together)
     self._check_more(len(specs), together)
     chains = [self.host.register(spec) for spec in specs]
-    return CacheState.start_chains(self.id, chains, self._mb_size,
-                                   self._cache_size, self._batch_format)
+    state = CacheState.start_chains(self.id, chains, self._mb_size,
+                                    self._cache_size, self._batch_format)
+    self._hold(state, len(specs), together)
+    return state
 
   def batch_fn(self, state: CacheState, information: bool = False,
                device_count: int = 1):
@@ -352,6 +396,13 @@ class RandomPipeline(pl.RandomPipeline):
     """Drops every reference the pipeline holds to the loader."""
     self._lay_out_for(1)  # and so, released, refuses chains as others do
     self.host.release()
+
+
+def _still_held(ref: Any) -> bool:
+  """Whether the array of weak reference ``ref`` is still held, not
+  donated."""
+  array = ref()
+  return array is not None and not array.is_deleted()
 
 
 def _refresh(bridge: Bridge, owner: Any, state: CacheState,
