@@ -159,6 +159,7 @@ class RandomPipeline(pl.RandomPipeline):
     self._sized_for: Optional[int] = None
     self._told = cache_size is not None
     self._held: List[Tuple[Any, int, bool]] = []
+    self._pruned = 8  # the notes' count after the last pruning, or 8
     if cache_size is not None:
       self._lay_out(cache_size)
 
@@ -195,13 +196,10 @@ class RandomPipeline(pl.RandomPipeline):
     still held (kept to stack for ``vmap``) with them, are so many more
     than its caches were sized for that ``"auto"`` would choose at most
     half their batches for them: their caches then hold twice its budget
-    or more."""
+    or more. The state of the last call is left out of those held: a
+    variable bound again to a new state still holds it during the call."""
     if self._told:
       return
-    held = [(ref, lanes, apart) for ref, lanes, apart in self._held
-            if _still_held(ref)]
-    self._held = held
-    total = chain_count + sum(lanes for _, lanes, _ in held)
     platform = jax.default_backend()
     loader = self.host.loader
     origin = (f"for the {self._sized_for} chain(s) of its first init_fn "
@@ -215,7 +213,20 @@ class RandomPipeline(pl.RandomPipeline):
               "with the first init_fn call of a new pipeline, or give "
               "cached_batches_count a number")
     else:
-      together = together and not any(apart for _, _, apart in held)
+      earlier = self._held[:-1]
+      together = together and not any(apart for _, _, apart in earlier)
+      # Dead references are pruned only where the chains noted (an upper
+      # bound of those held) would warn, or the list has doubled: a
+      # thousand init_fn calls do not each look at every state.
+      most = chain_count + sum(lanes for _, lanes, _ in earlier)
+      wanted = pl.auto_cache_size(loader, self._mb_size, most, platform,
+                                  together)
+      if 2 * wanted > self._cache_size:
+        if len(self._held) > 2 * self._pruned:
+          self._prune()
+        return
+      self._prune()
+      total = chain_count + sum(lanes for _, lanes, _ in self._held[:-1])
       wanted = pl.auto_cache_size(loader, self._mb_size, total, platform,
                                   together)
       if 2 * wanted > self._cache_size:
@@ -232,14 +243,20 @@ class RandomPipeline(pl.RandomPipeline):
         f"{self._cache_size} batches {origin}; {told}", UserWarning,
         stacklevel=3)
 
+  def _prune(self) -> None:
+    """Drops the notes of states no longer held (the last call's stays
+    last)."""
+    *earlier, last = self._held or [None]
+    self._held = [note for note in earlier if _still_held(note[0])]
+    if last is not None:
+      self._held.append(last)
+    self._pruned = max(len(self._held), 8)
+
   def _hold(self, state: CacheState, lanes: int, together: bool) -> None:
     """Notes the chains of a state ``init_fn`` returned, while it is held
-    (see :meth:`_check_more`)."""
-    if not self._told:
-      try:
-        self._held.append((weakref.ref(state.mask), lanes, not together))
-      except TypeError:  # an array without weak references: not noted
-        pass
+    (see :meth:`_check_more`); not those of a state made while tracing."""
+    if not self._told and not isinstance(state.mask, jax.core.Tracer):
+      self._held.append((weakref.ref(state.mask), lanes, not together))
 
   def prepare_restore(self, fingerprint: Any, lanes: Any) -> None:
     """An ``"auto"`` pipeline not laid out yet takes the checkpoint's cache
@@ -287,7 +304,7 @@ class RandomPipeline(pl.RandomPipeline):
     if seeds is None:
       spec = loader.chain_spec(False, **kwargs)
       together = getattr(spec, "stream", None) == "counter"
-      self._lay_out_for(1)
+      self._lay_out_for(1, together)
       self._check_more(1, together)
       chain = self.host.register(spec)
       state = CacheState.start(self.id, chain, self._mb_size,
@@ -402,7 +419,10 @@ def _still_held(ref: Any) -> bool:
   """Whether the array of weak reference ``ref`` is still held, not
   donated."""
   array = ref()
-  return array is not None and not array.is_deleted()
+  try:
+    return array is not None and not array.is_deleted()
+  except Exception:  # pylint: disable=broad-except
+    return False  # not an array as init_fn makes them: not counted
 
 
 def _refresh(bridge: Bridge, owner: Any, state: CacheState,
