@@ -155,7 +155,7 @@ class RandomPipeline(pl.RandomPipeline):
     #: For "auto": the chain count the caches were sized for, whether a
     #: later init_fn was told that it makes more (:meth:`_check_more`),
     #: and the states init_fn returned (a weak reference to each one's
-    #: mask, its chains, whether they refresh together) until then.
+    #: mask, its chains, whether they refresh apart) until then.
     self._sized_for: Optional[int] = None
     self._told = cache_size is not None
     self._held: List[Tuple[Any, int, bool]] = []
