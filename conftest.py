@@ -47,6 +47,20 @@ if any(importlib.util.find_spec(m) is None for m in ("blackjax", "numpyro")):
   collect_ignore += ["docs/samplers.rst"]
 
 
+def pytest_xdist_auto_num_workers():
+  """``-n auto`` (setup.cfg): a worker process per usable core, at most 4.
+
+  Most tests compile and check values on one core (tests/test_random_access.py
+  used 1.2 cores alone), so on 2 cores two workers ran the suite in 636 s
+  where one process took 1,163 s. Past 4, the processes' own threads and
+  the tests that start several JAX processes would crowd each other."""
+  try:
+    usable = len(os.sched_getaffinity(0))
+  except AttributeError:  # not on Linux
+    usable = os.cpu_count() or 1
+  return max(1, min(4, usable))
+
+
 @pytest.fixture(params=["auto", "pure"], ids=["in_place", "copied"])
 def pipelines(request):
   """The pipeline constructors, bound to one way compiled code receives

@@ -36,7 +36,7 @@ from jax_data.sampling import ObservationRange
 WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
 PROCESSES = 2
 N = 1001  # odd: the two shards differ in size (500 and 501)
-TIMEOUT_S = 60  # the workers take a few seconds; this only stops hangs
+TIMEOUT_S = 180  # the workers take a few seconds; this only stops hangs
 
 
 def _load_worker():
