@@ -255,8 +255,10 @@ class RandomPipeline(pl.RandomPipeline):
   def _hold(self, state: CacheState, lanes: int, together: bool) -> None:
     """Notes the chains of a state ``init_fn`` returned, while it is held
     (see :meth:`_check_more`); not those of a state made while tracing."""
-    if not self._told and not isinstance(state.mask, jax.core.Tracer):
-      self._held.append((weakref.ref(state.mask), lanes, not together))
+    mask = state.mask
+    if (not self._told and isinstance(mask, jax.Array)
+        and not isinstance(mask, jax.core.Tracer)):
+      self._held.append((weakref.ref(mask), lanes, not together))
 
   def prepare_restore(self, fingerprint: Any, lanes: Any) -> None:
     """An ``"auto"`` pipeline not laid out yet takes the checkpoint's cache
@@ -419,10 +421,7 @@ def _still_held(ref: Any) -> bool:
   """Whether the array of weak reference ``ref`` is still held, not
   donated."""
   array = ref()
-  try:
-    return array is not None and not array.is_deleted()
-  except Exception:  # pylint: disable=broad-except
-    return False  # not an array as init_fn makes them: not counted
+  return array is not None and not array.is_deleted()
 
 
 def _refresh(bridge: Bridge, owner: Any, state: CacheState,
