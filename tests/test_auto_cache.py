@@ -279,3 +279,51 @@ def test_chains_that_refresh_one_by_one_keep_a_hundred_batches(pipelines):
     assert init_fn(seed=range(12),
                    stream=stream).mask.shape == (12, size, MB)
     release_fn()
+
+
+def test_loaders_of_slow_rows_keep_at_most_a_hundred_batches(pipelines):
+  """A SourceDataLoader (a __getitem__ per record) and a TensorflowDataLoader
+  read from its pipeline have slow rows: a chain's first refresh reads a
+  whole cache, so "auto" keeps at most 100 batches there, where the same
+  rows in memory get 1,000; fewer where the budget gives fewer."""
+  rows = np.zeros((100_000, 1), np.float32)
+  source = jax_data.SourceDataLoader([{"x": row} for row in rows[:1000]],
+                                     workers=0)
+  fast = [NumpyDataLoader(x=rows)]
+  slow = [jax_data.SourceDataLoader(_Rows(rows), workers=0)]
+  tf = _tensorflow()
+  if tf is not None:
+    dataset = tf.data.Dataset.from_tensor_slices({"x": rows})
+    fast.append(jax_data.TensorflowDataLoader(dataset, in_memory=True))
+    slow.append(jax_data.TensorflowDataLoader(dataset))
+  for loader in fast + slow:
+    assert loader.slow_rows == (loader in slow)
+    for chains, together, want_fast, want_slow in (
+        (1, True, 1000, 100), (16, True, 1000, 100), (1, False, 1000, 100),
+        (2048, True, 25, 25), (2048, False, 100, 100)):
+      assert pl.auto_cache_size(loader, 64, chains, "cpu", together) == (
+          want_slow if loader in slow else want_fast)
+  init_fn, _, release_fn = pipelines.random_reference_data(source, "auto", 4)
+  assert init_fn(seed=0).mask.shape == (100, 4)  # a pass is 250 batches
+  release_fn()
+
+
+class _Rows:
+  """A random-access source of records ``{"x": rows[i]}``."""
+
+  def __init__(self, rows):
+    self._rows = rows
+
+  def __len__(self):
+    return len(self._rows)
+
+  def __getitem__(self, i):
+    return {"x": self._rows[i]}
+
+
+def _tensorflow():
+  try:
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  except ImportError:  # optional: the loaders of slow rows then are one
+    return None
+  return tf

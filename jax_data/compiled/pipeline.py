@@ -462,9 +462,8 @@ AUTO_DEVICE_BYTES = 256 << 20
 #: The most batches a cache of ``cached_batches_count="auto"`` holds: one
 #: chain's step took 20-37 % less time with 1,000 than with 100 (fewer
 #: refreshes, each with a fixed part), the largest size measured
-#: (docs/benchmarks.md); more would make the first refresh of a slow
-#: source's chain (a Python ``__getitem__``, a decoding tf.data pipeline)
-#: wait for yet more rows.
+#: (docs/benchmarks.md). Loaders of slow rows get fewer
+#: (:data:`AUTO_SLOW_BATCHES`).
 AUTO_MAX_BATCHES = 1000
 #: The least batches a cache of ``cached_batches_count="auto"`` holds for
 #: chains that refresh one by one (exact streams, tf.data shuffle buffers),
@@ -473,6 +472,14 @@ AUTO_MAX_BATCHES = 1000
 #: streams), and 2.9 against 0.78 ms with one batch and 100 (shuffle
 #: buffers); 10 and 100 batches were alike there.
 AUTO_APART_BATCHES = 100
+#: The most batches a cache of ``cached_batches_count="auto"`` holds over a
+#: loader whose rows are slow to read (``HostDataLoader.slow_rows``: a
+#: Python ``__getitem__`` per record, a decoding tf.data pipeline). A
+#: chain's first refresh reads a whole cache, and reading dominates: one
+#: chain over case (e)'s bz2 records took 1.27-1.30 s for its first
+#: 200-step call with the pass of 313 batches that "auto" chose before,
+#: 0.64-0.68 s with 100, and 5.4-5.9 s against 4.6-4.9 s for ten more.
+AUTO_SLOW_BATCHES = 100
 
 
 def auto_cache_size(data_loader: DataLoader, mb_size: int, chain_count: int,
@@ -485,7 +492,8 @@ def auto_cache_size(data_loader: DataLoader, mb_size: int, chain_count: int,
   (where its length is known) or :data:`MAX_CACHE_BYTES` allows. Chains
   that do not refresh ``together`` (all of counter-based streams, drawn
   and read in one call) get at least :data:`AUTO_APART_BATCHES` within
-  those two bounds.
+  those two bounds; a loader whose rows are slow to read
+  (``slow_rows``) at most :data:`AUTO_SLOW_BATCHES`.
 
   >>> import numpy as np
   >>> from jax_data import NumpyDataLoader
@@ -504,6 +512,8 @@ def auto_cache_size(data_loader: DataLoader, mb_size: int, chain_count: int,
     most = min(most, math.ceil(count / mb_size))
   if not together:
     size = max(size, AUTO_APART_BATCHES)
+  if getattr(data_loader, "slow_rows", False):
+    size = min(size, AUTO_SLOW_BATCHES)
   return max(int(min(size, most)), 1)
 
 

@@ -180,6 +180,11 @@ class HostDataLoader(DataLoader):
   #: What the pipelines over this loader keep (:class:`StoreLimits`); set
   #: another value on a loader before making pipelines over it.
   store_limits: StoreLimits = StoreLimits()
+  #: Whether a row costs more to read than to copy (a Python call per
+  #: record, decoding): ``cached_batches_count="auto"`` then keeps caches of
+  #: at most ``AUTO_SLOW_BATCHES`` (100), so that a chain's first refresh
+  #: waits for fewer rows.
+  slow_rows: bool = False
 
   # -- the interface ------------------------------------------------------
 

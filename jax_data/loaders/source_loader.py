@@ -162,6 +162,7 @@ class SourceDataLoader(HostDataLoader):
 
   random_keywords = HostDataLoader.random_keywords + ("stream",)
   reads_by_index = True
+  slow_rows = True  # a __getitem__ (and transform) per record
 
   def __init__(self, source: RandomAccessSource,
                transform: Optional[Callable] = None, *,

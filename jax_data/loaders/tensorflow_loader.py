@@ -327,6 +327,7 @@ class TensorflowDataLoader(HostDataLoader):
     self._format = _format({key: spec[key] for key in kept})
     self._count, stated = _count(pipeline, observation_count)
     in_memory = check_bool("in_memory", in_memory)
+    self.slow_rows = not in_memory  # rows from the pipeline's iterator
     if in_memory and self._count is None and int(
         pipeline.cardinality()) == tf.data.INFINITE_CARDINALITY:
       raise ValueError(
