@@ -225,7 +225,10 @@ def test_where_auto_cannot_choose_it_is_refused_by_name(pipelines):
   # A batch over the cache limit is refused before anything is made.
   row = np.zeros(2**20, np.float32)  # 4 MiB; 65 of them in a batch
   huge = NumpyDataLoader(x=np.broadcast_to(row, (65, row.size)))
-  with pytest.raises(ValueError, match="over the limit"):
+  with pytest.raises(ValueError, match=re.escape(
+      "cached_batches_count='auto': one batch of mb_size=65 observations of "
+      "4194305 bytes takes 260 MiB, over the limit of 256 MiB per chain "
+      "(jax_data.pipeline.MAX_CACHE_BYTES); use a smaller mb_size")):
     pipelines.random_reference_data(huge, "auto", 65)
 
 

@@ -369,8 +369,14 @@ class Config:
             "batches, got cached_batches_count='auto'")
       _, mb_size = check_sizes(loader, 1, mb_size, count)
       config = cls(loader, None, mb_size, callback, count, observations)
-      if not config.on_device:  # a cache of one batch at least
-        check_cache_bytes(loader, 1, mb_size)
+      row = row_bytes(loader)
+      if not config.on_device and mb_size * row > MAX_CACHE_BYTES:
+        # A cache of one batch at least: only mb_size can make it fit.
+        raise ValueError(
+            f"cached_batches_count='auto': one batch of mb_size={mb_size} "
+            f"observations of {row} bytes takes {mb_size * row / 2**20:,.0f}"
+            f" MiB, over the limit of {MAX_CACHE_BYTES >> 20} MiB per chain "
+            "(jax_data.pipeline.MAX_CACHE_BYTES); use a smaller mb_size")
       return config
     if isinstance(cached_batches_count, str) and not full:
       raise TypeError(
