@@ -147,6 +147,31 @@ def test_states_of_one_seed_held_together_say_so_once(pipelines):
   release_fn()
 
 
+def test_a_dropped_state_of_chains_apart_does_not_hide_those_held(
+    pipelines):
+  """A state of an exact stream (its chains refresh apart, for which
+  "auto" chooses more batches), dropped at once, counts neither its chains
+  nor their way of refreshing: the counter states held warn as they would
+  without it."""
+  loader = _wide()
+  init_fn, _, release_fn = pipelines.random_reference_data(loader, "auto",
+                                                           MB)
+  platform = jax.default_backend()
+  held = [init_fn(seed=0, stream="counter")]
+  size = held[0].mask.shape[0]
+  many = next(c for c in range(2, 100)
+              if 2 * pl.auto_cache_size(loader, MB, c, platform) <= size)
+  init_fn(seed=99, stream="exact")  # dropped at once
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    # The last call's state is not counted: many - 1 chains held.
+    held += [init_fn(seed=seed, stream="counter")
+             for seed in range(1, many)]
+  with pytest.warns(UserWarning, match=f"still held number {many},"):
+    held.append(init_fn(seed=many, stream="counter"))
+  release_fn()
+
+
 def test_a_state_bound_again_or_traced_is_not_held(pipelines):
   """A variable bound to each new state in turn holds one chain, though
   one chain more would halve the batches "auto" chooses; states made

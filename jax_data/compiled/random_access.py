@@ -213,12 +213,12 @@ class RandomPipeline(pl.RandomPipeline):
               "with the first init_fn call of a new pipeline, or give "
               "cached_batches_count a number")
     else:
-      earlier = self._held[:-1]
-      together = together and not any(apart for _, _, apart in earlier)
       # Dead references are pruned only where the chains noted (an upper
       # bound of those held) would warn, or the list has doubled: a
-      # thousand init_fn calls do not each look at every state.
-      most = chain_count + sum(lanes for _, lanes, _ in earlier)
+      # thousand init_fn calls do not each look at every state. Chains
+      # that refresh apart only raise the size chosen, so the bound
+      # leaves them out: a dead note's must not silence the warning.
+      most = chain_count + sum(lanes for _, lanes, _ in self._held[:-1])
       wanted = pl.auto_cache_size(loader, self._mb_size, most, platform,
                                   together)
       if 2 * wanted > self._cache_size:
@@ -226,7 +226,9 @@ class RandomPipeline(pl.RandomPipeline):
           self._prune()
         return
       self._prune()
-      total = chain_count + sum(lanes for _, lanes, _ in self._held[:-1])
+      earlier = self._held[:-1]
+      together = together and not any(apart for _, _, apart in earlier)
+      total = chain_count + sum(lanes for _, lanes, _ in earlier)
       wanted = pl.auto_cache_size(loader, self._mb_size, total, platform,
                                   together)
       if 2 * wanted > self._cache_size:
