@@ -2,6 +2,7 @@
 number of chains when they are made, restored exactly, refused where the
 chains come too late."""
 
+import json
 import re
 import warnings
 
@@ -221,6 +222,33 @@ def test_a_restored_auto_pipeline_keeps_the_saved_size(pipelines):
   with pytest.raises(jax_data.CheckpointError, match="cache_size"):
     jax_data.state_from_pytree(other, tree)
   other[2]()
+
+
+def test_a_refused_checkpoint_chooses_no_size(pipelines):
+  """A checkpoint refused by a new ``"auto"`` pipeline (saved over other
+  data, or cut short) leaves it as it was: the chains ``init_fn`` makes
+  next get the rule's size, not the checkpoint's, and the pipeline's
+  first caches are sized for them."""
+  saved = pipelines.random_reference_data(_wide(), "auto", MB)
+  tree = jax_data.state_to_pytree(saved, saved[0](seed=range(12)))
+  saved[2]()
+  assert json.loads(np.asarray(tree["host"]).tobytes())["fingerprint"][
+      "cache_size"] == 5
+  rows = np.arange(N * WIDE, dtype=np.float32).reshape(N, WIDE) + 1
+  pipeline = pipelines.random_reference_data(NumpyDataLoader(x=rows),
+                                            "auto", MB)
+  init_fn, _, release_fn = pipeline
+  with pytest.raises(jax_data.CheckpointError, match="does not fit: data"):
+    jax_data.state_from_pytree(pipeline, tree)
+  with pytest.raises(jax_data.CheckpointError, match="no field 'key'"):
+    jax_data.state_from_pytree(pipeline, {
+        k: v for k, v in tree.items() if k != "key"})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    state = init_fn(seed=0)
+  assert state.mask.shape[0] == pl.auto_cache_size(
+      NumpyDataLoader(x=rows), MB, 1, jax.default_backend())
+  release_fn()
 
 
 def test_auto_on_a_device_loader_keeps_no_cache(pipelines):

@@ -183,16 +183,17 @@ def state_from_pytree(pipeline: Any, tree: Mapping[str, Any],
       sides); no chain is left registered then.
   """
   pipeline = pl.of(pipeline)
-  host, arrays = _read_tree(tree, pipeline)
-  if lanes is not None:
-    host, arrays = _some_lanes(host, arrays, lanes)
-  lanes = tuple(host["lanes"])
-  chain = np.full(lanes, -1, np.int32)
-  if pipeline.host is None and "device_chains" in host:
-    chain = _device_chains(host["device_chains"], lanes)
-  if pipeline.host is None and (chain == -1).any():
-    _check_random_settings(host)
-  return pipeline.restore_lanes(host["chains"], arrays, lanes, chain)
+  with pipeline.restoring():
+    host, arrays = _read_tree(tree, pipeline)
+    if lanes is not None:
+      host, arrays = _some_lanes(host, arrays, lanes)
+    lanes = tuple(host["lanes"])
+    chain = np.full(lanes, -1, np.int32)
+    if pipeline.host is None and "device_chains" in host:
+      chain = _device_chains(host["device_chains"], lanes)
+    if pipeline.host is None and (chain == -1).any():
+      _check_random_settings(host)
+    return pipeline.restore_lanes(host["chains"], arrays, lanes, chain)
 
 
 def _check_random_settings(host: Dict[str, Any]) -> None:

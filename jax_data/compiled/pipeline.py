@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import collections.abc
+import contextlib
 import dataclasses
 import json
 import math
@@ -20,6 +21,7 @@ import warnings
 from typing import Any
 from typing import Callable
 from typing import ClassVar
+from typing import ContextManager
 from typing import Dict
 from typing import List
 from typing import Optional
@@ -169,6 +171,12 @@ class Pipeline(collections.abc.Sequence):
     whose sizes are chosen when its first chains are made chooses them
     here. The default does nothing."""
     del fingerprint, lanes
+
+  def restoring(self) -> ContextManager[None]:
+    """The context in which a checkpoint is checked and restored into this
+    pipeline: sizes that :meth:`prepare_restore` chose are undone if the
+    restore fails. The default does nothing."""
+    return contextlib.nullcontext()
 
   def check_saved_chain(self, saved: Any) -> None:
     """Raises :class:`~jax_data.CheckpointError` if ``saved`` (a lane's

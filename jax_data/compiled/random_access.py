@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
 import weakref
 from typing import Any
 from typing import Callable
+from typing import Iterator
 from typing import List
 from typing import Optional
 from typing import Tuple
@@ -279,6 +281,23 @@ class RandomPipeline(pl.RandomPipeline):
       valid = isinstance(lanes, list) and all(
           isinstance(n, int) and n >= 0 for n in lanes)
       self._lay_out_for(math.prod(lanes) if valid else 1)
+
+  @contextlib.contextmanager
+  def restoring(self) -> Iterator[None]:
+    """An ``"auto"`` pipeline that was not laid out yet is not laid out
+    again if the restore fails: :meth:`prepare_restore` took the
+    checkpoint's size, and a refused checkpoint must not choose the size
+    of the chains ``init_fn`` makes next."""
+    unlaid = dict(self.__dict__) if self._unlaid is not None else None
+    try:
+      yield
+    except BaseException:
+      if unlaid is not None and self._unlaid is None:
+        host = self.host
+        self.__dict__.clear()
+        self.__dict__.update(unlaid)
+        host.release()
+      raise
 
   @functools.cached_property
   def _bridge(self) -> Bridge:
