@@ -26,6 +26,7 @@ from jax import lax
 import jax_data
 from jax_data import NumpyDataLoader
 from jax_data import SourceDataLoader
+from jax_data.host_loader import StoreLimits
 from jax_data.loaders import source_workers
 
 N = 23
@@ -923,6 +924,48 @@ def test_release_does_not_wait_for_a_stuck_record_threads():
       thread.join(30)
   # Reading stopped: each worker finished the record it was reading.
   assert len(entered) <= 2, entered
+
+
+def test_a_release_during_a_read_of_many_chains_ends_the_workers():
+  """Vmapped counter chains whose refresh is read straight into compiled
+  code's buffers (a store too small to keep chunks ahead), released while
+  that read waits for a record: the request raises, and once the record
+  is read the cancelled read closes its chain, so the loader's reading
+  threads end."""
+  gate, entered = threading.Event(), []
+  before = set(threading.enumerate())
+  loader = SourceDataLoader(Gated(gate, entered), workers=2)
+  loader.store_limits = StoreLimits(store_bytes=1)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 4,
+                                                                  4)
+  state = init_fn(seed=range(4), stream="counter")
+  results = {}
+
+  def request():
+    try:
+      jax.block_until_ready(jax.jit(jax.vmap(batch_fn))(state))
+      results["request"] = "served"
+    except Exception as e:  # pylint: disable=broad-except
+      results["request"] = e
+
+  requester = threading.Thread(target=request)
+  requester.start()
+  try:
+    deadline = time.monotonic() + 60
+    while not entered and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert entered, "no record was read"
+    release_fn()
+    requester.join(30)
+    assert not requester.is_alive(), "the request waits for the record"
+    assert "PipelineReleasedError" in str(results["request"])
+  finally:
+    gate.set()
+  readers = [t for t in set(threading.enumerate()) - before
+             if t.name.startswith("jax_data-source")]
+  for thread in readers:
+    thread.join(30)
+  assert not [t for t in readers if t.is_alive()]
 
 
 def _running(process):

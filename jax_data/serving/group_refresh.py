@@ -120,6 +120,7 @@ class GroupRefresh:
     if group is None or (memory_only and not group.in_memory):
       return False
     lead, cursor = group.lead, group.lead.cursor
+    served = False
     with lead.produce_lock:
       if lead.closed:
         return False
@@ -132,13 +133,17 @@ class GroupRefresh:
             np.copyto(out, leaf)
         _write_mask(outs[-1], mask)
         cursor.check()  # type: ignore[attr-defined]
+        served = True
       except Exception:  # pylint: disable=broad-except
-        return False
+        pass  # the general path produces them again
       finally:
         released = self._chains.get(lead.number) is not lead
-    if released:  # the release left its cursor to close (it was reading)
+    # The release left its cursor to close, as it was reading; a read it
+    # cancelled fails, and the cursor must be closed all the same (its
+    # loader's workers end when its last cursor closes).
+    if released:
       lead.close(blocking=True)
-    return True
+    return served
 
   def _group(self, chains: np.ndarray, removals: int) -> Optional[_Group]:
     key = chains.tobytes()
