@@ -15,6 +15,7 @@ from jax import lax
 
 import jax_data
 from jax_data import NumpyDataLoader
+from jax_data import SourceDataLoader
 
 # Tests that build pipelines with the `pipelines` fixture run with both ways
 # chunks reach compiled code (conftest.py).
@@ -159,6 +160,29 @@ def test_truncated_memmap_raises_instead_of_crashing(tmp_path, pipelines):
   with pytest.raises(Exception, match="OSError: the file of array 'x'.*was "
                      "truncated to 1000 bytes"):
     jax.block_until_ready(mapper_fn(lambda b, c: (b["x"], c), None))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_source_over_a_truncated_memmap_raises_instead_of_crashing(
+    tmp_path, pipelines, workers):
+  """A SourceDataLoader whose source is a memmap checks its file before
+  each read, as NumpyDataLoader does."""
+  path = tmp_path / "x.npy"
+  np.save(path, np.ones((1000, 4), np.float32))
+  loader = SourceDataLoader(np.load(path, mmap_mode="r"), workers=workers)
+  init_fn, batch_fn, _ = pipelines.random_reference_data(loader, 2, 100)
+  step = jax.jit(batch_fn)
+  state, batch = step(init_fn(seed=0))
+  assert float(batch.sum()) == 400.0
+  assert init_fn.__self__.host.wait_idle()  # no read in flight
+  with open(path, "r+b") as f:
+    f.truncate(1000)
+  with pytest.raises(Exception, match=r"OSError: the file of the source \(.*"
+                     r"x.npy\) was truncated to 1000 bytes; the memmap "
+                     "needs 16128"):
+    for _ in range(50):  # past the chunks read ahead before
+      state, batch = step(state)
+      jax.block_until_ready(batch)
 
 
 _FOUR_DEVICES = textwrap.dedent("""
