@@ -1,6 +1,7 @@
 """Loader failures reach the user with context; nothing hangs or aborts."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -160,6 +161,26 @@ def test_truncated_memmap_raises_instead_of_crashing(tmp_path, pipelines):
   with pytest.raises(Exception, match="OSError: the file of array 'x'.*was "
                      "truncated to 1000 bytes"):
     jax.block_until_ready(mapper_fn(lambda b, c: (b["x"], c), None))
+
+
+def test_a_memmap_truncated_after_its_chunk_was_read_names_the_chain(
+    tmp_path, pipelines):
+  """A chunk read ahead whose memmap was truncated before it is served
+  fails its check then, named as a failure to produce it is."""
+  path = tmp_path / "x.npy"
+  np.save(path, np.ones((1000, 4), np.float32))
+  loader = NumpyDataLoader(copy=False, x=np.load(path, mmap_mode="r"))
+  init_fn, batch_fn, _ = pipelines.random_reference_data(loader, 2, 100)
+  step = jax.jit(batch_fn)
+  state, _ = step(init_fn(seed=0))
+  assert init_fn.__self__.host.wait_idle()  # the next chunks read ahead
+  with open(path, "r+b") as f:
+    f.truncate(1000)
+  with pytest.raises(Exception, match=re.escape(
+      f"{loader!r}, chain 0, chunk 1: OSError: the file of array 'x'")):
+    for _ in range(2):  # the second batch of chunk 0, then chunk 1
+      state, batch = step(state)
+      jax.block_until_ready(batch)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

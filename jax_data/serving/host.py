@@ -25,6 +25,7 @@ from typing import Tuple
 
 import numpy as np
 
+from jax_data.errors import HostLoaderError
 from jax_data.errors import PipelineReleasedError
 from jax_data.errors import foreign_state
 from jax_data.lifetime import LIVE_HOSTS
@@ -70,6 +71,25 @@ def _copies(outs: Sequence[np.ndarray], lanes: List[Chunk],
              for out, leaf in zip(outs, list(chunk.leaves) + [chunk.mask])]
   return [(out, leaf) for out, leaf in pairs
           if not (read_in_place and same_memory(out, leaf))]
+
+
+def _check_served(name: str, served: Sequence[Chunk], chains: Sequence[int],
+                  chunks: Sequence[int]) -> None:
+  """Runs each distinct :attr:`~Chunk.check` of the chunks served to
+  lanes of ``chains`` and ``chunks`` once (the lanes of one loader share
+  one: an fstat per memmap, not per lane). A failure (a memmap's file
+  truncated since the chunk was read) is raised as
+  :class:`~jax_data.HostLoaderError` naming the loader and the first
+  chain and chunk it concerns, as a failure to produce them is."""
+  first: Dict[Callable[[], None], Tuple[int, int]] = {}
+  for chunk, chain, index in zip(served, chains, chunks):
+    first.setdefault(chunk.check, (chain, index))
+  for check, (chain, index) in first.items():
+    try:
+      check()
+    except Exception as e:  # pylint: disable=broad-except
+      raise HostLoaderError(f"{name}, chain {chain}, chunk {index}: "
+                            f"{type(e).__name__}: {e}") from e
 
 
 class Host:
@@ -213,10 +233,7 @@ class Host:
           device_count, defer, targets))
       lanes = [next(served) if wanted else self._zero_chunk()
                for wanted in need]
-      # Each distinct check once per request (the lanes of one loader
-      # share one: an fstat per memmap, not per lane).
-      for check in dict.fromkeys(lane.check for lane in lanes):
-        check()
+      _check_served(self.name, lanes, chains, chunks)
     except Exception as e:  # pylint: disable=broad-except
       error = e
     except BaseException:
@@ -296,8 +313,8 @@ class Host:
         chains.reshape(-1).tolist(), chunks.reshape(-1).tolist(), defer)
     if served is not None:
       self.requests += 1
-      for check in dict.fromkeys(chunk.check for chunk in served):
-        check()
+      _check_served(self.name, served, chains.reshape(-1).tolist(),
+                    chunks.reshape(-1).tolist())
     return served
 
   def wait_idle(self, timeout: float = 60.0) -> bool:
