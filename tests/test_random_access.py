@@ -424,6 +424,30 @@ def test_a_released_pipelines_loader_is_freed_without_a_collection(
     gc.enable()
 
 
+def test_a_released_pipelines_loader_is_freed_after_a_pass_on_devices(
+    pipelines):
+  """A full-data pass on several devices makes the devices' requests meet
+  (a rendezvous); the released pipeline, still held, holds the loader no
+  more through it."""
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices")
+  loader = NumpyDataLoader(x=np.arange(100.0))
+  ref = weakref.ref(loader)
+  init_fn, map_fn, release_fn = pipelines.full_reference_data(loader, 2, 5)
+  states = jax.tree_util.tree_map(lambda *a: jnp.stack(a),
+                                  *[init_fn() for _ in range(4)])
+  fun = lambda b, m, c: (jnp.sum(b["x"] * m), c)
+  out = jax.pmap(lambda s: map_fn(fun, s, None, masking=True,
+                                  device_count=4))(states)
+  jax.block_until_ready(out)
+  host = init_fn.__self__.host
+  release_fn()
+  assert host.wait_idle()
+  del loader, out, states
+  gc.collect()
+  assert ref() is None, gc.get_referrers(ref())
+
+
 def _used_and_released(kind):
   """A weak reference to a pipeline of ``kind``, used once and released
   (its host idle); nothing else of it is left in this frame."""

@@ -166,8 +166,11 @@ class Rendezvous:
   def release(self, error: BaseException) -> None:
     """Gives every round waiting ``error``: its requests raise it together
     once all came (those the release's interruption of reads brings at
-    once)."""
+    once). The count of chains numbered is kept as it is now, not read
+    from the loader: a released pipeline holds no reference to it."""
     with self._changed:
+      numbered = self._numbered()
+      self._numbered = lambda: numbered
       for waiting in self._rounds.values():
         waiting.error = waiting.error or error
       self._changed.notify_all()
