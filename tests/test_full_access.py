@@ -504,7 +504,8 @@ def test_callbacks_compute_with_the_values_of_each_call(pipelines):
   """A callback whose host function captured a value when ``fun`` was
   traced computes with this call's value, not the first call's (the
   compiled pass is keyed by what the callback calls); one that reads the
-  value when it runs compiles once."""
+  value when it runs compiles once. 0.0 and -0.0 are equal, but a host
+  function tells them apart: neither takes the other's pass."""
   global _FACTOR
   x = np.arange(10.0, dtype=np.float32)
   loader = jax_data.NumpyDataLoader(x=x)
@@ -513,12 +514,16 @@ def test_callbacks_compute_with_the_values_of_each_call(pipelines):
   client = jax.devices()[0].client
   try:
     for fun in (_scaled_by_callback, _scaled_by_partial):
-      for factor in (1, 5, 7):
+      for factor in (1, 5, 7, 0.0, -0.0):
         _FACTOR = factor
+        expected = (x * factor).astype(np.float32)
         results, _ = mapper_fn(fun, None)
-        np.testing.assert_array_equal(results, x * factor)
+        np.testing.assert_array_equal(results, expected)
+        np.testing.assert_array_equal(np.signbit(results),
+                                      np.signbit(expected))
         _, (results, _) = map_fn(fun, init_fn(), None)
-        np.testing.assert_array_equal(results, x * factor)
+        np.testing.assert_array_equal(np.signbit(results),
+                                      np.signbit(expected))
     executables = None
     for factor in (1, 5, 7, 5):
       _FACTOR = factor

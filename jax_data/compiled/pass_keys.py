@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
+import struct
 import types
 from typing import Any
 from typing import Callable
@@ -57,6 +58,9 @@ def value_key(value: Any, depth: int = _DEPTH) -> Any:
   numbers, strings and tuples and small dicts of them; functions of the
   same code over the same closure; otherwise the same object (an array, a
   list or a model is read when the callback runs, through the object)."""
+  if isinstance(value, (float, complex)):
+    # By their bits: 0.0 == -0.0, but a host function tells them apart.
+    return (type(value), struct.pack("<dd", value.real, value.imag))
   if isinstance(value, _BY_VALUE):
     return (type(value), value)
   if isinstance(value, tuple):
