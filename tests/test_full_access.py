@@ -539,6 +539,50 @@ def test_callbacks_compute_with_the_values_of_each_call(pipelines):
     release_full()
 
 
+class _Replaced:
+  """A model whose parameters a sampler replaces at each step."""
+
+  def __init__(self):
+    self.w = None
+
+  def loglik(self, batch, carry):
+    return batch["x"] * jnp.sum(self.w), carry
+
+  def batched(self, batch, mask, carry):
+    return batch["x"] * jnp.sum(self.w) * mask, carry
+
+
+def test_a_compiled_pass_does_not_keep_the_arrays_of_its_first_call(
+    pipelines):
+  """A method mapped over the data reads the model's parameters, new
+  arrays at every step: each call computes with its own, and the pass
+  compiled at the first call does not keep that call's arrays."""
+  x = np.arange(10, dtype=np.float32)
+  loader = jax_data.NumpyDataLoader(x=x)
+  init_fn, map_fn, release_full = pipelines.full_reference_data(loader, 2, 4)
+  mapper_fn, release_mapper = pipelines.full_data_mapper(loader, 2, 4)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+  split_fn, release_split = pipelines.full_data_mapper(
+      loader, 1, 1, mesh=mesh, batch_axis="data")
+  model = _Replaced()
+  firsts = []
+  for step in range(3):
+    model.w = jnp.full((8, 8), float(step))
+    firsts.append(weakref.ref(model.w))
+    _, (results, _) = map_fn(model.loglik, init_fn(), None)
+    np.testing.assert_array_equal(results, x * step * 64)
+    results, _ = mapper_fn(model.batched, None, masking=True)
+    np.testing.assert_array_equal(np.ravel(results)[:x.size],
+                                  x * step * 64)
+    results, _ = split_fn(model.batched, None, masking=True)
+    assert float(np.sum(results)) == float(np.sum(x)) * step * 64
+  gc.collect()
+  assert [first() is None for first in firsts] == [True, True, False]
+  release_full()
+  release_mapper()
+  release_split()
+
+
 def test_callbacks_that_vmap_refuses_are_mapped_batch_by_batch(pipelines):
   """A fun that leaves its carry unchanged is vmapped over a chunk's
   batches; a pure_callback without vmap_method or an ordered io_callback

@@ -391,7 +391,8 @@ class FullPipeline(pl.Pipeline):
     (results, carry))``."""
     carry = varying_like(carry, data_state)
     compiled = self._shared(traced.key, lambda: jax.jit(
-        functools.partial(_pass, self._chunks.fetch_fn, self._plan, traced),
+        functools.partial(_pass, self._chunks.fetch_fn, self._plan,
+                          traced.lean()),
         static_argnums=(4, 5)))
     return compiled(self._chunks.owner, data_state, carry, consts, masking,
                     device_count)

@@ -148,7 +148,8 @@ class GlobalMapperPipeline(pl.Pipeline):
     traced = self._trace(fun, carry, call.masking)
     run = self._passes.get((traced.key, call.masking), lambda: jax.jit(
         functools.partial(_split_pass, self._full, self._axes,
-                          self._split, traced, call.masking, self._chains)))
+                          self._split, traced.lean(), call.masking,
+                          self._chains)))
     return run(carry, traced.consts)
 
   def _trace(self, fun: Callable, carry: Any, masking: bool) -> Traced:

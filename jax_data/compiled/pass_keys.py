@@ -10,6 +10,7 @@ become arguments. :class:`Recent` keeps the most recently used passes.
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 import struct
@@ -177,6 +178,14 @@ class Traced:
                 tuple(callbacks(self.jaxpr)),
                 jax.tree_util.tree_structure((carry, (batch, mask))),
                 self.out_tree, tuple(jax.typeof(c) for c in self.consts))
+
+  def lean(self) -> "Traced":
+    """This trace without its ``consts``: what a compiled pass keeps, which
+    must not hold the arrays of the call that compiled it (a sampler's
+    parameters of its first step) until the pipeline is released."""
+    lean = copy.copy(self)
+    lean.consts = []
+    return lean
 
   def apply(self, consts: list, carry: PyTree, batch_and_mask: Any):
     flat = jax.tree_util.tree_leaves((carry, batch_and_mask))
