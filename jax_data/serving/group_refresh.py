@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
+from typing import Callable
 from typing import List
 from typing import NamedTuple
 from typing import Optional
@@ -121,12 +122,14 @@ class GroupRefresh:
       return False
     lead, cursor = group.lead, group.lead.cursor
     served = False
+    later: List[Callable[[], None]] = []  # the next draw, started last
     with lead.produce_lock:
       if lead.closed:
         return False
       try:
         leaves, mask = cursor.read_group(  # type: ignore[attr-defined]
-            group.seeds, chunks * self._layout.cache_size, _Into(*buffers))
+            group.seeds, chunks * self._layout.cache_size, _Into(*buffers),
+            later)
         self._layout.check_span(Span(leaves, mask), len(chunks))
         for out, leaf in zip(outs, leaves):
           if not same_memory(out, leaf):  # a view of the data
@@ -138,6 +141,9 @@ class GroupRefresh:
         pass  # the general path produces them again
       finally:
         released = self._chains.get(lead.number) is not lead
+      if served and not released:
+        for start in later:
+          start()
     # The release left its cursor to close, as it was reading; a read it
     # cancelled fails, and the cursor must be closed all the same (its
     # loader's workers end when its last cursor closes).
