@@ -647,6 +647,40 @@ def test_checkpoint_restores_into_a_new_loader(kind):
   new_pipe[-1]()
 
 
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_a_pipeline_with_its_own_randomness_restores_into_a_new_loader(
+    in_memory):
+  """A random augmentation gives a new loader other first observations:
+  the data's digest then covers the count and formats, so a checkpoint
+  restores into a new loader over the pipeline, and the chains' elements
+  go on as they would have; other formats are still refused."""
+  def augmented(n):
+    return tf.data.Dataset.range(n).map(
+        lambda x: {"x": x, "noise": tf.random.uniform(())})
+
+  def pipeline(n=100):
+    return jax_data.random_reference_data(TensorflowDataLoader(
+        augmented(n), shuffle_cache=10, in_memory=in_memory), 2, 4)
+
+  init_fn, batch_fn, release_fn = saved = pipeline()
+  step = jax.jit(jax.vmap(batch_fn))
+  states, _ = step(init_fn(seed=range(3)))
+  tree = jax_data.state_to_pytree(saved, states)
+  expected = np.asarray(step(states)[1]["x"])
+  release_fn()
+  restored = pipeline()
+  got = np.asarray(jax.jit(jax.vmap(restored[1]))(
+      jax_data.state_from_pytree(restored, tree))[1]["x"])
+  np.testing.assert_array_equal(got, expected)
+  restored[2]()
+  other = jax_data.random_reference_data(TensorflowDataLoader(
+      tf.data.Dataset.range(100).map(lambda x: {"x": x}), shuffle_cache=10,
+      in_memory=in_memory), 2, 4)
+  with pytest.raises(jax_data.CheckpointError, match="does not fit: data"):
+    jax_data.state_from_pytree(other, tree)
+  other[2]()
+
+
 def _generated(n):
   """A pipeline of unknown length: from a generator."""
   def gen():

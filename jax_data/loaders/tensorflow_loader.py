@@ -20,6 +20,7 @@ pass.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import threading
 import warnings
@@ -464,17 +465,41 @@ class TensorflowDataLoader(HostDataLoader):
 
   def content_digest(self) -> str:
     """A digest of the observation count and of the pipeline's first 32
-    observations (read once, on first use), the same in both modes."""
+    observations (read on first use), the same in both modes.
+
+    A pipeline with randomness of its own (a random augmentation, a
+    ``shuffle`` without a seed) gives other values at every read, and a
+    new loader over it, in a new process, reads other first observations:
+    they are read once more, and where the two reads differ the digest
+    covers the count and the observations' formats only. Checkpoints of
+    such a pipeline then restore into a new loader over it, and are
+    refused for data of other formats or count, not of other values."""
     if self._digest is None:
+      count = f"/{'unknown' if self._count is None else self._count}"
+      read = lambda: self._reading.next_rows(
+          in_order(self._pipeline.take(32).batch(32)))
       if self._arrays is not None:
         first = min(self._count, 32)
         leaves = [array[:first] for array in self._arrays]
       else:
-        leaves = self._reading.next_rows(
-            in_order(self._pipeline.take(32).batch(32)))
+        leaves = read()
         first = len(leaves[0])
-      dtypes = [fmt.dtype for fmt in self._reading.formats]
-      self._digest = digest_rows(
-          first, lambda row: [leaf[row] for leaf in leaves], dtypes) + (
-              f"/{'unknown' if self._count is None else self._count}")
+      if _same_rows(leaves, read()):
+        dtypes = [fmt.dtype for fmt in self._reading.formats]
+        self._digest = digest_rows(
+            first, lambda row: [leaf[row] for leaf in leaves],
+            dtypes) + count
+      else:
+        formats = repr(self.observation_format).encode()
+        self._digest = "formats " + hashlib.sha256(
+            formats).hexdigest()[:32] + count
     return self._digest
+
+
+def _same_rows(leaves, again) -> bool:
+  """Whether two reads of a pipeline's first rows gave the same values
+  (NaN equal to NaN)."""
+  return len(leaves) == len(again) and all(
+      np.shape(a) == np.shape(b) and np.array_equal(
+          a, b, equal_nan=np.asarray(a).dtype.kind in "fc")
+      for a, b in zip(leaves, again))
