@@ -277,6 +277,39 @@ def test_progress_is_reported_per_chunk_on_request(pipelines):
                               progress="yes")
 
 
+def test_progress_counts_a_step_once_for_all_lanes_and_devices(pipelines):
+  """The lanes of a vmapped pass, and the devices of a pass under pmap,
+  ask for each chunk step together: one step reported, not one per lane
+  or device. A pass split over a mesh reports the whole pass's batches."""
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices")
+  x = np.arange(23, dtype=np.float32)
+  seen = []
+  report = lambda done, total: seen.append((done, total))
+  init_fn, map_fn, release_fn = pipelines.full_reference_data(
+      NumpyDataLoader(x=x), 2, 4, progress=report)
+  fun = lambda b, c: (b["x"], c)
+  states = jax.tree_util.tree_map(lambda *a: jnp.stack(a),
+                                  *[init_fn() for _ in range(3)])
+  jax.block_until_ready(jax.vmap(lambda s: map_fn(fun, s, None))(states))
+  assert seen == [(2, 6), (4, 6), (6, 6)]
+  seen.clear()
+  states = jax.tree_util.tree_map(lambda *a: jnp.stack(a),
+                                  *[init_fn() for _ in range(4)])
+  jax.block_until_ready(jax.pmap(
+      lambda s: map_fn(fun, s, None, device_count=4))(states))
+  assert seen == [(2, 6), (4, 6), (6, 6)]
+  release_fn()
+  seen.clear()
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+  mapper_fn, release_mapper = pipelines.full_data_mapper(
+      NumpyDataLoader(x=x), 2, 1, mesh=mesh, batch_axis="data",
+      progress=report)
+  jax.block_until_ready(mapper_fn(fun, None))
+  assert seen == [(8, 23), (16, 23), (23, 23)]
+  release_mapper()
+
+
 def test_progress_true_prints_to_stderr(capsys, pipelines):
   mapper_fn, _ = pipelines.full_data_mapper(
       NumpyDataLoader(x=np.arange(10.0)), 5, 2, progress=True)

@@ -491,8 +491,8 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
                                         config.mb_size, axes)
     plan = PassPlan(split.per_device * split.mb_size, config.cache_size,
                     split.mb_size)
-    chunks = HostChunks(config.loader, plan, {},
-                        progress_reporter(progress, plan), config.callback)
+    chunks = HostChunks(config.loader, plan, {}, progress_reporter(
+        progress, plan, split.devices, split.batches), config.callback)
     pipeline: pl.Pipeline = global_passes.GlobalMapperPipeline(
         FullPipeline(chunks, plan, config.loader), plan.chunk_batches, axes,
         split, config.observations.start, config.loader)

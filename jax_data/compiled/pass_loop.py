@@ -30,9 +30,15 @@ from jax_data.types import PyTree
 Progress = Union[None, bool, Callable[[int, int], object]]
 
 
-def progress_reporter(progress: Progress, plan: "PassPlan"
-                       ) -> Optional[Callable[[int], None]]:
-  """Turns the ``progress`` argument into a host-side ``chunk -> None``."""
+def progress_reporter(progress: Progress, plan: "PassPlan",
+                      devices: int = 1, total: Optional[int] = None
+                      ) -> Optional[Callable[[int], None]]:
+  """Turns the ``progress`` argument into the host's ``participants ->
+  None``, called once per request for a chunk step (the lanes of a vmapped
+  request ask for it together); the ``participants`` requests of the
+  devices that make one step together count as one. A pass split over
+  ``devices`` (each with ``plan``, its block) reports the whole pass's
+  batches, ``total``."""
   if progress is None or progress is False:
     return None
   if progress is True:
@@ -41,18 +47,23 @@ def progress_reporter(progress: Progress, plan: "PassPlan"
     raise TypeError(
         "progress must be None, True or a callable progress(done, total), "
         f"got progress={progress!r}")
-  total = plan.batches
+  if total is None:
+    total = plan.batches * devices
   lock = threading.Lock()
   asked = [0]  # chunks asked for in the current pass
+  requests = [0]  # requests of the current step
 
-  def report(chunk: int) -> None:
+  def report(participants: int) -> None:
     # Counted, not read off the chunk index: XLA asked for the last chunk
     # of a pass before the others until map_pass made it wait for them.
-    del chunk
     with lock:
+      requests[0] += 1
+      if requests[0] < participants:
+        return
+      requests[0] = 0
       asked[0] = asked[0] % plan.chunks + 1
       done = asked[0]
-    progress(min(done * plan.cache_size, total), total)
+    progress(min(done * plan.cache_size * devices, total), total)
 
   return report
 

@@ -102,8 +102,9 @@ class Host:
       carry; requests with states of other pipelines are refused.
     cycle: Chunks per pass of ordered chains whose requests wrap around
       (full-data passes); None for random chains.
-    progress: Called on the host with the chunk index whenever compiled
-      code asks for a chunk (progress of full-data passes).
+    progress: Called on the host once per request for chunks, with the
+      number of devices' requests that make the step together (progress
+      of full-data passes).
     prefetch: Produce each chain's next chunk in a background thread.
     verify_calls: Warn when a chunk is produced again because it was asked
       for after the chain moved on (a state used twice).
@@ -223,10 +224,9 @@ class Host:
         # One span, so that a group read into all of them is seen as one.
         whole = Span(list(into[:-1]), into[-1]).chunks([readable] * len(need))
         targets = [target for target, wanted in zip(whole, need) if wanted]
-      if self._progress is not None:
-        for index, wanted in zip(chunks, need):
-          if wanted:
-            self._progress(index)
+      if self._progress is not None and any(need):
+        # Once per request: its lanes ask for one step of their passes.
+        self._progress(participants)
       served = iter(store.chunks(
           [(chain, index) for chain, index, wanted in zip(chains, chunks,
                                                           need) if wanted],
