@@ -331,3 +331,15 @@ def mapped_file_size(array: np.memmap) -> int:
   """The current size of the file a memmap maps (``fstat`` of the
   mapping's own descriptor)."""
   return array._mmap.size()  # pylint: disable=protected-access
+
+
+def check_mapped_file(array: np.memmap, needed: int, what: str) -> None:
+  """Raises ``OSError`` if the file of memmap ``array`` (``what``, for
+  the message) is now shorter than the ``needed`` bytes
+  (:func:`file_bytes_needed`): a read would kill the process with SIGBUS
+  instead."""
+  size = mapped_file_size(array)
+  if size < needed:
+    raise OSError(
+        f"the file of {what} ({array.filename}) was truncated to {size} "
+        f"bytes; the memmap needs {needed}")

@@ -19,9 +19,9 @@ from jax_data.loaders.chains import ChainCursor
 from jax_data.loaders.chains import ChainSpec
 from jax_data.loaders.chains import ChunkLayout
 from jax_data.loaders.file_rows import MappedRows
+from jax_data.loaders.file_rows import check_mapped_file
 from jax_data.loaders.file_rows import file_bytes_needed
 from jax_data.loaders.file_rows import map_hdf5
-from jax_data.loaders.file_rows import mapped_file_size
 from jax_data.loaders.file_rows import read_sliced_rows
 from jax_data.loaders.gather import Gatherer
 from jax_data.loaders.gather import digest_rows
@@ -224,12 +224,7 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
     touches: reading past its end would kill the process with SIGBUS
     instead of raising."""
     for key, needed in self._file_bytes.items():
-      array = self._arrays[key]
-      size = mapped_file_size(array)
-      if size < needed:
-        raise OSError(
-            f"the file of array {key!r} ({array.filename}) was truncated to "
-            f"{size} bytes; the memmap needs {needed}")
+      check_mapped_file(self._arrays[key], needed, f"array {key!r}")
 
   def _read(self, flat: np.ndarray, out: List[np.ndarray]
             ) -> List[np.ndarray]:

@@ -30,8 +30,8 @@ from jax_data.errors import PipelineReleasedError
 from jax_data.loaders.chains import ChainCursor
 from jax_data.loaders.chains import ChainSpec
 from jax_data.loaders.chains import ChunkLayout
+from jax_data.loaders.file_rows import check_mapped_file
 from jax_data.loaders.file_rows import file_bytes_needed
-from jax_data.loaders.file_rows import mapped_file_size
 from jax_data.loaders.gather import digest_rows
 from jax_data.loaders.gather import usable_cores
 from jax_data.loaders.host_loader import HostDataLoader
@@ -288,12 +288,8 @@ class SourceDataLoader(HostDataLoader):
     """Raises if the source is a memmap whose file is now shorter than the
     bytes it touches."""
     if self._file_bytes is not None:
-      size = mapped_file_size(self._source)  # type: ignore[arg-type]
-      if size < self._file_bytes:
-        raise OSError(
-            f"the file of the source ({self._source.filename}) was "  # type: ignore[attr-defined]
-            f"truncated to {size} bytes; the memmap needs "
-            f"{self._file_bytes}")
+      check_mapped_file(self._source,  # type: ignore[arg-type]
+                        self._file_bytes, "the source")
 
   @property
   def workers_used(self) -> Optional[int]:

@@ -309,12 +309,13 @@ class Host:
         or not all(need) or set(pipelines.reshape(-1).tolist()) != {self.id}):
       return None
     store.note_lanes(len(need))
-    served = None if store.reads_in_place(len(need)) else store.ready(
-        chains.reshape(-1).tolist(), chunks.reshape(-1).tolist(), defer)
+    if store.reads_in_place(len(need)):
+      return None
+    chains, chunks = chains.reshape(-1).tolist(), chunks.reshape(-1).tolist()
+    served = store.ready(chains, chunks, defer)
     if served is not None:
       self.requests += 1
-      _check_served(self.name, served, chains.reshape(-1).tolist(),
-                    chunks.reshape(-1).tolist())
+      _check_served(self.name, served, chains, chunks)
     return served
 
   def wait_idle(self, timeout: float = 60.0) -> bool:
