@@ -176,10 +176,13 @@ class Prefetcher:
 
   def wait_idle(self, timeout: float) -> bool:
     """Waits up to ``timeout`` seconds until no job is queued or running
-    (for tests and diagnostics); whether that happened."""
+    (for tests and diagnostics); whether that happened. Once closed, the
+    jobs queued are cancelled, and the one running (a release does not
+    wait for it) is still waited for: it holds its chains' cursors."""
     with self._changed:
       return self._changed.wait_for(
-          lambda: self._closed or not (self._jobs or self._running), timeout)
+          lambda: not self._running and (self._closed or not self._jobs),
+          timeout)
 
   def join(self, timeout: float) -> None:
     """Waits up to ``timeout`` seconds for the thread to end (after
@@ -235,6 +238,7 @@ class ChainStore:
     self._producer = Producer(chains.layout, self.name, self._limits,
                               self._held, verify_calls)
     self._scheduler = scheduler
+    self._stopped: Optional[Scheduler] = None  # closed by stop_prefetching
     self._trim_queued = threading.Event()
     self.removals = 0  # chains taken out so far
 
@@ -464,8 +468,10 @@ class ChainStore:
     self._held.trim(idle, self._chains.get, self._limits, lanes)
 
   def wait_idle(self, timeout: float) -> bool:
-    """Whether the scheduler ran the jobs queued within ``timeout`` s."""
-    scheduler = self._scheduler
+    """Whether the scheduler ran the jobs queued within ``timeout`` s;
+    after :meth:`stop_prefetching`, whether the job it was running ended
+    (a release does not wait for it)."""
+    scheduler = self._scheduler or self._stopped
     return scheduler is None or scheduler.wait_idle(timeout)
 
   # -- release ------------------------------------------------------------
@@ -476,6 +482,7 @@ class ChainStore:
     scheduler, self._scheduler = self._scheduler, None
     if scheduler is not None:
       scheduler.close(error)
+      self._stopped = scheduler  # for wait_idle
     return scheduler
 
   def release(self, error: BaseException) -> None:
