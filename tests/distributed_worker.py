@@ -256,10 +256,35 @@ def global_batches(argv):
                                       shuffle=True, in_epochs=True))
   grid = gather(index)
   release_fn()
+
+  # A mesh of one device of each process (of two): each process's host
+  # waits for that device's requests only, not for its other device's.
+  subset, stalls = np.zeros((0, GLOBAL_MB), np.int32), 0
+  if jax.local_device_count() > 1:
+    import warnings  # pylint: disable=g-import-not-at-top
+    mesh = Mesh(devices.reshape(process_count, -1)[:, 0], ("data",))
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+          loader, 3, GLOBAL_MB, mesh=mesh, batch_axis="data")
+      state, subset = init_fn(seed=7, shuffle=True), []
+      for _ in range(GLOBAL_STEPS):
+        state, batch = batch_fn(state)
+        subset.append(gather(batch["index"]))
+      release_fn()
+      mapper_fn, release_fn = jax_data.full_data_mapper(
+          loader, 2, 16, mesh=mesh, batch_axis="data")
+      subset_full = mapper_fn(
+          lambda b, m, c: (logistic_loss(jnp, jnp.ones(3),
+                                         masked(jax, b, m)), c),
+          None, masking=True)[0]
+      full = np.concatenate([full, gather(jnp.sum(subset_full)[None])])
+      release_fn()
+    stalls = sum("asked for chunk" in str(w.message) for w in caught)
   multihost_utils.sync_global_devices("jax_data global batches done")
   np.savez(out_path, drawn=np.stack(drawn), weights=np.stack(weights),
-           after=np.array(after), full=full,
-           parts=np.array(parts), grid=grid,
+           after=np.array(after), full=full, subset=np.array(subset),
+           stalls=stalls, parts=np.array(parts), grid=grid,
            local_device_count=jax.local_device_count(),
            device_count=jax.device_count())
   jax.distributed.shutdown()

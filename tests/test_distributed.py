@@ -348,7 +348,9 @@ def test_global_batches_over_processes_equal_one_process(tmp_path,
                                                          processes, devices):
   """One chain's batch split over the devices of 2 or 4 processes (1 or 2
   each): each process serves only its devices' rows, the global batch
-  equals the single-process batch of the seed, and a data-parallel
+  equals the single-process batch of the seed (also on a mesh of one
+  device of each process of two, without waiting for the other's
+  requests), and a data-parallel
   gradient step (XLA reduces the gradient across processes) follows the
   single-process one. On a 2-D mesh (batch axis across the processes,
   chains within them), ``jax_data.scan`` draws each chain's single-process
@@ -393,10 +395,16 @@ def test_global_batches_over_processes_equal_one_process(tmp_path,
     assert int(out["device_count"]) == devices * processes, report
     assert out["parts"].tolist() == list(
         range(devices * i, devices * (i + 1))), report
-    np.testing.assert_allclose(out["full"], [full_value], rtol=1e-5,
-                               err_msg=report)
+    np.testing.assert_allclose(
+        out["full"], [full_value] * (1 + (devices > 1)), rtol=1e-5,
+        err_msg=report)
     np.testing.assert_array_equal(out["drawn"], np.stack(drawn),
                                   err_msg=report)
+    # A mesh of one device of each process: the same batches, no stall.
+    assert int(out["stalls"]) == 0, report
+    if devices > 1:
+      np.testing.assert_array_equal(out["subset"], np.stack(drawn),
+                                    err_msg=report)
     np.testing.assert_allclose(out["weights"], np.stack(weights),
                                rtol=1e-5, err_msg=report)
     np.testing.assert_array_equal(

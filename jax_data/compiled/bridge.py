@@ -32,6 +32,8 @@ for the whole copy. Other platforms, and ``callback="pure"`` everywhere, use
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import math
 from typing import Any
 from typing import Callable
@@ -188,16 +190,41 @@ def _manual_axes() -> tuple:
   return tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
 
 
+#: The mesh whose per-device code is being traced (:func:`on_mesh`), where
+#: a global pipeline knows it; ``None`` elsewhere.
+_MESH: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "jax_data_mesh", default=None)
+
+
+def on_mesh(mesh: Any, fun: Callable) -> Callable:
+  """``fun``, the per-device code of a ``shard_map`` over ``mesh``, traced
+  knowing the mesh's devices: so that a mesh of some of this process's
+  devices counts only those among the requests of one refresh."""
+  @functools.wraps(fun)
+  def traced(*args, **kwargs):
+    token = _MESH.set(mesh)
+    try:
+      return fun(*args, **kwargs)
+    finally:
+      _MESH.reset(token)
+  return traced
+
+
 def _participants() -> int:
   """How many devices of this process run the current per-device code
   (pmap, shard_map): each of them makes the same refresh request at the
-  same point, to this process's host. In a job of several processes a
-  mesh over every device (pmap's, a global shard_map's) holds this
-  process's local devices; the others ask their own processes' hosts."""
+  same point, to this process's host. In a job of several processes the
+  mesh of a global pipeline (:func:`on_mesh`) holds some devices of this
+  process, counted; a mesh over every device (pmap's, a user's global
+  shard_map's) holds all of them; the others ask their own processes'
+  hosts."""
   mesh = jax.sharding.get_abstract_mesh()
   devices = math.prod(mesh.shape[a] for a in _manual_axes())
   if devices > 1 and jax.process_count() > 1:
-    return min(devices, jax.local_device_count())
+    known = _MESH.get()
+    local = (jax.local_device_count() if known is None else sum(
+        d.process_index == jax.process_index() for d in known.devices.flat))
+    return min(devices, local)
   return devices
 
 

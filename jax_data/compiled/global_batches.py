@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 from jax_data.compiled import pipeline as pl
 from jax_data.compiled import scan as scan_lib
 from jax_data.compiled import states
+from jax_data.compiled.bridge import on_mesh
 from jax_data.loaders.chains import BatchPart
 from jax_data.loaders.host_loader import chain_specs
 from jax_data.types import CacheState
@@ -285,14 +286,17 @@ class GlobalPipeline(pl.RandomPipeline):
     specs, rows = axes.state_specs(), P(None, axes.batch_axis)
     own = lambda state: state._replace(chain=state.chain[0])
     fetched = jax.shard_map(
-        lambda state, chunk: local.fetch(own(state), chunk), mesh=axes.mesh,
+        on_mesh(axes.mesh,
+                lambda state, chunk: local.fetch(own(state), chunk)),
+        mesh=axes.mesh,
         in_specs=(specs, P()), out_specs=(rows, rows))
 
     def fetch(state, chunk, need):  # into fresh buffers: the cache stays
       del need  # every device's part fetched
       return fetched(state, chunk) + (state,)
     refresh = jax.shard_map(
-        lambda state: local.refresh(own(state))._replace(chain=state.chain),
+        on_mesh(axes.mesh, lambda state: local.refresh(own(state))._replace(
+            chain=state.chain)),
         mesh=axes.mesh, in_specs=(specs,), out_specs=specs)
     return scan_lib.chunked_scan(
         f, init, state, xs, length, information, 1, fetch=fetch,
@@ -440,6 +444,6 @@ def _global_step(advance: Any, axes: MeshAxes):
     return one(state) if axes.chain_axis is None else jax.vmap(one)(state)
 
   batch = axes.batch_spec()
-  return jax.jit(jax.shard_map(local, mesh=axes.mesh,
+  return jax.jit(jax.shard_map(on_mesh(axes.mesh, local), mesh=axes.mesh,
                                in_specs=(axes.state_specs(),),
                                out_specs=(axes.state_specs(), batch, batch)))

@@ -27,6 +27,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_data.compiled import pipeline as pl
+from jax_data.compiled.bridge import on_mesh
 from jax_data.compiled.global_batches import MeshAxes
 from jax_data.compiled.pass_keys import Traced
 from jax_data.compiled.pass_loop import vectorised
@@ -167,7 +168,7 @@ class GlobalMapperPipeline(pl.Pipeline):
 
     try:
       jax.eval_shape(lambda carry: jax.shard_map(
-          local, mesh=self._axes.mesh, in_specs=P(),
+          on_mesh(self._axes.mesh, local), mesh=self._axes.mesh, in_specs=P(),
           out_specs=P(self._axes.batch_axis))(_replicated(self._axes,
                                                          carry)), carry)
     except NotImplementedError as e:
@@ -204,7 +205,7 @@ def _split_pass(full: pl.Pipeline, axes: MeshAxes, split: PassSplit,
     return results, jax.tree_util.tree_map(lambda c: c[None], carry)
 
   results, carries = jax.shard_map(
-      local, mesh=axes.mesh, in_specs=(P(), P()),
+      on_mesh(axes.mesh, local), mesh=axes.mesh, in_specs=(P(), P()),
       out_specs=(P(axis), P(axis)))(_replicated(axes, carry),
                                     _replicated(axes, consts))
   order = split.order(per_observation=not masking)
