@@ -242,6 +242,26 @@ def test_checkpoints_hold_whole_chains_and_restore_on_any_mesh(
     pipeline[2]()
 
 
+@pytest.mark.parametrize("mesh", [(4,), None])
+def test_a_chain_made_after_a_restore_does_not_draw_a_restored_seed(mesh):
+  """In a resumed job (a new loader and pipeline), chains restored and
+  then one made without a seed: the new chain draws its own batches, as
+  it does without a mesh (the default seeds follow the restored chains)."""
+  on = lambda: jax_data.random_reference_data(
+      NumpyDataLoader(**_data()), CACHE, MB, **(
+          {} if mesh is None else dict(mesh=_mesh(mesh), batch_axis="data")))
+  saved = on()
+  tree = jax_data.state_to_pytree(saved, saved[0](shuffle=True))
+  saved[2]()
+  resumed = on()
+  restored = jax_data.state_from_pytree(resumed, tree)
+  fresh = resumed[0](shuffle=True)
+  _, restored_batch = resumed[1](restored)
+  _, fresh_batch = resumed[1](fresh)
+  assert not np.array_equal(restored_batch["index"], fresh_batch["index"])
+  resumed[2]()
+
+
 def test_a_2d_checkpoint_restores_as_vmapped_chains():
   loader = NumpyDataLoader(**_data())
   grid = jax_data.random_reference_data(

@@ -367,12 +367,18 @@ class GlobalPipeline(pl.RandomPipeline):
       return registered[-1]
 
     try:
-      return global_state(self._axes, self.template, lanes, number,
-                          arrays["chunk"], arrays["position"], arrays["key"])
+      state = global_state(self._axes, self.template, lanes, number,
+                           arrays["chunk"], arrays["position"], arrays["key"])
     except BaseException:
       for registered_number in registered:
         self.host.remove_chain(registered_number)
       raise
+    # Numbered as init_fn's are (every process alike): a chain init_fn
+    # makes next without a seed does not draw a restored chain's seed.
+    with self._lock:
+      for _ in range(math.prod(lanes)):
+        next(self._numbers)
+    return state
 
   def release_fn(self) -> None:
     """Drops every reference the pipeline holds to the loader."""
