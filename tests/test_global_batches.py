@@ -242,6 +242,32 @@ def test_checkpoints_hold_whole_chains_and_restore_on_any_mesh(
     pipeline[2]()
 
 
+@pytest.mark.parametrize("length", [6, 2])
+def test_scan_returns_ys_on_a_mesh_of_explicit_axes(length):
+  """On jax.make_mesh's mesh (explicit axes: arrays typed by their
+  sharding), jax_data.scan's ys are the lax.scan's over batch_fn."""
+  mesh = jax.make_mesh((4,), ("data",), axis_types=(
+      jax.sharding.AxisType.Explicit,))
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      NumpyDataLoader(**_data()), CACHE, MB, mesh=mesh, batch_axis="data")
+  body = lambda c, b: (c + jnp.sum(b["index"]), b["index"])
+
+  def stepped(state):
+    def step(loop, _):
+      c, state = loop
+      state, batch = batch_fn(state)
+      c, y = body(c, batch)
+      return (c, state), y
+    return jax.lax.scan(step, (0, state), None, length=length)
+
+  (expected, _), expected_ys = jax.jit(stepped)(init_fn(seed=1))
+  (c, _), ys = jax.jit(lambda s: jax_data.scan(
+      body, 0, s, batch_fn=batch_fn, length=length))(init_fn(seed=1))
+  assert int(c) == int(expected)
+  np.testing.assert_array_equal(ys, expected_ys)
+  release_fn()
+
+
 @pytest.mark.parametrize("mesh", [(4,), None])
 def test_a_chain_made_after_a_restore_does_not_draw_a_restored_seed(mesh):
   """In a resumed job (a new loader and pipeline), chains restored and

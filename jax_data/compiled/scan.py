@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.custom_batching import custom_vmap
+from jax.sharding import PartitionSpec as P
 
 from jax_data.compiled import pipeline as pl
 from jax_data.compiled import states
@@ -283,6 +284,19 @@ def _first_difference(given: list, returned: list) -> str:
   return ""
 
 
+def _stacked(sharding: Any) -> Any:
+  """The sharding of the steps' ``y`` of ``sharding`` stacked along a new
+  leading axis, where ``y`` is typed by its sharding (explicit mesh axes,
+  ``jax.make_mesh``'s default: the buffer written must be sharded alike);
+  else ``None``."""
+  spec = getattr(sharding, "spec", None)
+  if spec is None or not any(
+      kind == jax.sharding.AxisType.Explicit
+      for kind in getattr(sharding.mesh, "axis_types", ())):
+    return None
+  return jax.sharding.NamedSharding(sharding.mesh, P(None, *spec))
+
+
 def chunked_scan(f, init, state: CacheState, xs, length: int,
                  information: bool, device_count: int, *, fetch, refresh,
                  observation_count: int, mb_size: int, plain):
@@ -350,7 +364,8 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
   axes = tuple(sorted(varying_axes((init, state, xs))))
 
   def zeros(s):
-    buffer = jnp.zeros((length,) + s.shape, s.dtype)
+    buffer = jnp.zeros((length,) + s.shape, s.dtype,
+                       out_sharding=_stacked(getattr(s, "sharding", None)))
     return lax.pcast(buffer, axes, to="varying") if axes else buffer
 
   ys = jax.tree_util.tree_map(zeros, y_format)
