@@ -109,6 +109,36 @@ def test_a_mesh_of_explicit_axes(pipelines):
   release()
 
 
+def test_an_index_into_an_array_placed_on_an_auto_mesh(pipelines):
+  """fun indexing an array placed on an ordinary mesh, closed over: JAX
+  cannot index it inside the pass's shard_map, and the error says what to
+  do; passed into jit, in the carry, or as a NumPy array, it gives the
+  pass without a mesh."""
+  mesh = _mesh()
+  count = 103
+  loader = NumpyDataLoader(x=np.arange(count, dtype=np.float32))
+  split_fn, release = pipelines.full_data_mapper(loader, 2, 8, mesh=mesh,
+                                                 batch_axis="data")
+  w = np.arange(4.0, dtype=np.float32)
+  fun = lambda w: lambda b, m, c: (
+      jnp.sum(jnp.where(m, b["x"], 0.0)) * w[1], c)
+  for spec in (jax.sharding.PartitionSpec("data"),
+               jax.sharding.PartitionSpec()):
+    on_mesh = jax.device_put(w, jax.sharding.NamedSharding(mesh, spec))
+    with pytest.raises(ValueError, match="fun indexes an array placed on "
+                       "the mesh.*pass it in the carry"):
+      split_fn(fun(on_mesh), None, masking=True)
+    assert float(jnp.sum(jax.jit(lambda w: split_fn(
+        fun(w), None, masking=True)[0])(on_mesh))) == np.sum(np.arange(count))
+    sums, _ = split_fn(lambda b, m, c: (
+        jnp.sum(jnp.where(m, b["x"], 0.0)) * c[1], c), on_mesh,
+                       masking=True)
+    assert float(jnp.sum(sums)) == np.sum(np.arange(count))
+  assert float(jnp.sum(split_fn(fun(w), None, masking=True)[0])) == (
+      np.sum(np.arange(count)))
+  release()
+
+
 def test_a_gradient_over_all_data_inside_jit():
   x = np.random.default_rng(0).normal(1.5, 1.0, 333).astype(np.float32)
   loader = NumpyDataLoader(x=x)

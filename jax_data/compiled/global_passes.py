@@ -180,6 +180,15 @@ class GlobalMapperPipeline(pl.Pipeline):
           "replicate it first (jax.sharding.reshard(a, "
           "jax.sharding.PartitionSpec())), or pass it in the carry. "
           f"JAX said: {str(e).splitlines()[0]}") from e
+    except ValueError as e:
+      if "should match the mesh of sharding" not in str(e):
+        raise
+      raise ValueError(
+          "fun indexes an array placed on the mesh (sharded or "
+          "replicated), which JAX cannot close over inside the pass's "
+          "shard_map: pass it in the carry, call mapper_fn inside a jitted "
+          "function that takes it as an argument, or close over a NumPy "
+          f"array instead. JAX said: {str(e).splitlines()[0]}") from e
     return traced[0]
 
   def release_fn(self) -> None:
