@@ -168,6 +168,11 @@ def test_released_chain_is_an_error():
     loader.get_batches(chain)
   with pytest.raises(ValueError, match="does not exist"):
     loader.get_batches(5)
+  other = loader.register_random_pipeline(2, 3)
+  for bad in (1.7, "x", None, -5):  # before: 1.7 released chain 1
+    with pytest.raises((TypeError, ValueError), match="chain_id"):
+      loader.release_chain(bad)
+  loader.get_batches(other)
 
 
 def test_memmap_without_copy_stays_on_disk(tmp_path):

@@ -330,6 +330,46 @@ def test_a_failing_record_is_named():
   release_fn()
 
 
+class FailingOnce:
+  """Records of their index, where record 5 fails once (a transient I/O
+  error)."""
+
+  def __init__(self):
+    self.failed = False
+
+  def __len__(self):
+    return 20
+
+  def __getitem__(self, i):
+    if i == 5 and not self.failed:
+      self.failed = True
+      raise OSError("transient")
+    return {"x": np.int32(i)}
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_the_predecessors_get_batches_retries_a_failed_chunk(ordered):
+  """A chunk whose read failed is read again by the next call (before, the
+  chain had moved on: an ordered pass skipped observations 4-7)."""
+  def chunks(loader, count):
+    register = (loader.register_ordered_pipeline if ordered else
+                loader.register_random_pipeline)
+    chain, got = register(1, 4), []
+    while len(got) < count:
+      try:
+        got.append(np.asarray(loader.get_batches(chain)[0]["x"]).tolist())
+      except jax_data.source_records.RecordError:
+        pass
+    return got
+
+  source = FailingOnce()
+  got = chunks(SourceDataLoader(source, workers=0), 8)
+  assert source.failed
+  source = FailingOnce()
+  source.failed = True  # never fails
+  assert got == chunks(SourceDataLoader(source, workers=0), 8)
+
+
 @pytest.mark.parametrize("record,match", [
     ({"x": np.zeros(3)}, r"record 5 has the keys \['x'\], but record 0 has "
      r"\['x'\]"),

@@ -258,7 +258,15 @@ class PredecessorAdapter:
   def get_batches(self, chain_id: Any) -> Tuple[PyTree, jax.Array]:
     """The chain's next chunk as JAX arrays, and advances it."""
     chain = self._own_chain(chain_id)
-    chunk = chain.cursor.produce(chain.next_index, chain.layout.new_chunk())
+    # A failed read (a transient error) leaves the chain where it was: the
+    # next call reads the same chunk, none is skipped.
+    position = chain.cursor.position()
+    try:
+      chunk = chain.cursor.produce(chain.next_index,
+                                   chain.layout.new_chunk())
+    except BaseException:
+      chain.cursor.seek(position)
+      raise
     chain.next_index += 1
     treedef = jax.tree_util.tree_structure(self._loader.observation_format)
     return (treedef.unflatten([jnp.asarray(leaf) for leaf in chunk.leaves]),
@@ -285,9 +293,10 @@ class PredecessorAdapter:
 
   def release_chain(self, chain_id: Any) -> None:
     """Closes a chain's cursor; its id is not reused."""
+    chain_id = check_int("chain_id", chain_id, minimum=0)
     with self._lock:
-      chain = self._chains.get(int(chain_id))
+      chain = self._chains.get(chain_id)
       if chain is not None:
-        self._chains[int(chain_id)] = None
+        self._chains[chain_id] = None
     if chain is not None:
       chain.cursor.close()
