@@ -80,6 +80,39 @@ def test_the_predecessors_format_property_is_the_observation_format():
         "static_information": {"observation_count": 3}})()
 
 
+class SixtyFourBits(Predecessor):
+  """As the predecessor's NumpyDataLoader over np.arange: a format of the
+  array's int64, and batches of NumPy's int64."""
+
+  @property
+  def _format(self):
+    return {"base": jax.ShapeDtypeStruct((), np.int64)}
+
+  def get_batches(self, chain_id):
+    batches, mask = super().get_batches(chain_id)
+    return {"base": batches["base"].astype(np.int64)}, mask
+
+
+def test_a_format_of_64_bit_dtypes_serves_them_as_jax_holds_them():
+  """Without jax_enable_x64, int64 is served as int32, as the
+  predecessor's arrays were (before: a bare error from pure_callback)."""
+  loader = SixtyFourBits()
+  assert loader.observation_format["base"].dtype == np.int32
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 2,
+                                                                 3)
+  state, drawn = init_fn(), []
+  for _ in range(3):
+    state, batch = batch_fn(state)
+    assert batch["base"].dtype == np.int32
+    drawn.extend(np.asarray(batch["base"]).tolist())
+  assert drawn == list(range(9))
+  release_fn()
+  mapper_fn, release_fn = jax_data.full_data_mapper(SixtyFourBits(), 2, 5)
+  np.testing.assert_array_equal(
+      mapper_fn(lambda b, c: (b["base"] * 2, c), None)[0], 2 * np.arange(N))
+  release_fn()
+
+
 def test_registrations_get_the_keywords_given():
   """No seed where none was given (the loader's own default, as the
   predecessor registered it); a seed given and the loader's own declared

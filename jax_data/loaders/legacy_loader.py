@@ -78,6 +78,10 @@ class LegacyCursor(ChainCursor):
     self._chain = chain
     self._layout = layout
     self._saves = saves
+    # The dtypes the loader declares, which JAX may hold narrower (int64
+    # as int32 without jax_enable_x64): leaves of them are served so.
+    self._declared = [np.dtype(s.dtype) for s in jax.tree_util.tree_leaves(
+        getattr(loader, "_format", loader.observation_format))]
 
   @classmethod
   def registered(cls, loader: Any, spec: ChainSpec,
@@ -113,9 +117,11 @@ class LegacyCursor(ChainCursor):
           f"get_batches returned {len(leaves)} arrays, expected "
           f"{len(expected.leaves)} as in the loader's observation_format")
     checked = []
-    for leaf, shape, fmt in zip(leaves, expected.leaf_shapes(),
-                                expected.leaves):
+    for leaf, shape, fmt, declared in zip(leaves, expected.leaf_shapes(),
+                                          expected.leaves, self._declared):
       leaf = np.asarray(leaf)
+      if leaf.dtype == declared != fmt.dtype:
+        leaf = leaf.astype(fmt.dtype)
       if leaf.shape != shape or leaf.dtype != fmt.dtype:
         raise ValueError(
             f"get_batches returned an array of shape {leaf.shape} and dtype "

@@ -25,11 +25,23 @@ from jax_data.validation import MAX_AXIS
 from jax_data.validation import check_int
 
 
+def _canonical(formats: PyTree) -> PyTree:
+  """``formats`` (``jax.ShapeDtypeStruct`` leaves) with the dtypes that JAX
+  gives arrays of theirs: a callback cannot return 64-bit arrays without
+  ``jax_enable_x64``."""
+  def canonical(s):
+    dtype = jax.dtypes.canonicalize_dtype(s.dtype)
+    return s if dtype == s.dtype else jax.ShapeDtypeStruct(s.shape, dtype)
+  return jax.tree_util.tree_map(canonical, formats)
+
+
 class DataLoader(metaclass=abc.ABCMeta):
   """Describes a dataset: its size and the format of one observation.
 
   A subclass written the predecessor's way names the format ``_format``:
-  ``observation_format`` is then that property.
+  ``observation_format`` is then that property, its dtypes as JAX holds
+  them (int64 a 32-bit int without ``jax_enable_x64``, as the
+  predecessor's arrays were).
   """
 
   def __init_subclass__(cls, **kwargs: Any):
@@ -38,7 +50,7 @@ class DataLoader(metaclass=abc.ABCMeta):
     if any("_format" in vars(k) for k in cls.__mro__) and getattr(
         cls.observation_format, "__isabstractmethod__", False):
       cls.observation_format = property(  # type: ignore[method-assign]
-          lambda self: self._format,
+          lambda self: _canonical(self._format),
           doc="The predecessor's ``_format``.")
 
   @property
