@@ -619,7 +619,7 @@ _EXIT_WHILE_READING = textwrap.dedent("""
     if __name__ == "__main__":
       flag = sys.argv[1]
       loader = jax_data.SourceDataLoader(Sleepy(flag, 600.0), workers=2,
-                                         processes=True)
+                                         processes=sys.argv[2] == "processes")
       init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 1, 4)
       step = jax.jit(batch_fn)
       state, batch = step(init_fn(seed=0))
@@ -633,15 +633,17 @@ _EXIT_WHILE_READING = textwrap.dedent("""
     """)
 
 
-def test_exit_does_not_wait_for_worker_processes_reading(tmp_path):
-  """The interpreter exits while worker processes read records that take
-  10 minutes: they are ended (concurrent.futures joined them before any
-  atexit hook, for as long as the records took)."""
+@pytest.mark.parametrize("kind", ["processes", "threads"])
+def test_exit_does_not_wait_for_workers_reading(tmp_path, kind):
+  """The interpreter exits while worker processes or threads read records
+  that take 10 minutes: processes are ended, threads are daemons
+  (concurrent.futures joined them before any atexit hook, for as long as
+  the records took)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   script = tmp_path / "exit_while_reading.py"
   script.write_text(_EXIT_WHILE_READING)
   done = subprocess.run(
-      [sys.executable, str(script), str(tmp_path / "slow")], cwd=root,
+      [sys.executable, str(script), str(tmp_path / "slow"), kind], cwd=root,
       env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True,
       timeout=180)
   assert done.returncode == 0, done.stderr[-3000:]

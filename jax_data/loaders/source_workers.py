@@ -20,6 +20,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
@@ -270,6 +271,81 @@ def stopped() -> PipelineReleasedError:
       "reading records stopped: the chain's pipeline was released")
 
 
+class DaemonThreads(concurrent.futures.Executor):
+  """Worker threads that the interpreter's exit does not wait for: a
+  ``ThreadPoolExecutor``'s are joined at exit, so a worker stuck in a
+  source's read (a stalled network file) held the process up for as long
+  as the read took, after its pipeline was released. Like one, it refuses
+  work once shut down or once the interpreter exits.
+
+  Args:
+    count: How many threads (started at the first ``submit``).
+    name: Their names' prefix.
+  """
+
+  def __init__(self, count: int, name: str):
+    self._count = count
+    self._name = name
+    self._jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+    self._lock = threading.Lock()
+    self._threads: List[threading.Thread] = []
+    self._shut = False
+
+  def submit(self, fn: Callable, /, *args: Any, **kwargs: Any
+             ) -> concurrent.futures.Future:
+    with self._lock:
+      if self._shut or exiting():
+        raise RuntimeError("cannot schedule new futures after shutdown")
+      future: concurrent.futures.Future = concurrent.futures.Future()
+      self._jobs.put((future, fn, args, kwargs))
+      while len(self._threads) < self._count:
+        thread = threading.Thread(
+            target=self._work, daemon=True,
+            name=f"{self._name}_{len(self._threads)}")
+        thread.start()
+        self._threads.append(thread)
+    return future
+
+  def _work(self) -> None:
+    while True:
+      job = self._jobs.get()
+      if job is None:
+        return
+      future, fn, args, kwargs = job
+      if not future.set_running_or_notify_cancel():
+        continue
+      try:
+        result = fn(*args, **kwargs)
+      except BaseException as e:  # pylint: disable=broad-except
+        future.set_exception(e)
+      else:
+        future.set_result(result)
+      del job, future, fn, args, kwargs  # nothing kept while waiting
+
+  def shutdown(self, wait: bool = True, *, cancel_futures: bool = False
+               ) -> None:
+    with self._lock:
+      if not self._shut:
+        self._shut = True
+        for _ in self._threads:
+          self._jobs.put(None)  # each thread ends after the jobs before
+      threads = list(self._threads)
+    if cancel_futures:
+      while True:
+        try:
+          job = self._jobs.get_nowait()
+        except queue.Empty:
+          break
+        if job is None:
+          self._jobs.put(None)  # keep it for its thread, and stop here
+          break
+        job[0].cancel()
+    if wait:
+      for thread in threads:
+        if thread is not threading.current_thread():
+          thread.join()
+
+
 class WorkerPool:
   """A loader's workers: threads or spawned processes, running while any
   of its cursors is open (:meth:`opened`, :meth:`closed`).
@@ -316,8 +392,7 @@ class WorkerPool:
     """A cursor opened: the workers start if they are not running."""
     with self._lock:
       if self._pool is None and not self.processes and self.workers > 0:
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            self.workers, thread_name_prefix="jax_data-source")
+        self._pool = DaemonThreads(self.workers, "jax_data-source")
       self._open += 1
     if self.processes:
       self._process_pool()
