@@ -330,6 +330,52 @@ def test_a_failing_record_is_named():
   release_fn()
 
 
+class ReadOnConversion:
+  """A leaf read when converted to an array, as an h5py dataset or a zarr
+  array is: the read of leaf ``failing`` fails."""
+
+  def __init__(self, index, failing):
+    self.index, self.failing = index, failing
+
+  def __array__(self, dtype=None, copy=None):
+    if self.index == self.failing:
+      raise OSError("Can't read data (file truncated)")
+    return np.full(2, self.index, np.float32)
+
+
+class LazyLeaves:
+
+  def __init__(self, failing):
+    self.failing = failing
+
+  def __len__(self):
+    return 20
+
+  def __getitem__(self, i):
+    return {"x": ReadOnConversion(i, self.failing)}
+
+
+class LazyLeavesBatched(LazyLeaves):
+
+  def __getitems__(self, indices):
+    return [self[i] for i in indices]
+
+
+@pytest.mark.parametrize("source", [LazyLeaves, LazyLeavesBatched])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_leaf_that_fails_to_convert_names_its_record(source, workers):
+  mapper_fn, release_fn = jax_data.full_data_mapper(
+      SourceDataLoader(source(5), workers=workers), 2, 4)
+  with pytest.raises(Exception, match=re.escape(
+      f"SourceDataLoader over {source.__name__}: record 5 ['x']: OSError: "
+      "Can't read data")):
+    jax.block_until_ready(mapper_fn(lambda b, c: (b["x"], c), None))
+  release_fn()
+  with pytest.raises(jax_data.source_records.RecordError,
+                     match=re.escape("record 0 ['x']: OSError")):
+    SourceDataLoader(source(0))
+
+
 class FailingOnce:
   """Records of their index, where record 5 fails once (a transient I/O
   error)."""

@@ -96,7 +96,9 @@ class RecordFormat:
       for stack in (np.array, np.stack):
         try:
           array = stack(column)
-        except (ValueError, TypeError):
+        except Exception:  # pylint: disable=broad-except
+          # Mixed shapes; or a leaf that fails to read when converted
+          # (an h5py dataset): the record-by-record path names it.
           continue
         if array.shape[1:] == shape and array.dtype == dtype:
           stacked.append(array)
@@ -175,11 +177,21 @@ class RecordReader:
           f"{self.name} over {type(self.source).__name__}: "
           f"record {index}: {type(e).__name__}: {e}") from e
 
+  def array(self, index: int, path: str, leaf: Any) -> np.ndarray:
+    """Leaf ``path`` of record ``index`` as an array; a failure (a leaf
+    read when converted, as an h5py dataset is) names the record."""
+    try:
+      return np.asarray(leaf)
+    except Exception as e:  # pylint: disable=broad-except
+      raise RecordError(
+          f"{self.name} over {type(self.source).__name__}: record {index} "
+          f"{path}: {type(e).__name__}: {e}") from e
+
   def check_first(self, paths: List[str], leaves: List[Any]
                    ) -> List[np.ndarray]:
     arrays = []
     for path, leaf in zip(paths, leaves):
-      array = np.asarray(leaf)
+      array = self.array(0, path, leaf)
       if is_jax_dtype(array.dtype) and not array.dtype.isnative:
         raise TypeError(
             f"record 0 has {path} of dtype {array.dtype}, in the other byte "
@@ -213,8 +225,10 @@ class RecordReader:
           "records must share one format; record 0 is "
           f"{first.describe()}")
     arrays = []
-    for leaf, shape, dtype in zip(leaves, first.shapes, first.dtypes):
-      array = leaf if type(leaf) is np.ndarray else np.asarray(leaf)
+    for leaf, shape, dtype, path in zip(leaves, first.shapes, first.dtypes,
+                                        first.paths):
+      array = leaf if type(leaf) is np.ndarray else self.array(index, path,
+                                                               leaf)
       if array.shape != shape or array.dtype != dtype:
         self.wrong_leaf(index, record)
       arrays.append(array)
@@ -226,7 +240,7 @@ class RecordReader:
     paths, leaves, _ = flatten_record(record)
     for path, leaf, shape, dtype in zip(paths, leaves, first.shapes,
                                         first.dtypes):
-      array = np.asarray(leaf)
+      array = self.array(index, path, leaf)
       if array.shape != shape or array.dtype != dtype:
         raise RecordError(
             f"record {index} has {path} of dtype {array.dtype} and shape "
