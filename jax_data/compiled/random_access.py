@@ -79,8 +79,10 @@ def random_reference_data(data_loader: DataLoader,
       held at once, that ``"auto"`` would choose half the batches or
       fewer for them); a restored checkpoint keeps its own.
     mb_size: Observations per batch.
-    verify_calls: Warn when a chunk is requested again after the chain moved
-      on (a state used twice or replayed), which costs regeneration.
+    verify_calls: Warn when a chunk of an exact stream is requested again
+      after the chain moved on (a state used twice or replayed), which
+      costs regeneration; counter-based chains make any chunk again at the
+      cost of its first making, and do not warn.
     callback: How compiled code receives chunks: ``"auto"`` (written in
       place into XLA's buffer on CPU, ``jax.pure_callback`` elsewhere) or
       ``"pure"`` (``jax.pure_callback`` everywhere).
