@@ -21,6 +21,17 @@ from jax_data.streams import device_streams
 ALPHA = 1e-3
 
 
+@pytest.mark.parametrize("n", [0, 2**63, 2**63 + 5, 2**64 - 1])
+def test_a_domain_past_int64_indices_is_refused(n):
+  """The host's indices are int64: past 2**63 they came out negative."""
+  for draw in (lambda: cs.permute(1, 0, np.arange(10), n),
+               lambda: cs.uniform(1, np.arange(10), n)):
+    with pytest.raises(ValueError, match=f"1 <= n < 2\\*\\*63 .*got n={n}"):
+      draw()
+  assert cs.permute(1, 0, np.arange(1000), 2**63 - 1).min() >= 0
+  assert cs.uniform(1, np.arange(1000), 2**63 - 1).min() >= 0
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 16, 17, 1000, 65_537, 1_000_000])
 def test_every_index_exactly_once_per_epoch(n):
   for seed in (0, 1, 2**40 + 7):

@@ -312,7 +312,7 @@ def permute(seed: int, epoch: Any, offsets: Any, n: int, xp: Any = np
   NumPy returns int64; ``jax.numpy`` (``n`` at most ``2**32``) uint32.
   """
   bits = domain_bits(n)
-  _check_device_size(n, bits, xp)
+  _check_size(n, bits, xp)
   if xp is np:
     offsets = np.asarray(offsets)
     if np.ndim(epoch):
@@ -424,7 +424,7 @@ def uniform(seed: Any, positions: Any, n: int, xp: Any = np) -> Any:
   position; ``jax.numpy`` ``uint32`` positions, or a pair of arrays of
   their low and high ``uint32`` words, and ``n`` below ``2**32``.
   """
-  _check_device_size(n, domain_bits(n), xp)
+  _check_size(n, domain_bits(n), xp)
   if xp is np:
     positions = np.asarray(positions, np.int64)
     with np.errstate(over="ignore"):
@@ -517,7 +517,13 @@ def combined_hash(h: Any, n: int, xp: Any = np) -> Any:
           | (h ^ m).astype(np.uint64))
 
 
-def _check_device_size(n: int, bits: int, xp: Any) -> None:
+def _check_size(n: int, bits: int, xp: Any) -> None:
+  """Raises for an ``n`` the host's int64 indices cannot hold (they would
+  come out negative), or above the device's ``2**32``."""
+  if not 0 < n < 2**63:
+    raise ValueError(
+        f"counter streams need 1 <= n < 2**63 observations (int64 "
+        f"indices), got n={n}")
   if xp is not np and bits > 32:
     raise ValueError(
         f"counter streams on the device need at most 2**32 observations, "
