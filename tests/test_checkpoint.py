@@ -345,6 +345,14 @@ def _stream(name, value):
     (dict(stream="counter"), _stream("batch", -3), "batch must be between 0"),
     (dict(stream="counter"), _stream("batch", 2**70), "batch must be"),
     (dict(stream="counter"), _stream("seed", 2**64), "seed must be between"),
+    # A spec and snapshot that disagree: the snapshot's seed was drawn, and
+    # its batch replaced by the chunk's, in silence.
+    (dict(stream="counter"), _edit(lambda c: c["spec"].__setitem__("seed",
+                                                                  5)),
+     "the chain's spec and its snapshot disagree"),
+    (dict(stream="counter", shuffle=True), _stream("batch", 9),
+     r"'batch': 9.*is not the chain's position before chunk"),
+    (dict(stream="counter"), _stream("seed", 7), "disagree"),
 ])
 def test_edited_positions_and_observations_are_refused(mode, edit, match):
   """Every field of a saved chain is checked at restore: an edited or

@@ -459,6 +459,32 @@ class Shelf:
         self.idle.append(record)
 
 
+def _seek_checked(cursor: ChainCursor, index: int, position: Position
+                  ) -> None:
+  """Moves a new chain's ``cursor`` to ``position``, saved before chunk
+  ``index``. Where the cursor computes chunk ``index``'s position from its
+  spec (counter-based and ordered streams), the saved one must be that
+  position: a seed or batch that disagrees with the spec and the chunk
+  (an edited checkpoint) would otherwise be taken, or overridden later, in
+  silence.
+
+  Raises:
+    ValueError: the cursor refuses ``position``, or it is not chunk
+      ``index``'s of the spec's chain.
+  """
+  own = cursor.position_at(index)
+  cursor.seek(position)
+  if own is None:
+    return
+  saved = cursor.position()
+  cursor.seek(own)  # as the cursor holds it (an ordered batch within a pass)
+  if cursor.position() != saved:
+    raise ValueError(
+        f"the saved position {position!r} is not the chain's position "
+        f"before chunk {index}, {cursor.position()!r}: the chain's spec and "
+        "its snapshot disagree")
+
+
 class ChainTable:
   """The chains of one pipeline by number, over its loader (thread-safe).
 
@@ -510,7 +536,7 @@ class ChainTable:
     if snapshot is not None:
       index, position = snapshot
       try:
-        cursor.seek(position)
+        _seek_checked(cursor, index, position)
       except BaseException:
         cursor.close()
         raise
