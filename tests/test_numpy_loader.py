@@ -160,6 +160,21 @@ def test_load_state_checks_every_field(kwargs, edit, match):
   assert _stream(loader, chain, 3) == expected
 
 
+def test_load_state_refuses_fields_the_position_does_not_have():
+  """A field put beside stream instead of in it (batch) was ignored: the
+  chain stayed where it stood."""
+  loader = NumpyDataLoader(x=np.arange(1000))
+  chain = loader.register_random_pipeline(2, 8, seed=3, stream="counter",
+                                          shuffle=True)
+  saved = loader.save_state(chain)
+  expected = _stream(loader, chain, 2)
+  loader.load_state(chain, saved)
+  with pytest.raises(ValueError, match=r"has fields \['batch'\] besides "
+                     "version and stream"):
+    loader.load_state(chain, dict(saved, batch=5))
+  assert _stream(loader, chain, 2) == expected
+
+
 def test_released_chain_is_an_error():
   loader = NumpyDataLoader(x=np.arange(10))
   chain = loader.register_random_pipeline(2, 3)

@@ -304,6 +304,11 @@ class IndexedCursor(ChainCursor):
       raise ValueError(
           f"position {position!r} is not one of an indexed chain (version "
           f"{_POSITION_VERSION})")
+    others = sorted(set(position) - {"version", "stream"}, key=str)
+    if others:  # a field meant for the stream, say, would be ignored
+      raise ValueError(
+          f"position {position!r} has fields {others} besides version and "
+          "stream, which an indexed chain's position does not have")
     self._stream.set_state(copy.deepcopy(position["stream"]))
 
 
