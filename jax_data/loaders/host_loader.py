@@ -61,8 +61,7 @@ from jax_data.validation import check_keywords
 #: Random chains over more observations than this draw counter-based
 #: streams by default (``stream="auto"``): an exact shuffled chain keeps up
 #: to two permutations of 8 bytes per observation (8 MiB each here) and
-#: replays from
-#: snapshots to seek.
+#: replays from snapshots to seek.
 AUTO_COUNTER_ABOVE = 2**20
 
 
@@ -560,9 +559,8 @@ def chain_specs(loader: HostDataLoader, seeds: Sequence[Any],
   in one vectorised call and read in one gather for all of them, and a
   shuffled one keeps no permutation; exact ones are drawn chain by chain,
   and a shuffled one keeps up to two permutations of 8 bytes per
-  observation. With
-  the exact streams, 256 and 1,024 vmapped chains over 1e5 observations
-  took 1.6-1.7x the time per step on 2 cores. The exact streams, those of
+  observation. With the exact streams, 256 and 1,024 vmapped chains over
+  1e5 observations took 1.6-1.7x the time per step on 2 cores. The exact streams, those of
   the guide's library, are for one chain per ``init_fn`` call, the only way
   that library made chains; ``stream="exact"`` keeps them here."""
   stream = keywords.get("stream", "auto")
