@@ -560,9 +560,10 @@ def chain_specs(loader: HostDataLoader, seeds: Sequence[Any],
   shuffled one keeps no permutation; exact ones are drawn chain by chain,
   and a shuffled one keeps up to two permutations of 8 bytes per
   observation. With the exact streams, 256 and 1,024 vmapped chains over
-  1e5 observations took 1.6-1.7x the time per step on 2 cores. The exact streams, those of
-  the guide's library, are for one chain per ``init_fn`` call, the only way
-  that library made chains; ``stream="exact"`` keeps them here."""
+  1e5 observations took 1.6-1.7x the time per step on 2 cores. The exact
+  streams, those of the guide's library, are for one chain per
+  ``init_fn`` call, the only way that library made chains;
+  ``stream="exact"`` keeps them here."""
   stream = keywords.get("stream", "auto")
   if ("stream" in loader.random_keywords
       and loader.auto_counter_above is not None
