@@ -5,6 +5,7 @@ import ctypes
 import gc
 import threading
 import time
+import warnings
 import weakref
 
 import jax
@@ -14,7 +15,9 @@ import pytest
 from jax import lax
 
 import jax_data
+import jax_data.loaders.indexed
 import jax_data.pass_keys
+import jax_data.serving.chunk_store
 from jax_data import NumpyDataLoader
 from jax_data.host_loader import StoreLimits
 
@@ -306,6 +309,65 @@ def test_a_chain_whose_chunks_were_dropped_continues_exactly():
   assert not host.chain(int(first.chain)).chunks
   _, again = run(middle)
   np.testing.assert_array_equal(again["x"], expected["x"])
+
+
+def test_a_cursor_trim_that_fails_once_does_not_stop_the_prefetch_thread(
+    monkeypatch):
+  """Trimming runs in the prefetch thread; a cursor whose trim raised
+  ended that thread before, and every later job queued for ever (no more
+  read-ahead, no more trimming, wait_idle never true). Now the failure is
+  warned and the housekeeping goes on."""
+  count = 20_000
+  failed = []
+  trim = jax_data.loaders.indexed.IndexedCursor.trim
+
+  def trim_failing_once(cursor):
+    if not failed:
+      failed.append(cursor)
+      raise OSError("trim failed once")
+    return trim(cursor)
+
+  monkeypatch.setattr(jax_data.loaders.indexed.IndexedCursor, "trim",
+                      trim_failing_once)
+  loader = NumpyDataLoader(x=np.arange(count, dtype=np.float32))
+  loader.store_limits = StoreLimits(store_bytes=1 << 20)
+  init_fn, batch_fn, release_fn = pipeline = jax_data.random_reference_data(
+      loader, 4, 32)
+  run = jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
+                                   length=8))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    states = []
+    for epoch in range(40):
+      states.append(run(init_fn(seed=epoch, shuffle=True))[0])
+      assert pipeline.host.wait_idle(), epoch
+  assert failed
+  assert any("trimming chain" in str(w.message) and "trim failed once" in
+             str(w.message) for w in caught)
+  cursors = [pipeline.host.chain(int(s.chain)).cursor for s in states]
+  limit = max(1 << 20, StoreLimits().held_requests * 8 * count)
+  assert sum(c.held_bytes() for c in cursors) <= limit + max(
+      c.held_bytes() for c in cursors)
+  release_fn()
+
+
+def test_a_prefetch_job_that_raises_is_warned_and_the_next_runs():
+  prefetcher = jax_data.serving.chunk_store.Prefetcher("the loader")
+  ran = []
+
+  def failing():
+    raise OSError("housekeeping failed")
+
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert prefetcher.submit(failing, lambda e: None)
+    assert prefetcher.submit(lambda: ran.append(1), lambda e: None)
+    assert prefetcher.wait_idle(30)
+  assert ran == [1]
+  assert any("background work for the loader failed and was skipped: "
+             "OSError: housekeeping failed" in str(w.message) for w in caught)
+  prefetcher.close(RuntimeError("closed"))
+  prefetcher.join(30)
 
 
 def test_permutations_of_many_small_chains_stay_within_the_budget():

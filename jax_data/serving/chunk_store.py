@@ -47,6 +47,7 @@ import collections
 import dataclasses
 import functools
 import threading
+import warnings
 from typing import Any
 from typing import Callable
 from typing import Deque
@@ -123,10 +124,12 @@ class Prefetcher:
   """One background thread that runs production jobs in order.
 
   Args:
+    owner: What the jobs serve (a loader), for messages.
     name: The thread's name.
   """
 
-  def __init__(self, name: str = "jax_data-prefetch"):
+  def __init__(self, owner: str = "", name: str = "jax_data-prefetch"):
+    self._owner = owner
     self._name = name
     self._jobs: Deque[_Job] = collections.deque()
     self._changed = threading.Condition()
@@ -165,6 +168,13 @@ class Prefetcher:
         self._running = True
       try:
         job.run()
+      except Exception as e:  # pylint: disable=broad-except
+        # A job answers its requests' failures itself; one that raises
+        # (housekeeping) must not end the thread, and with it every later
+        # job: they would queue for ever.
+        warnings.warn(f"jax_data: background work for {self._owner} "
+                      f"failed and was skipped: {type(e).__name__}: {e}",
+                      RuntimeWarning, stacklevel=1)
       finally:
         # Not kept while waiting for the next: a finished job's closure
         # holds its host, which must be collectable once its pipeline is

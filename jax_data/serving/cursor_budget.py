@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import warnings
 from typing import Callable
 from typing import Optional
 from typing import Sequence
@@ -82,7 +83,15 @@ class CursorBudget:
       return
     try:
       if not record.closed and not (only_if_idle and record.chunks):
-        record.cursor.trim()
+        try:
+          record.cursor.trim()
+        except Exception as e:  # pylint: disable=broad-except
+          # Housekeeping in the background: the chain keeps what it held,
+          # and the other chains are trimmed still.
+          warnings.warn(
+              f"jax_data: trimming chain {record.number}'s cursor failed "
+              f"({type(e).__name__}: {e}); it keeps what it holds",
+              RuntimeWarning, stacklevel=1)
         self.note(record)
     finally:
       record.produce_lock.release()

@@ -406,7 +406,8 @@ class _Parts:
       table = self.chains()
       with self._lock:
         if self.made_store is None:
-          prefetcher = Prefetcher() if self._prefetch else None
+          prefetcher = (Prefetcher(self._name) if self._prefetch
+                        else None)
           if prefetcher is not None:
             # Dropped without release_fn: the thread ends with the host,
             # and the exit hook waits for its running job.
