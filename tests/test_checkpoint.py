@@ -368,6 +368,22 @@ def test_edited_positions_and_observations_are_refused(mode, edit, match):
   jax_data.state_from_pytree(fresh, tree)
 
 
+@pytest.mark.parametrize("stream, match", [
+    ("counter", "chunk=1 must be at least the chain's snapshot_index=3$"),
+    ("exact", "chunk=1 must be between the chain's snapshot_index=3 and"),
+])
+def test_a_chunk_before_its_snapshot_is_named(stream, match):
+  """A counter-based chain has no replay bound: its message said
+  "unsupported operand type(s) for +: 'int' and 'NoneType'"."""
+  pipeline = _pipeline()
+  state = pipeline[0](seed=0, stream=stream)
+  saved = dict(pipeline.host.save_chain(int(state.chain), 0),
+               snapshot_index=3)
+  with pytest.raises(jax_data.CheckpointError, match=match):
+    pipeline.host.restore_chain(saved, 1)
+  pipeline[2]()
+
+
 def test_a_checkpoint_of_the_other_x64_setting_says_so():
   """Loaders serve 64-bit data in other dtypes with jax_enable_x64, so the
   data's digest differs: the refusal names the setting, not other data."""

@@ -598,6 +598,8 @@ class ChainTable:
       replay = None if counter else self.loader.store_limits.max_replay
       if chunk < index or (replay is not None and chunk > index + replay):
         raise ValueError(
+            f"the state's chunk={chunk} must be at least the chain's "
+            f"snapshot_index={index}" if replay is None else
             f"the state's chunk={chunk} must be between the chain's "
             f"snapshot_index={index} and {index + replay} (the snapshot "
             f"plus max_replay={replay} chunks)")
