@@ -69,6 +69,9 @@ def check_bool(name: str, value: Any) -> bool:
       hasattr(value, "dtype") and getattr(value, "shape", None) == ()
       and value.dtype == bool):
     raise TypeError(f"{name} must be True or False, got {name}={value!r}")
+  if isinstance(value, jax.core.Tracer):  # it decides what is traced
+    raise TypeError(f"{name} must be a concrete True or False, got "
+                    f"{name}={value!r}")
   return bool(value)
 
 
@@ -151,6 +154,9 @@ def seed_list(seed: Any) -> Optional[List[Any]]:
   Raises:
     ValueError: an empty sequence, or an array of more than one axis.
   """
+  if isinstance(seed, jax.core.Tracer):
+    raise TypeError(f"seed must be concrete integers (a chain's seed is "
+                    f"fixed when init_fn makes it), got seed={seed!r}")
   if isinstance(seed, (np.ndarray, jax.Array)):
     if np.ndim(seed) == 0:
       return None

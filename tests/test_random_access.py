@@ -299,6 +299,16 @@ def test_bad_arguments_raise_before_tracing(pipelines):
   other_init, _, _ = pipelines.random_reference_data(loader, 3, 2)
   with pytest.raises(TypeError, match="does not belong to this pipeline"):
     batch_fn(other_init())
+  # Traced flags and seeds: JAX's generic conversion errors named nothing.
+  state = init_fn(seed=1, stream="counter")
+  with pytest.raises(TypeError, match="information must be a concrete True "
+                     "or False, got information="):
+    jax.jit(lambda s, i: batch_fn(s, information=i))(state, True)
+  with pytest.raises(TypeError, match="shuffle must be a concrete True or "
+                     "False, got shuffle="):
+    jax.jit(lambda s: init_fn(seed=1, stream="counter", shuffle=s).key)(True)
+  with pytest.raises(TypeError, match="seed must be concrete integers"):
+    jax.jit(lambda s: init_fn(seed=s).key)(jnp.arange(3))
 
 
 def test_no_warning_for_a_cache_smaller_than_the_data(pipelines):
