@@ -376,6 +376,32 @@ def test_a_leaf_that_fails_to_convert_names_its_record(source, workers):
     SourceDataLoader(source(0))
 
 
+@pytest.mark.parametrize("workers", [8, 64])
+def test_more_workers_than_a_chunks_records(workers):
+  """A chunk of 4 records and a pool of 8 or 64: the pool's timed trial
+  read them with 4 workers and failed to note it (KeyError: 4) at the
+  second chunk; the batches are those of workers=0, and no more threads
+  start than a chunk's records."""
+  def batches(workers):
+    before = set(threading.enumerate())
+    loader = SourceDataLoader([np.float32(i) for i in range(100)],
+                              workers=workers)
+    init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+        loader, 1, 4)
+    state, drawn = init_fn(seed=0), []
+    for _ in range(6):
+      state, batch = batch_fn(state)
+      drawn.append(np.asarray(batch).tolist())
+    started = [t for t in set(threading.enumerate()) - before
+               if t.name.startswith("jax_data-source")]
+    release_fn()
+    return drawn, started
+
+  drawn, started = batches(workers)
+  assert drawn == batches(0)[0]
+  assert len(started) <= 4
+
+
 class FailingOnce:
   """Records of their index, where record 5 fails once (a transient I/O
   error)."""
@@ -457,6 +483,10 @@ def test_bad_arguments_are_named():
     SourceDataLoader([1, 2], transform=3)
   with pytest.raises(ValueError, match="workers=-1"):
     SourceDataLoader([1, 2], workers=-1)
+  # Tens of thousands of threads failed to start inside compiled code.
+  with pytest.raises(ValueError, match="workers must be between 0 and "
+                     "1024, got workers=100000"):
+    SourceDataLoader([1, 2], workers=100_000)
   with pytest.raises(jax_data.source_records.RecordError, match="record 0: "
                      "ZeroDivisionError"):
     SourceDataLoader([1, 2], transform=lambda r: r / 0)

@@ -52,6 +52,12 @@ from jax_data.validation import check_int
 _TRIALS = 2
 
 
+#: The most workers a loader takes: beyond it a thread or process each
+#: buys no speed, and tens of thousands failed to start inside compiled
+#: code, leaving those already started behind.
+MAX_WORKERS = 1024
+
+
 def default_workers() -> int:
   """Worker threads by default: the cores this process may use, at most 8."""
   return min(8, usable_cores())
@@ -146,7 +152,7 @@ class SourceDataLoader(HostDataLoader):
       kept; 0 reads in the thread that produces the chunk, which then
       cannot be answered before its record returns, also when the
       pipeline is released meanwhile. Default: the usable cores, at most
-      8.
+      8; at most :data:`MAX_WORKERS` (1,024).
     processes: The workers are processes instead (started with ``spawn``
       when the first chain opens), for transforms whose Python work holds
       the GIL; ``source`` and ``transform`` must pickle, and each worker
@@ -190,7 +196,7 @@ class SourceDataLoader(HostDataLoader):
     if self._count == 0:
       raise ValueError(f"source {source!r} is empty (len(source) == 0)")
     self._workers = default_workers() if workers is None else check_int(
-        "workers", workers, minimum=0)
+        "workers", workers, minimum=0, maximum=MAX_WORKERS)
     self._processes = check_bool("processes", processes)
     if self._processes and self._workers > usable_cores():
       warnings.warn(
@@ -255,8 +261,10 @@ class SourceDataLoader(HostDataLoader):
         if not exiting() or (stop is not None and stop.done()):
           raise
         here = True  # the workers were ended by the exit meanwhile
-    workers = (0 if here or processes  # processes are not timed
-               else min(self._choice.next(), unique.size))
+    # Timed as the choice it was: a chunk of fewer records than the pool
+    # reads them with fewer workers.
+    choice = 0 if here or processes else self._choice.next()
+    workers = min(choice, unique.size)  # processes are not timed
     start = time.perf_counter()
     if here:
       self._reader.fill(unique, first, out, stop)
@@ -274,7 +282,7 @@ class SourceDataLoader(HostDataLoader):
       wait(futures, stop)
       for future in futures:
         future.result()  # the first failure, by row order
-      self._choice.observe(workers, unique.size, time.perf_counter() - start)
+      self._choice.observe(choice, unique.size, time.perf_counter() - start)
     if stop is not None and stop.done():
       raise stopped()
     if inverse is not None:

@@ -279,7 +279,8 @@ class DaemonThreads(concurrent.futures.Executor):
   work once shut down or once the interpreter exits.
 
   Args:
-    count: How many threads (started at the first ``submit``).
+    count: How many threads at most (one started for a ``submit`` that
+      finds none idle, until there are as many).
     name: Their names' prefix.
   """
 
@@ -289,6 +290,7 @@ class DaemonThreads(concurrent.futures.Executor):
     self._jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
     self._lock = threading.Lock()
     self._threads: List[threading.Thread] = []
+    self._idle = threading.Semaphore(0)  # a release per thread waiting
     self._shut = False
 
   def submit(self, fn: Callable, /, *args: Any, **kwargs: Any
@@ -298,7 +300,8 @@ class DaemonThreads(concurrent.futures.Executor):
         raise RuntimeError("cannot schedule new futures after shutdown")
       future: concurrent.futures.Future = concurrent.futures.Future()
       self._jobs.put((future, fn, args, kwargs))
-      while len(self._threads) < self._count:
+      if not self._idle.acquire(timeout=0) and (
+          len(self._threads) < self._count):
         thread = threading.Thread(
             target=self._work, daemon=True,
             name=f"{self._name}_{len(self._threads)}")
@@ -321,6 +324,7 @@ class DaemonThreads(concurrent.futures.Executor):
       else:
         future.set_result(result)
       del job, future, fn, args, kwargs  # nothing kept while waiting
+      self._idle.release()
 
   def shutdown(self, wait: bool = True, *, cancel_futures: bool = False
                ) -> None:
