@@ -499,6 +499,20 @@ def test_a_chunk_counter_past_int32_says_it_wrapped():
   release_fn()
 
 
+def test_a_device_chains_wrapped_counter_says_it_counts_batches():
+  """A device loader's chain counts batches, not chunks of
+  cached_batches_count: the message said chunks alone."""
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      jax_data.DeviceNumpyDataLoader(x=np.arange(10)), 2, 3)
+  state = init_fn(seed=0, stream="counter")._replace(
+      chunk=jnp.int32(-2**31))
+  with pytest.raises(ValueError, match=r"chunk=-2147483648.*past 2\*\*31 - "
+                     r"1 chunks of cached_batches_count batches \(batches, "
+                     r"on a device loader\)"):
+    batch_fn(state)
+  release_fn()
+
+
 def test_a_failing_record_is_named_by_its_chain_and_spares_the_others():
   """A record that only one chain of a group draws fails that chain's
   chunk alone: a request of all chains names that chain, and each other

@@ -100,8 +100,9 @@ def check_chains(field: Any, has_chain: Callable[[int], bool],
 
 #: What a negative chunk counter of a state made by batch_fn means.
 WRAPPED = ("a chain's int32 chunk counter goes negative only past "
-           "2**31 - 1 chunks of cached_batches_count batches, where it "
-           "wraps; a chain goes on past that from a new init_fn state")
+           "2**31 - 1 chunks of cached_batches_count batches (batches, on "
+           "a device loader), where it wraps; a chain goes on past that "
+           "from a new init_fn state")
 
 
 def _check_counters(state: CacheState, cache_size: int, where: str) -> None:
