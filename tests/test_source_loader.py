@@ -525,6 +525,25 @@ def test_worker_threads_end_with_the_pipeline():
   assert not workers()
 
 
+def test_worker_threads_end_with_a_loader_dropped_unreleased():
+  """The threads hold their jobs' queue, not the pool: a loader and
+  pipeline dropped without release_fn end them."""
+  before = set(threading.enumerate())
+  loader = SourceDataLoader(Virtual(), workers=3)
+  init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 8, 32)
+  state = init_fn()
+  for _ in range(4):
+    state, _ = batch_fn(state)
+  started = [t for t in set(threading.enumerate()) - before
+             if t.name.startswith("jax_data-source")]
+  assert started
+  del loader, init_fn, batch_fn, state
+  gc.collect()
+  for thread in started:
+    thread.join(30)
+  assert not any(thread.is_alive() for thread in started)
+
+
 # -- memory and checkpoints -------------------------------------------------
 
 

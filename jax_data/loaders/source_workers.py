@@ -276,7 +276,8 @@ class DaemonThreads(concurrent.futures.Executor):
   ``ThreadPoolExecutor``'s are joined at exit, so a worker stuck in a
   source's read (a stalled network file) held the process up for as long
   as the read took, after its pipeline was released. Like one, it refuses
-  work once shut down or once the interpreter exits.
+  work once shut down or once the interpreter exits, and its threads end
+  when it is shut down or dropped.
 
   Args:
     count: How many threads at most (one started for a ``submit`` that
@@ -292,6 +293,9 @@ class DaemonThreads(concurrent.futures.Executor):
     self._threads: List[threading.Thread] = []
     self._idle = threading.Semaphore(0)  # a release per thread waiting
     self._shut = False
+    # The threads hold the queue, not the pool: a pool dropped without
+    # shutdown (its loader dropped) ends them.
+    weakref.finalize(self, _end_threads, self._jobs, count)
 
   def submit(self, fn: Callable, /, *args: Any, **kwargs: Any
              ) -> concurrent.futures.Future:
@@ -303,28 +307,11 @@ class DaemonThreads(concurrent.futures.Executor):
       if not self._idle.acquire(timeout=0) and (
           len(self._threads) < self._count):
         thread = threading.Thread(
-            target=self._work, daemon=True,
+            target=_run_jobs, args=(self._jobs, self._idle), daemon=True,
             name=f"{self._name}_{len(self._threads)}")
         thread.start()
         self._threads.append(thread)
     return future
-
-  def _work(self) -> None:
-    while True:
-      job = self._jobs.get()
-      if job is None:
-        return
-      future, fn, args, kwargs = job
-      if not future.set_running_or_notify_cancel():
-        continue
-      try:
-        result = fn(*args, **kwargs)
-      except BaseException as e:  # pylint: disable=broad-except
-        future.set_exception(e)
-      else:
-        future.set_result(result)
-      del job, future, fn, args, kwargs  # nothing kept while waiting
-      self._idle.release()
 
   def shutdown(self, wait: bool = True, *, cancel_futures: bool = False
                ) -> None:
@@ -348,6 +335,32 @@ class DaemonThreads(concurrent.futures.Executor):
       for thread in threads:
         if thread is not threading.current_thread():
           thread.join()
+
+
+def _run_jobs(jobs: "queue.SimpleQueue[Any]",
+              idle: threading.Semaphore) -> None:
+  """A thread of :class:`DaemonThreads`: runs the jobs of ``jobs`` until
+  it takes ``None``."""
+  while True:
+    job = jobs.get()
+    if job is None:
+      return
+    future, fn, args, kwargs = job
+    if not future.set_running_or_notify_cancel():
+      continue
+    try:
+      result = fn(*args, **kwargs)
+    except BaseException as e:  # pylint: disable=broad-except
+      future.set_exception(e)
+    else:
+      future.set_result(result)
+    del job, future, fn, args, kwargs  # nothing kept while waiting
+    idle.release()
+
+
+def _end_threads(jobs: "queue.SimpleQueue[Any]", count: int) -> None:
+  for _ in range(count):
+    jobs.put(None)
 
 
 class WorkerPool:
