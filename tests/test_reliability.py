@@ -311,6 +311,21 @@ def test_a_chain_whose_chunks_were_dropped_continues_exactly():
   np.testing.assert_array_equal(again["x"], expected["x"])
 
 
+def _small_budget(count):
+  """Shuffled chains of 4 batches of 32 over ``count`` observations, whose
+  cursors share a budget of 1 MiB."""
+  loader = NumpyDataLoader(x=np.arange(count, dtype=np.float32))
+  loader.store_limits = StoreLimits(store_bytes=1 << 20)
+  return jax_data.random_reference_data(loader, 4, 32)
+
+
+def _steps(pipeline, length):
+  """``length`` steps of ``pipeline``'s batch_fn in one jitted scan."""
+  batch_fn = pipeline[1]
+  return jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
+                                    length=length))
+
+
 def test_a_cursor_trim_that_fails_once_does_not_stop_the_prefetch_thread(
     monkeypatch):
   """Trimming runs in the prefetch thread; a cursor whose trim raised
@@ -329,12 +344,8 @@ def test_a_cursor_trim_that_fails_once_does_not_stop_the_prefetch_thread(
 
   monkeypatch.setattr(jax_data.loaders.indexed.IndexedCursor, "trim",
                       trim_failing_once)
-  loader = NumpyDataLoader(x=np.arange(count, dtype=np.float32))
-  loader.store_limits = StoreLimits(store_bytes=1 << 20)
-  init_fn, batch_fn, release_fn = pipeline = jax_data.random_reference_data(
-      loader, 4, 32)
-  run = jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
-                                   length=8))
+  init_fn, _, release_fn = pipeline = _small_budget(count)
+  run = _steps(pipeline, 8)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     states = []
@@ -376,12 +387,9 @@ def test_permutations_of_many_small_chains_stay_within_the_budget():
   are trimmed, least recently used first, and every chain continues
   exactly."""
   count = 20_000
-  loader = NumpyDataLoader(x=np.arange(count, dtype=np.float32))
-  loader.store_limits = StoreLimits(store_bytes=1 << 20)
-  init_fn, batch_fn, _ = pipeline = jax_data.random_reference_data(
-      loader, 4, 32)
-  run = jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
-                                   length=8))
+  init_fn, _, _ = pipeline = _small_budget(count)
+  loader = pipeline.host.loader
+  run = _steps(pipeline, 8)
   host = pipeline.host
   states, batches = [], []
   for epoch in range(40):
