@@ -163,6 +163,40 @@ def test_truncated_memmap_raises_instead_of_crashing(tmp_path, pipelines):
     jax.block_until_ready(mapper_fn(lambda b, c: (b["x"], c), None))
 
 
+@pytest.mark.parametrize("loader_type", [NumpyDataLoader,
+                                         jax_data.DeviceNumpyDataLoader])
+@pytest.mark.parametrize("copy", [True, False])
+def test_a_memmap_truncated_before_the_loader_is_made_raises(
+    tmp_path, loader_type, copy):
+  """Copied into memory or read later, a memmap whose file no longer holds
+  its rows is an OSError naming the array, not SIGBUS."""
+  path = tmp_path / "x.npy"
+  np.save(path, np.ones((1000, 4), np.float32))
+  data = np.load(path, mmap_mode="r")
+  with open(path, "r+b") as f:
+    f.truncate(1000)
+  with pytest.raises(OSError, match=r"the file of array 'x' \(.*x.npy\) was "
+                     "truncated to 1000 bytes; the memmap needs 16128"):
+    loader_type(copy=copy, x=data)
+
+
+def test_a_device_loader_does_not_keep_a_memmaps_file(tmp_path):
+  """The device's copy of a memmap (a CPU device's memory is the host's)
+  is its own: the file may shrink, or go, once the loader is made."""
+  path = tmp_path / "x.bin"
+  data = np.memmap(path, np.float32, "w+", shape=(4096, 4))  # page-aligned
+  data[:] = np.arange(4096, dtype=np.float32)[:, None]
+  data.flush()
+  loader = jax_data.DeviceNumpyDataLoader(copy=False, x=data)
+  with open(path, "r+b") as f:
+    f.truncate(0)
+  del data
+  loader.content_digest()  # reads the device's rows
+  mapper_fn, _ = jax_data.full_data_mapper(loader, 1, 1024)
+  rows, _ = mapper_fn(lambda batch, carry: (batch["x"][:, 0], carry), None)
+  np.testing.assert_array_equal(rows, np.arange(4096))
+
+
 def test_a_memmap_truncated_after_its_chunk_was_read_names_the_chain(
     tmp_path, pipelines):
   """A chunk read ahead whose memmap was truncated before it is served

@@ -70,8 +70,13 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
     arrays, self._count = prepare_arrays(type(self).__name__, copy,
                                          reference_data)
     self._format = observation_format_of(arrays)
-    self._arrays = {k: jnp.asarray(v, dtype=self._format[k].dtype)
-                    for k, v in arrays.items()}
+    # jnp.asarray of a memmap on a CPU device can alias the file's pages,
+    # which would die with SIGBUS if the file shrank: copy it.
+    self._arrays = {
+        k: (jnp.array(v, dtype=self._format[k].dtype, copy=True)
+            if isinstance(v, np.memmap)
+            else jnp.asarray(v, dtype=self._format[k].dtype))
+        for k, v in arrays.items()}
     self._digest: Optional[str] = None
 
   def content_digest(self) -> str:

@@ -52,6 +52,12 @@ def _as_host_array(name: str, value: Any, copy: bool) -> np.ndarray:
         f"array {name!r} is a {type(value).__name__} of arrays, not an "
         f"array; pass its arrays as keywords (**{{k: {name}[k] for k in "
         f"{name}}}), got {name}={value!r}")
+  if isinstance(value, np.memmap):
+    # Reading past the end of a truncated file kills the process with
+    # SIGBUS; copied now or read later, the file must hold every row.
+    needed = file_bytes_needed(value)
+    if needed is not None:
+      check_mapped_file(value, needed, f"array {name!r}")
   if isinstance(value, np.memmap) and not copy:
     array = value  # stays on disk; rows are read per chunk
   elif is_lazy_array(value) and not copy:
@@ -85,6 +91,12 @@ def _as_host_array(name: str, value: Any, copy: bool) -> np.ndarray:
 
 def prepare_arrays(loader: str, copy: Any, arrays: Dict[str, Any]
              ) -> Tuple[Dict[str, np.ndarray], int]:
+  if hasattr(copy, "keys") and not hasattr(copy, "shape"):
+    # NumpyDataLoader(data): the dict of arrays took the place of copy.
+    raise TypeError(
+        f"{loader} takes its arrays as keyword arguments; pass a dict of "
+        f"arrays as {loader}(**data), got a {type(copy).__name__} with keys "
+        f"{list(copy)} as its first positional argument, which is copy")
   if not isinstance(copy, (bool, np.bool_)) and np.ndim(copy) > 0:
     # NumpyDataLoader(x): the array took the place of copy.
     raise TypeError(
