@@ -346,6 +346,31 @@ def test_full_map_under_shard_map_with_per_device_states(pipelines):
   assert values.tolist() == [[2 * i for i in range(9)]] * 4
 
 
+@NEEDS_FOUR
+@pytest.mark.parametrize("loader_type", [NumpyDataLoader,
+                                         jax_data.DeviceNumpyDataLoader])
+def test_full_map_under_shard_map_mixes_batches_with_per_device_values(
+    loader_type):
+  """Each device's pass over its own state computes with its own shard of
+  an argument (the batches vary over the mesh axis as the state does)."""
+  init_fn, map_fn, _ = jax_data.full_reference_data(
+      loader_type(x=np.arange(11, dtype=np.float32)), 2, 3)
+  mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+  states = _stack([init_fn() for _ in range(4)])
+
+  def per_device(scale, state):
+    state = jax.tree_util.tree_map(lambda a: a[0], state)
+    _, (values, _) = map_fn(lambda b, c: (b["x"] * scale[0], c), state,
+                            None)
+    return values[None]
+
+  values = jax.jit(jax.shard_map(
+      per_device, mesh=mesh, in_specs=(PartitionSpec("d"),) * 2,
+      out_specs=PartitionSpec("d")))(jnp.arange(4.0), states)
+  np.testing.assert_array_equal(values,
+                                np.arange(4.0)[:, None] * np.arange(11))
+
+
 def test_chunk_kept_until_every_device_took_it(pipelines):
   pipeline = pipelines.random_reference_data(
       NumpyDataLoader(x=np.arange(100)), 2, 3)

@@ -436,15 +436,22 @@ class FullChunks:
 
   def fetch_fn(self, owner: Any, state: CacheState, chunk: jax.Array,
                device_count: int) -> Tuple[PyTree, jax.Array]:
-    """Chunk ``chunk`` of a pass: (batches, mask)."""
-    del owner, state, device_count
+    """Chunk ``chunk`` of a pass: (batches, mask), varying over the mesh
+    axes (of an enclosing ``shard_map``) that ``state`` varies over, as a
+    host loader's chunks of a per-device state do: the mapped function was
+    traced with batches of that type."""
+    del owner, device_count
     data = self._ref.loader.get_full_data()
     indices, mask = ordered_batches(chunk * self._cache_size,
                                     self._cache_size, self._mb_size,
                                     self._observations, xp=jnp)
     batches = jax.tree_util.tree_map(lambda a: jnp.take(a, indices, axis=0),
                                      data)
-    return batches, mask
+    axes = pass_loop.varying_axes(state)
+    if not axes:
+      return batches, mask
+    return jax.tree_util.tree_map(
+        lambda leaf: pass_loop.cast_varying(leaf, axes), (batches, mask))
 
   def check_open(self) -> None:
     self._ref.check_open()
