@@ -616,6 +616,112 @@ def test_a_compiled_pass_does_not_keep_the_arrays_of_its_first_call(
   release_split()
 
 
+def test_new_lambdas_share_a_pass_that_keeps_nothing_they_closed_over():
+  """A new lambda on every call, over new parameters, compiles once; the
+  pipeline keeps neither the functions nor what they closed over, and a
+  pass inside jit leaks no tracer."""
+  x = np.arange(10, dtype=np.float32)
+  loader = jax_data.NumpyDataLoader(x=x)
+  init_fn, map_fn, release_full = jax_data.full_reference_data(loader, 2, 4)
+  mapper_fn, release_mapper = jax_data.full_data_mapper(loader, 2, 4)
+  client = jax.devices()[0].client
+  kept, executables = [], None
+
+  def passes(w):
+    """Each pass with a new lambda over ``w``."""
+    _, (full, _) = map_fn(lambda b, c: (b["x"] * w.sum(), c), init_fn(),
+                          None)
+    mapped, _ = mapper_fn(lambda b, c: (b["x"] * w.sum(), c), None)
+    one_by_one, _ = mapper_fn(lambda o, c: (o["x"] * w.sum(), c), None,
+                              batched=False)
+    return full, mapped, one_by_one
+
+  for step in range(4):
+    w = jnp.full((64, 64), float(step))
+    kept.append(weakref.ref(w))
+    for results in passes(w):
+      np.testing.assert_array_equal(results, x * step * 4096)
+    del w
+    gc.collect()
+    if executables is None:
+      executables = len(client.live_executables())
+  assert len(client.live_executables()) == executables
+  assert [ref() is None for ref in kept] == [True] * 4
+  with jax.check_tracer_leaks():
+    within = jax.jit(lambda w: mapper_fn(lambda b, c: (b["x"] * w, c),
+                                         None)[0])(jnp.float32(3.0))
+  np.testing.assert_array_equal(within, x * 3)
+  release_full()
+  release_mapper()
+
+
+class _Host:
+  """A model whose host function is a bound method: a new object on every
+  attribute access."""
+
+  def __init__(self, factor):
+    self.factor = factor
+
+  def scaled(self, x):
+    return np.asarray(x * self.factor, np.float32)
+
+  def fun(self, batch, carry):
+    shape = jax.ShapeDtypeStruct(batch["x"].shape, jnp.float32)
+    return jax.pure_callback(self.scaled, shape, batch["x"],
+                             vmap_method="sequential"), carry
+
+
+def test_a_bound_method_callback_compiles_once_and_reads_its_object():
+  x = np.arange(10, dtype=np.float32)
+  mapper_fn, release_fn = jax_data.full_data_mapper(
+      jax_data.NumpyDataLoader(x=x), 2, 4)
+  client = jax.devices()[0].client
+  model, other = _Host(2.0), _Host(-1.0)
+  executables = None
+  for factor in (2.0, 3.0, 5.0):
+    model.factor = factor
+    np.testing.assert_array_equal(mapper_fn(model.fun, None)[0], x * factor)
+    gc.collect()
+    if executables is None:
+      executables = len(client.live_executables())
+  assert len(client.live_executables()) == executables
+  # Another object's method: its own pass, its own values.
+  np.testing.assert_array_equal(mapper_fn(other.fun, None)[0], -x)
+  np.testing.assert_array_equal(mapper_fn(model.fun, None)[0], x * 5.0)
+  release_fn()
+
+
+def _doubled_unless_vmapped(scale):
+  """Doubles a value; under vmap, scales it by ``scale`` instead (a
+  custom_vmap rule over a closure)."""
+
+  @jax.custom_batching.custom_vmap
+  def f(v):
+    return v * 2.0
+
+  @f.def_vmap
+  def rule(axis_size, in_batched, v):
+    del axis_size
+    return v * scale, in_batched[0]
+
+  return f
+
+
+def test_custom_vmap_rules_are_those_of_each_function():
+  """Functions that trace alike but whose custom_vmap rules differ get
+  their own rule when the pass is vmapped."""
+  x = np.arange(1.0, 9.0, dtype=np.float32)
+  mapper_fn, release_fn = jax_data.full_data_mapper(
+      jax_data.NumpyDataLoader(x=x), 2, 4)
+  for scale in (3.0, 7.0):
+    fun = lambda b, c, scale=scale: (
+        _doubled_unless_vmapped(scale)(b["x"] * c), c)
+    results = jax.vmap(lambda c, fun=fun: mapper_fn(fun, c)[0])(
+        jnp.ones(2))
+    np.testing.assert_array_equal(results, np.stack([x * scale] * 2))
+  release_fn()
+
+
 def test_callbacks_that_vmap_refuses_are_mapped_batch_by_batch(pipelines):
   """A fun that leaves its carry unchanged is vmapped over a chunk's
   batches; a pure_callback without vmap_method or an ordered io_callback

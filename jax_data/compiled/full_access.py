@@ -377,7 +377,7 @@ class FullPipeline(pl.Pipeline):
     # Inside shard_map a batch varies over the mesh axes where the state's
     # chain does (each device its own chunks): traced as such a value.
     batch = varying_like(batch, data_state, example=True)
-    traced = Traced(fun, applier(fun, self._plan, masking, information),
+    traced = Traced(applier(fun, self._plan, masking, information),
                     carry, *batch)
     if not masking:
       _check_per_observation(fun, traced.result_shapes, self._plan.mb_size)
@@ -513,7 +513,6 @@ class MapperPipeline(pl.Pipeline):
   def __init__(self, full: FullPipeline, loader: DataLoader):
     self._full = full
     self._state = full.init_fn()
-    self._batched = Shared(full.max_compiled)
     super().__init__(full.host, full.template, loader, *full.sizes)
     # By name: bound methods kept here would make a cycle that keeps a
     # released, dropped pipeline (and its device cache) until a collection.
@@ -536,9 +535,7 @@ class MapperPipeline(pl.Pipeline):
         raise ValueError(
             "information=True needs a batched fun (batched=True), got "
             "batched=False")
-      # The same wrapper for the same fun, also across pipelines: no new
-      # compilation.
-      fun = self._batched.get(fun, lambda: vectorised(fun))
+      fun = vectorised(fun)
     _, (results, carry) = self._full.map_fn(
         fun, self._state, carry, masking=masking, information=information,
         device_count=device_count)
@@ -547,4 +544,3 @@ class MapperPipeline(pl.Pipeline):
   def release_fn(self) -> None:
     """Drops every reference the pipeline holds to the loader."""
     self._full.release_fn()
-    self._batched.clear()

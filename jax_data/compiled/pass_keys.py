@@ -72,6 +72,11 @@ def value_key(value: Any, depth: int = _DEPTH) -> Any:
     # static arguments), read as they were then.
     return (dict, tuple(sorted((repr(k), value_key(v))
                                for k, v in value.items())))
+  if depth > 0 and isinstance(value, types.MethodType):
+    # A new bound method on every attribute access: its function, and the
+    # object itself, whose attributes are read when it is called.
+    return (types.MethodType, value_key(value.__func__, depth - 1),
+            _Same(value.__self__))
   if depth > 0 and isinstance(value, functools.partial):
     return (functools.partial, value_key(value.func, depth - 1),
             value_key(value.args, depth - 1),
@@ -112,6 +117,9 @@ def callbacks(jaxpr: Any) -> list:
     for name in _RULES:
       if name in eqn.params:
         keys.append((name, tuple(rules(eqn.params[name]))))
+    if "rule" in eqn.params:  # custom_vmap's, which batching calls
+      rule = eqn.params["rule"]
+      keys.append(("rule", value_key(getattr(rule, "rule", rule))))
     for param in eqn.params.values():
       for inner in jaxprs(param):
         keys.extend(callbacks(inner))
@@ -156,14 +164,16 @@ def jaxprs(param: Any) -> list:
 class Traced:
   """A mapped function traced for one batch: its jaxpr, without the arrays
   it read from closures, globals or attributes (``consts``), which a
-  compiled pass takes as arguments. A pass is compiled once per function,
-  jaxpr and the host functions its callbacks call, so it never computes
-  with values of an earlier call: new arrays are new arguments, other
-  Python numbers another jaxpr, and a callback that calls a new function
-  (say, a closure over this call's values) another pass."""
+  compiled pass takes as arguments. A pass is compiled once per jaxpr and
+  the host functions its callbacks call (and its custom rules), so it
+  never computes with values of an earlier call: new arrays are new
+  arguments, other Python numbers another jaxpr, and a callback that calls
+  a new function (say, a closure over this call's values) another pass.
+  Functions that trace alike share a pass: a new lambda on every call
+  compiles once."""
 
-  def __init__(self, fun: Callable, apply: Callable, carry: PyTree,
-               batch: PyTree, mask: Any):
+  def __init__(self, apply: Callable, carry: PyTree, batch: PyTree,
+               mask: Any):
     # A new function object: JAX's caches keyed by the function never hand
     # back a trace of an earlier call.
     closed, shapes = jax.make_jaxpr(lambda c, bm: apply(c, bm),
@@ -174,7 +184,10 @@ class Traced:
     self.result_shapes = shapes[1]
     # Host callbacks print as the addresses of wrappers made by each trace;
     # they are keyed by the functions they call instead.
-    self.key = (fun, _ADDRESS.sub("", str(self.jaxpr)),
+    # Not ``fun`` itself: a key must not hold what it closes over (this
+    # call's arrays, or tracers of an enclosing jit), and a new but equal
+    # lambda on every call is the same pass.
+    self.key = (_ADDRESS.sub("", str(self.jaxpr)),
                 tuple(callbacks(self.jaxpr)),
                 jax.tree_util.tree_structure((carry, (batch, mask))),
                 self.out_tree, tuple(jax.typeof(c) for c in self.consts))
