@@ -311,7 +311,10 @@ def test_unknown_dimensions_and_ragged_features_are_named():
     (dict(exclude_keys=["z"]), ValueError, "'z', which the pipeline does not"),
     (dict(exclude_keys=["x", "y"]), ValueError, "drops every feature"),
     (dict(observation_count=5), ValueError,
-     "differs from the pipeline's cardinality 10"),
+     r"differs from the pipeline's cardinality 10; leave it out, or use "
+     r"pipeline.take\(5\)"),
+    (dict(observation_count=11), ValueError,
+     "cardinality 10; the pipeline has only 10 elements: leave it out"),
 ])
 def test_bad_loader_arguments_are_named(kwargs, error, match):
   kwargs = {"pipeline": _pipeline(10), **kwargs}

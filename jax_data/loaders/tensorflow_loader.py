@@ -150,10 +150,12 @@ def _count(pipeline: tf.data.Dataset, observation_count: Optional[int]
   _check_not_empty(pipeline, cardinality)
   if observation_count is not None:
     if cardinality >= 0 and cardinality != observation_count:
+      fix = (f"leave it out, or use pipeline.take({observation_count})"
+             if observation_count < cardinality else
+             f"the pipeline has only {cardinality} elements: leave it out")
       raise ValueError(
           f"observation_count={observation_count} differs from the pipeline's "
-          f"cardinality {cardinality}; leave it out, or use "
-          f"pipeline.take({observation_count})")
+          f"cardinality {cardinality}; {fix}")
     return observation_count, cardinality < 0
   if cardinality in (tf.data.INFINITE_CARDINALITY,
                      tf.data.UNKNOWN_CARDINALITY):
