@@ -59,6 +59,10 @@ class ServedHost(Protocol):
   def stop_prefetching(self) -> Optional[Thread]:
     """Ends the host's prefetch thread; returns it to join, if any."""
 
+  def release(self, error: Optional[BaseException] = None) -> None:
+    """Drops its loader and chains; requests waiting for a chunk raise
+    ``error`` (reads the loader can interrupt end)."""
+
 
 class LiveHosts:
   """The hosts of this process, held weakly, and when compiled code last
@@ -167,9 +171,21 @@ class LiveHosts:
 
   def refuse_requests(self) -> None:
     """From now on every request raises :class:`PipelineReleasedError`
-    at once (the interpreter exits)."""
+    at once (the interpreter exits), and those waiting for a chunk raise
+    it too: every host is released, which interrupts the reads its loader
+    can interrupt (a ``tf.data`` pipeline's, a source's workers'), so that
+    no callback still runs when the interpreter finalizes."""
     with self._changed:
       self._exiting = True
+      hosts = list(self._hosts.values())
+    error = PipelineReleasedError(
+        "the Python interpreter is exiting while compiled code waited for "
+        "a chunk")
+    for host in hosts:
+      try:
+        host.release(error)
+      except Exception:  # pylint: disable=broad-except
+        pass  # at exit, nothing is left to tell
 
   def stop_prefetching(self, timeout: float = 2.0) -> None:
     """Ends every prefetch thread, also those of hosts dropped without
@@ -269,7 +285,9 @@ def _settle_at_exit() -> None:
   A daemon thread whose loop keeps calling a pipeline never gives that
   pause, and Python does not wait for daemon threads: after
   ``_WAIT_AT_EXIT`` seconds every request raises
-  :class:`PipelineReleasedError` (so that such a loop ends), and after
+  :class:`PipelineReleasedError` (so that such a loop ends; requests
+  waiting in a read are interrupted, :meth:`LiveHosts.refuse_requests`),
+  and after
   ``_LAST_AT_EXIT`` more the interpreter exits whatever still runs.
 
   Then, if a callback raised: in a ``jax.distributed`` job of several

@@ -1077,3 +1077,52 @@ def test_chains_read_without_tensorflows_injected_prefetch():
   # The elements are the pipeline's.
   assert ([b.tolist() for b in chain_dataset(dataset).as_numpy_iterator()]
           == [b.tolist() for b in dataset.as_numpy_iterator()])
+
+
+_EXIT_DURING_A_SLOW_READ = textwrap.dedent("""
+    import threading, time
+    import jax, numpy as np, tensorflow as tf
+    import jax_data
+    from jax_data.tensorflow_loader import TensorflowDataLoader
+
+    def slow(v):
+      if int(v) >= 4:
+        time.sleep(3.0)  # a slow disk or network read
+      return np.int32(v)
+
+    pipeline = tf.data.Dataset.range(30).map(lambda v: {"x": tf.ensure_shape(
+        tf.py_function(slow, [v], tf.int32), [])})
+    init_fn, batch_fn, _ = jax_data.random_reference_data(
+        TensorflowDataLoader(pipeline, shuffle_cache=2), 2, 4)
+    step = jax.jit(jax.vmap(batch_fn))
+    states = init_fn(seed=range(2))
+
+    def run():
+      try:
+        jax.block_until_ready(step(states))
+        print("served", flush=True)
+      except Exception as e:
+        print("raised:", "the Python interpreter is exiting" in str(e),
+              flush=True)
+
+    threading.Thread(target=run, daemon=True).start()
+    time.sleep(1.0)
+    print("main thread done", flush=True)
+    """)
+
+
+def test_exit_while_a_daemon_thread_waits_for_a_slow_read_is_clean():
+  """The exit hook refuses requests after a few seconds without a pause;
+  a request that already waited in a tf.data read went on waiting, and the
+  interpreter finalized under it (SIGSEGV or 'Fatal Python error'). The
+  refusal now interrupts such reads, as release_fn does."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3")
+  done = subprocess.run([sys.executable, "-c", _EXIT_DURING_A_SLOW_READ],
+                        cwd=root, env=env, capture_output=True, text=True,
+                        timeout=120)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "main thread done" in done.stdout
+  assert "raised: True" in done.stdout, done.stdout
+  for sign in ("Fatal Python error", "terminate called", "Segmentation"):
+    assert sign not in done.stderr, done.stderr[-3000:]

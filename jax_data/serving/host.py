@@ -339,14 +339,15 @@ class Host:
     return self._parts.stop_prefetching(PipelineReleasedError(
         f"the prefetch thread of the pipeline over {self.name} stopped"))
 
-  def release(self) -> None:
+  def release(self, error: Optional[BaseException] = None) -> None:
     """Drops the loader, every chain and stored chunk, and ends the
     prefetch thread; idempotent, and it does not wait for a chunk being
-    produced. Requests still waiting for a chunk get
-    :class:`PipelineReleasedError` at once."""
-    error = PipelineReleasedError(
-        f"this pipeline over {self.name} was released by its release_fn "
-        "while compiled code waited for a chunk")
+    produced. Requests still waiting for a chunk get ``error`` (default: a
+    :class:`PipelineReleasedError` that names ``release_fn``) at once."""
+    if error is None:
+      error = PipelineReleasedError(
+          f"this pipeline over {self.name} was released by its release_fn "
+          "while compiled code waited for a chunk")
     self._parts.release(error)
     rendezvous = self._parts.made_rendezvous
     if rendezvous is not None:  # devices waiting for each other raise it
