@@ -3,6 +3,8 @@ checkpoints."""
 
 import copy
 import logging
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -484,3 +486,32 @@ def test_a_buffer_pool_gives_buffers_again_once_free():
   many = [pool.empty((3,), np.int8) for _ in range(50)]
   assert len(pool._free[((3,), np.dtype(np.int8))]) == 6  # pylint: disable=protected-access
   del many, long_held
+
+
+def _gather_threads():
+  return sum(t.name.startswith("jax_data-gather")
+             for t in threading.enumerate())
+
+
+@pytest.mark.skipif(gather.usable_cores() < 2,
+                    reason="one core: the gather has no helper threads")
+def test_a_loader_kept_after_release_keeps_no_threads():
+  """A loader kept for later pipelines ends its gather threads when its
+  last chain is released, and starts them again when read again."""
+  loader = NumpyDataLoader(x=np.random.default_rng(0).random(
+      (100_000, 32), np.float32))
+  before = _gather_threads()
+  for _ in range(2):
+    init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+        loader, 10, 64)
+    states = init_fn(seed=range(16))
+    step = jax.jit(jax.vmap(batch_fn))
+    for _ in range(25):
+      states, batches = step(states)
+    jax.block_until_ready(batches)
+    assert _gather_threads() > before
+    release_fn()
+    deadline = time.monotonic() + 10
+    while _gather_threads() > before and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert _gather_threads() <= before

@@ -249,12 +249,13 @@ class MappedRows:
         weakref.finalize(self, self._pool.shutdown, wait=False)
       return self._pool
 
-  def close(self) -> None:
-    """Ends the reading threads, if they were started."""
+  def close(self, wait: bool = True) -> None:
+    """Ends the reading threads, if they were started (a later use starts
+    them again); with ``wait``, waits for them."""
     with self._lock:
       pool, self._pool = self._pool, None
     if pool is not None:
-      pool.shutdown(wait=True)
+      pool.shutdown(wait=wait)
 
 
 def map_hdf5(dataset: Any) -> Optional[np.memmap]:

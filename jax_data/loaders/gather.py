@@ -259,12 +259,13 @@ class Gatherer:
             self._threads - 1, thread_name_prefix="jax_data-gather")
       return self._helper
 
-  def close(self) -> None:
-    """Ends the helper threads, if they were started."""
+  def close(self, wait: bool = True) -> None:
+    """Ends the helper threads, if they were started (a later use starts
+    them again); with ``wait``, waits for them."""
     with self._lock:
       helper, self._helper = self._helper, None
     if helper is not None:
-      helper.shutdown(wait=True)
+      helper.shutdown(wait=wait)
 
 
 class BufferPool:

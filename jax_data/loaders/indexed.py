@@ -93,6 +93,8 @@ class IndexedCursor(ChainCursor):
     in_memory: ``read`` reads arrays held in memory (no file, no decoding):
       reading rows while compiled code waits costs no more than reading
       them ahead (see ``Host.serve_into``).
+    closed: Called once when the cursor closes (a loader ends its threads
+      when its last cursor closes).
   """
 
   def __init__(self, spec: ChainSpec, layout: ChunkLayout, read: ReadRows,
@@ -100,7 +102,8 @@ class IndexedCursor(ChainCursor):
                rows: Optional[Hashable] = None,
                split: Optional[Split] = None,
                ahead: Optional[Ahead] = None, early: bool = False,
-               in_memory: bool = False):
+               in_memory: bool = False,
+               closed: Optional[Callable[[], None]] = None):
     part = getattr(spec, "part", None)
     self._stream = stream_of(spec, batch_rows(spec, layout.mb_size))
     # A part of each batch: its columns of the whole batch's indices.
@@ -114,6 +117,7 @@ class IndexedCursor(ChainCursor):
     self._ahead = ahead
     self._early = early
     self.in_memory = in_memory
+    self._closed = closed
     # A group's next indices, drawn once it had read its last chunk (on
     # the group's first cursor): ((seeds, firsts), their future).
     self._drawn: Optional[Tuple[Hashable, concurrent.futures.Future]] = None
@@ -274,6 +278,9 @@ class IndexedCursor(ChainCursor):
 
   def close(self) -> None:
     self._drawn = None
+    closed, self._closed = self._closed, None
+    if closed is not None:
+      closed()
 
   def trim(self) -> None:
     self._stream.trim()

@@ -6,6 +6,7 @@ gather of rows (a slice for runs of consecutive rows).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 from typing import Dict
 from typing import List
@@ -207,6 +208,8 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
     self._mapped = [MappedRows(leaf, self._gatherer, drop_file_pages)
                     if isinstance(leaf, np.memmap) else None
                     for leaf in self._leaves]
+    self._cursors = 0  # open; the last to close ends the threads
+    self._cursors_lock = threading.Lock()
     self._digest: Optional[str] = None
     self._file_bytes = {k: needed for k, v in self._arrays.items()
                         if isinstance(v, np.memmap)
@@ -214,13 +217,29 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
     self._check_files()
 
   def open_chain(self, spec: ChainSpec, layout: ChunkLayout) -> ChainCursor:
-    """A cursor over the chain's rows (``spec/SAMPLING.md``)."""
+    """A cursor over the chain's rows (``spec/SAMPLING.md``); the loader's
+    gather and reading threads run while any cursor is open."""
+    with self._cursors_lock:
+      self._cursors += 1
     return IndexedCursor(spec, layout, self._read, self._check_files,
                          split=self._gatherer.split,
                          ahead=self._gatherer.submit,
                          early=self._gatherer.draws_early,
                          in_memory=all(type(leaf) is np.ndarray
-                                       for leaf in self._leaves))
+                                       for leaf in self._leaves),
+                         closed=self._cursor_closed)
+
+  def _cursor_closed(self) -> None:
+    """A cursor closed; the last one ends the idle threads (a loader kept
+    for later pipelines keeps none; they start again when needed)."""
+    with self._cursors_lock:
+      self._cursors -= 1
+      if self._cursors:
+        return
+    self._gatherer.close(wait=False)
+    for mapped in self._mapped:
+      if mapped is not None:
+        mapped.close(wait=False)
 
   def content_digest(self) -> str:
     if self._digest is None:

@@ -408,17 +408,10 @@ class _SourceCursor(IndexedCursor):
     # one's stop, and release cancels them all.
     super().__init__(spec, layout, functools.partial(
         loader._read, stop=self._stop),  # pylint: disable=protected-access
-                     rows=loader)
-    self._closed: Optional[Callable[[], None]] = closed
+                     rows=loader, closed=closed)
 
   def cancel(self) -> None:
     try:
       self._stop.set_result(None)
     except concurrent.futures.InvalidStateError:
       pass  # cancelled before
-
-  def close(self) -> None:
-    super().close()
-    closed, self._closed = self._closed, None
-    if closed is not None:
-      closed()
