@@ -256,6 +256,10 @@ class RecordReader:
     try:
       records = list(self.batched(indices.tolist()))
     except Exception as e:  # pylint: disable=broad-except
+      if hasattr(self.source, "__getitem__"):
+        # Read one by one, the record that fails names itself.
+        for index in indices.tolist():
+          self.load(index)
       raise RecordError(
           f"{self.name} over {type(self.source).__name__}: "
           f"records {indices.tolist()[:8]}{'...' if indices.size > 8 else ''}"

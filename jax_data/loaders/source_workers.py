@@ -32,6 +32,7 @@ from typing import Dict
 from typing import List
 from typing import Optional
 from typing import Sequence
+from typing import Tuple
 
 import numpy as np
 
@@ -169,6 +170,10 @@ def _exit_with(sentinel: int) -> None:
   os._exit(0)
 
 
+def worker_ready() -> None:
+  """Nothing, in a worker process that started (:func:`start_worker`)."""
+
+
 def read_block(indices: np.ndarray) -> List[np.ndarray]:
   """Records ``indices``, read and checked in a worker process, stacked per
   leaf."""
@@ -212,6 +217,31 @@ def broke(future: concurrent.futures.Future) -> bool:
   cancelled (its block is read again as well)."""
   return future.cancelled() or isinstance(
       future.exception(), concurrent.futures.process.BrokenProcessPool)
+
+
+def _read_alone(pool: concurrent.futures.Executor, records: np.ndarray,
+                stop: Optional[concurrent.futures.Future]
+                ) -> Tuple[concurrent.futures.Future, Optional[int]]:
+  """Records ``records`` read by ``pool`` (one worker) one after another:
+  a future of their leaves stacked (or of the error a record raised), and
+  the position of the record that ended the worker, if one did (-1: the
+  worker ended before it read any)."""
+  started = submit(pool, worker_ready)
+  wait([started], stop, cancel=False)
+  if broke(started):
+    return started, -1
+  stacked: List[List[np.ndarray]] = []
+  for at in range(records.size):
+    future = submit(pool, read_block, records[at:at + 1])
+    wait([future], stop, cancel=False)
+    if broke(future):
+      return future, at
+    if future.exception() is not None:
+      return future, None
+    stacked.append(future.result())
+  done: concurrent.futures.Future = concurrent.futures.Future()
+  done.set_result([np.concatenate(leaves) for leaves in zip(*stacked)])
+  return done, None
 
 
 def terminate(pool: concurrent.futures.Executor) -> None:
@@ -448,36 +478,41 @@ class WorkerPool:
     lost = [i for i, future in enumerate(futures) if broke(future)]
     if lost:
       self._process_pool(broken=pool)  # a new one for the other reads
-    # Each lost block read alone, one after another, by one worker of this
-    # read's own: a block of another read that ends a worker cannot break
-    # it and be blamed on this read's blocks.
+    # Each lost block read again by one worker of this read's own, a
+    # record at a time: a block of another read that ends a worker cannot
+    # break it and be blamed on this read's records, and the record that
+    # ends it is the one it was reading.
     alone = self._own_pool() if lost else None
     try:
       for i in lost:
-        futures[i] = submit(alone, read_block, unique[parts[i]])
-        wait(futures[i:i + 1], stop, cancel=False)
-        if broke(futures[i]):
-          break
+        futures[i], ended_at = _read_alone(alone, unique[parts[i]], stop)
+        if ended_at is not None:
+          self._name_ending_record(unique[parts[i]], ended_at, futures[i])
     finally:
       if alone is not None:
         self._end_own(alone)
-    for i in lost:
-      if broke(futures[i]):
-        records = unique[parts[i]].tolist()
-        named = (records if len(records) <= 8 else
-                 f"{records[:8]}... ({len(records)} records)")
-        raise RecordError(
-            f"{self._describe}: worker processes ended abruptly while "
-            f"reading records {named}, also when a new worker read them "
-            "alone: reading one of them ends its process (os._exit, a "
-            "crash in native code, memory exhausted?), or the workers "
-            "failed to start: they start by importing the main script "
-            "(multiprocessing's spawn), so a script's own loaders must be "
-            "under if __name__ == '__main__':"
-        ) from futures[i].exception()
     for part, future in zip(parts, futures):
       for leaf, block in zip(out, future.result()):
         leaf[first[part]] = block
+
+  def _name_ending_record(self, records: np.ndarray, ended_at: int,
+                          future: concurrent.futures.Future) -> None:
+    """Raises the error of a worker that ended while it read record
+    ``records[ended_at]`` alone (-1: before it had started)."""
+    if ended_at >= 0:
+      what = (f"record {records[ended_at]} ended the worker process that "
+              "read it, also a new worker that read it alone (os._exit, a "
+              "crash in native code, memory exhausted?)")
+    else:
+      listed = records.tolist()
+      named = (listed if len(listed) <= 8 else
+               f"{listed[:8]}... ({len(listed)} records)")
+      what = (f"worker processes ended abruptly while reading records "
+              f"{named}, and a new worker ended before it read any: the "
+              "workers fail to start. They start by importing the main "
+              "script (multiprocessing's spawn), so a script's own loaders "
+              "must be under if __name__ == '__main__':")
+    raise RecordError(f"{self._describe}: {what}") from future.exception()
 
   def _process_pool(self, broken: Optional[concurrent.futures.Executor] = None
                     ) -> concurrent.futures.Executor:
