@@ -229,7 +229,9 @@ def test_a_python_number_carry_takes_the_steps_dtype(pipeline, init, x64):
      lambda t: {"a": t["a"], "c": t["b"]},
      r"init has a leaf at \['b'\], f returned one at \['c'\]"),
     ((np.float32(0),), lambda t: (t[0], t[0]),
-     r"f's carry has 1 more leaves, the first at \[1\]")])
+     r"f's carry has 1 more leaves, the first at \[1\]"),
+    (np.float32(0), lambda t: (t, t),
+     r"init has a leaf at the root, f returned one at \[0\]")])
 def test_a_carry_of_another_type_is_named(pipeline, init, returned, message):
   init_fn, batch_fn, _ = pipeline
   with pytest.raises(TypeError, match=message):
@@ -349,6 +351,31 @@ def test_steps_in_lockstep_over_chains_at_different_positions(pipeline):
   # Each of the two loops logged every lane's 7 steps, the same sums.
   logs = [int(v) for v in seen]
   assert len(logs) == 42 and sorted(logs[:21]) == sorted(logs[21:])
+
+  # jax.debug callbacks too: lanes at different positions run no step the
+  # loop of batch_fn would not (a lane with none left ran f on stale
+  # batches, whose results were dropped but whose callbacks ran).
+  apart, _ = advance(stacked)
+  apart = jax.tree_util.tree_map(lambda a, b: a.at[0].set(b[0]), apart,
+                                 stacked)  # lanes at positions 0, 1, 1
+  printed = []
+
+  def counted(c, b):
+    jax.debug.callback(lambda c, s: printed.append((int(c), int(s))), c,
+                       jnp.sum(b["x"]))
+    return c + 1, None
+
+  def events(run):
+    printed.clear()
+    jax.block_until_ready(jax.jit(jax.vmap(run))(apart))
+    jax.effects_barrier()
+    return sorted(printed)
+
+  got = events(lambda s: jax_data.scan(counted, 0, s, batch_fn=batch_fn,
+                                       length=12))
+  want = events(lambda s: _reference(batch_fn, counted, 0, s, 12))
+  assert len(want) == 36 and max(c for c, _ in want) == 11
+  assert got == want
 
 
 def test_differentiation_through_scan_as_documented(pipeline):

@@ -108,14 +108,16 @@ def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
   runs, without the batch axis (:mod:`jax_data.compiled.one_lane`: XLA's
   CPU program for a vmap of one took 1.26x the chain's time alone), unless
   ``f`` names a mapped axis (``lax.psum`` over the vmap's ``axis_name``).
-  A step with a collective over a named axis, or an effect other than
-  ``jax.debug``'s, runs as that ``lax.scan`` over ``batch_fn``, every lane
-  at the same step (:func:`in_lockstep`). Outside ``jax.vmap``, and under
-  a ``vmap`` applied to a program traced first (a ``vmap`` of a jitted or
-  checkified function), the loops run as they are, so that
-  ``checkify`` sees into the steps. Inside ``shard_map`` over states that
-  vary over the mesh, the carry comes back varying over the same axes
-  (each device's chains reach their chunk boundaries at their own steps).
+  A step with a collective over a named axis, or an effect (an
+  ``io_callback``, a ``jax.debug.print`` or callback), runs as that
+  ``lax.scan`` over ``batch_fn``, every lane at the same step
+  (:func:`in_lockstep`): no step runs that the ``lax.scan`` would not.
+  Outside ``jax.vmap``, and under a ``vmap`` applied to a program traced
+  first (a ``vmap`` of a jitted or checkified function), the loops run as
+  they are, so that ``checkify`` sees into the steps. Inside ``shard_map``
+  over states that vary over the mesh, the carry comes back varying over
+  the same axes (each device's chains reach their chunk boundaries at
+  their own steps).
 
   Raises:
     TypeError, ValueError: bad arguments, named with their values.
@@ -224,11 +226,12 @@ def in_lockstep(closed: Any) -> bool:
   in the same loop iterations for every lane, as in a ``lax.scan`` that
   calls ``batch_fn``: a collective over a named axis (``lax.psum`` over a
   vmap's ``axis_name``, or over devices) adds the lanes' values of one
-  step, and an effect other than ``jax.debug``'s (an ``io_callback``) JAX
+  step; an effect other than ``jax.debug``'s (an ``io_callback``) JAX
   refuses inside the ``lax.cond`` that a vmapped :func:`chunked_scan` runs
-  its steps in."""
-  return names_axes([closed.jaxpr]) or any(
-      type(effect).__name__ != "DebugEffect" for effect in closed.effects)
+  its steps in; and a ``jax.debug`` callback or print would run for the
+  steps on stale batches that lanes with none left run there (their
+  results dropped, not their callbacks)."""
+  return names_axes([closed.jaxpr]) or bool(closed.effects)
 
 
 def promoted_carry(init: PyTree, returned: PyTree) -> PyTree:
@@ -271,7 +274,7 @@ def promoted_carry(init: PyTree, returned: PyTree) -> PyTree:
 def _first_difference(given: list, returned: list) -> str:
   """Where two flattened carries' leaf paths first differ, as the end of
   a message ("" if only their nodes differ, e.g. a NamedTuple's type)."""
-  keystr = jax.tree_util.keystr
+  keystr = lambda path: jax.tree_util.keystr(path) or "the root"
   for (a, _), (b, _) in zip(given, returned):
     if a != b:
       return f"; init has a leaf at {keystr(a)}, f returned one at {keystr(b)}"
