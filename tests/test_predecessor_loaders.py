@@ -4,6 +4,7 @@ mask or None, optional ``save_state``/``load_state``) serve pipelines as
 they are."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -267,6 +268,77 @@ def test_a_chain_without_save_state_is_refused_when_saved(loader_class,
   state, _ = batch_fn(init_fn())
   with pytest.raises(jax_data.CheckpointError, match="cannot be saved: "
                      ".*needs save_state and load_state for checkpoints"):
+    jax_data.save_checkpoint(tmp_path / "c.npz", pipeline, state)
+  release_fn()
+
+
+class Live(Predecessor):
+  """Its save_state is its live bookkeeping (JaxSGMC's users serialised it
+  at once), and holds an array, a tuple and NumPy numbers."""
+
+  def save_state(self, chain_id):
+    chain = self.chains[chain_id]
+    chain[2]["log"] = (np.int64(chain[3]), np.arange(chain[3] % 5))
+    return {"keywords": chain[2], "position": chain}
+
+  def load_state(self, chain_id, data):
+    position = data["position"][3]
+    assert isinstance(data["keywords"]["log"][1], np.ndarray)
+    assert data["keywords"]["log"][0] == np.int64(position)
+    self.chains[chain_id][3] = position
+
+
+def _batches(batch_fn, state, count):
+  batches = []
+  for _ in range(count):
+    state, batch = batch_fn(state)
+    batches.append(np.asarray(batch["base"]))
+  return np.stack(batches)
+
+
+def test_a_live_save_state_restores_and_replays_exactly(tmp_path):
+  """A save_state that returns the loader's own bookkeeping (which moves on
+  as chunks are read ahead), with arrays, tuples and NumPy numbers in it:
+  a checkpoint and a state used again give the batches that followed."""
+  pipeline = jax_data.random_reference_data(Live(), 2, 3)
+  init_fn, batch_fn, release_fn = pipeline
+  first = init_fn()
+  state = first
+  for _ in range(3):
+    state, _ = batch_fn(state)
+  jax_data.save_checkpoint(tmp_path / "c.npz", pipeline, state)
+  expected = _batches(batch_fn, state, 6)
+  np.testing.assert_array_equal(_batches(batch_fn, first, 3)[0],
+                                np.arange(3))  # replayed
+  other = jax_data.random_reference_data(Live(), 2, 3)
+  restored = jax_data.restore_checkpoint(tmp_path / "c.npz", other)
+  np.testing.assert_array_equal(_batches(other.batch_fn, restored, 6),
+                                expected)
+  release_fn()
+  other.release_fn()
+
+
+class Unportable(Saving):
+
+  def save_state(self, chain_id):
+    return {**super().save_state(chain_id), "rng": np.random.default_rng()}
+
+
+def test_a_save_state_a_checkpoint_cannot_hold_is_refused_when_saved(
+    tmp_path):
+  """A state a checkpoint cannot hold (a Generator) still serves replays in
+  the process; saving it says what and where."""
+  pipeline = jax_data.random_reference_data(Unportable(), 2, 3)
+  init_fn, batch_fn, release_fn = pipeline
+  first = init_fn()
+  state = first
+  for _ in range(3):
+    state, _ = batch_fn(state)
+  np.testing.assert_array_equal(_batches(batch_fn, first, 3)[0],
+                                np.arange(3))
+  with pytest.raises(jax_data.CheckpointError, match=re.escape(
+      "cannot be saved: its save_state returned a Generator at "
+      "state['rng']")):
     jax_data.save_checkpoint(tmp_path / "c.npz", pipeline, state)
   release_fn()
 

@@ -432,6 +432,10 @@ def spanned(chunks: Sequence[Chunk]) -> Optional[Span]:
 #: written the predecessor's way without ``save_state``); its value says
 #: why. Such a position is no checkpoint.
 UNSAVED = "unsaved"
+#: The key of a position that its cursor can return to in this process but
+#: that no checkpoint can hold (a predecessor-style ``save_state`` that
+#: returned an object JSON cannot hold); its value says why.
+UNPORTABLE = "unportable"
 
 
 class RowsByIndexNeeded(ValueError):

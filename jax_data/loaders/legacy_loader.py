@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 import weakref
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_data.loaders.chains import UNPORTABLE
 from jax_data.loaders.chains import UNSAVED
 from jax_data.loaders.chains import ChainCursor
 from jax_data.loaders.chains import ChainSpec
@@ -139,9 +141,17 @@ class LegacyCursor(ChainCursor):
     if not self._saves:
       return {UNSAVED: f"{type(self._loader).__name__} has no save_state"}
     try:
-      return self._loader.save_state(self._chain)
+      state = self._loader.save_state(self._chain)
     except NotImplementedError as e:
       return {UNSAVED: f"its save_state raised NotImplementedError({e})"}
+    # A copy, whatever the loader keeps of it (its live bookkeeping, which
+    # moves on as chunks are read ahead), in a form a checkpoint holds
+    # exactly (JSON turns arrays and tuples into lists).
+    try:
+      return {_STATE: encode_state(state)}
+    except TypeError as e:
+      return {UNPORTABLE: f"its save_state returned {e}",
+              _STATE: copy.deepcopy(state)}
 
   def seek(self, position: Position) -> None:
     if isinstance(position, dict) and UNSAVED in position:
@@ -150,10 +160,79 @@ class LegacyCursor(ChainCursor):
           f"earlier chunk: {position[UNSAVED]}. A loader written the "
           "predecessor's way needs save_state and load_state for a state "
           "used twice, a replay (jax.checkpoint) and checkpoints")
-    self._loader.load_state(self._chain, position)
+    if isinstance(position, dict) and UNPORTABLE in position:
+      state = copy.deepcopy(position[_STATE])
+    elif isinstance(position, dict) and set(position) == {_STATE}:
+      state = decode_state(position[_STATE])
+    else:  # saved as it was, by an earlier version
+      state = copy.deepcopy(position)
+    try:
+      self._loader.load_state(self._chain, state)
+    except (TypeError, ValueError, SeekRefused):
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      raise ValueError(
+          f"load_state of {type(self._loader).__name__} raised "
+          f"{type(e).__name__}: {e}") from e
 
   def close(self) -> None:
     self._loader.release_chain(self._chain)
+
+
+# The key of a position's encoded save_state (see LegacyCursor.position).
+_STATE = "save_state"
+# Keys of encoded values JSON does not hold as they are.
+_ARRAY, _SCALAR, _TUPLE, _ITEMS = ("__array__", "__scalar__", "__tuple__",
+                                   "__items__")
+
+
+def encode_state(value: Any, path: str = "") -> Any:
+  """A predecessor-style ``save_state``'s value as JSON holds it exactly:
+  NumPy arrays and scalars with their dtype, tuples as tuples, dicts with
+  keys other than strings as pairs (:func:`decode_state` undoes it).
+
+  Raises:
+    TypeError: a value of another type (a ``Generator``, a file); the
+      message names it and where it is.
+  """
+  if value is None or isinstance(value, (bool, int, float, str)):
+    return value
+  if isinstance(value, np.ndarray) and value.dtype != object:
+    return {_ARRAY: value.tolist(), "dtype": value.dtype.name,
+            "shape": list(value.shape)}
+  if isinstance(value, np.generic) and not isinstance(value, np.object_):
+    return {_SCALAR: value.item(), "dtype": value.dtype.name}
+  if isinstance(value, list):
+    return [encode_state(v, f"{path}[{i}]") for i, v in enumerate(value)]
+  if isinstance(value, tuple):
+    return {_TUPLE: [encode_state(v, f"{path}[{i}]")
+                     for i, v in enumerate(value)]}
+  if isinstance(value, dict):
+    if all(isinstance(k, str) for k in value) and not (
+        {_ARRAY, _SCALAR, _TUPLE, _ITEMS} & set(value)):
+      return {k: encode_state(v, f"{path}[{k!r}]") for k, v in value.items()}
+    return {_ITEMS: [[encode_state(k, f"{path} key"),
+                      encode_state(v, f"{path}[{k!r}]")]
+                     for k, v in value.items()]}
+  raise TypeError(f"a {type(value).__name__} at state{path}")
+
+
+def decode_state(value: Any) -> Any:
+  """The value :func:`encode_state` encoded (a fresh object)."""
+  if isinstance(value, list):
+    return [decode_state(v) for v in value]
+  if not isinstance(value, dict):
+    return value
+  if _ARRAY in value:
+    return np.array(value[_ARRAY], dtype=jnp.dtype(value["dtype"])).reshape(
+        value["shape"])
+  if _SCALAR in value:
+    return jnp.dtype(value["dtype"]).type(value[_SCALAR])
+  if _TUPLE in value:
+    return tuple(decode_state(v) for v in value[_TUPLE])
+  if _ITEMS in value:
+    return {decode_state(k): decode_state(v) for k, v in value[_ITEMS]}
+  return {k: decode_state(v) for k, v in value.items()}
 
 
 @dataclasses.dataclass

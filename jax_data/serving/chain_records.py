@@ -24,6 +24,7 @@ from typing import Tuple
 
 from jax_data.errors import CheckpointError
 from jax_data.errors import PipelineReleasedError
+from jax_data.loaders.chains import UNPORTABLE
 from jax_data.loaders.chains import UNSAVED
 from jax_data.loaders.chains import ChainCursor
 from jax_data.loaders.chains import ChainSpec
@@ -571,6 +572,11 @@ class ChainTable:
           f"chain {number} of {self.name} cannot be saved: "
           f"{position[UNSAVED]}; a loader written the predecessor's way "
           "needs save_state and load_state for checkpoints")
+    if isinstance(position, dict) and UNPORTABLE in position:
+      raise CheckpointError(
+          f"chain {number} of {self.name} cannot be saved: "
+          f"{position[UNPORTABLE]}; a checkpoint holds numbers, strings, "
+          "lists, tuples, dicts and NumPy arrays")
     return {"spec": spec_to_json(record.spec), "snapshot_index": index,
             "snapshot": position}
 
