@@ -296,25 +296,31 @@ def _batches(batch_fn, state, count):
   return np.stack(batches)
 
 
+def _replayed_and_moved_on(loader):
+  """A pipeline over ``loader`` and a state three batches on, after its
+  first state was used again (a replay: the first batches again)."""
+  pipeline = jax_data.random_reference_data(loader, 2, 3)
+  first = pipeline.init_fn()
+  state = first
+  for _ in range(3):
+    state, _ = pipeline.batch_fn(state)
+  np.testing.assert_array_equal(_batches(pipeline.batch_fn, first, 3)[0],
+                                np.arange(3))
+  return pipeline, state
+
+
 def test_a_live_save_state_restores_and_replays_exactly(tmp_path):
   """A save_state that returns the loader's own bookkeeping (which moves on
   as chunks are read ahead), with arrays, tuples and NumPy numbers in it:
   a checkpoint and a state used again give the batches that followed."""
-  pipeline = jax_data.random_reference_data(Live(), 2, 3)
-  init_fn, batch_fn, release_fn = pipeline
-  first = init_fn()
-  state = first
-  for _ in range(3):
-    state, _ = batch_fn(state)
+  pipeline, state = _replayed_and_moved_on(Live())
   jax_data.save_checkpoint(tmp_path / "c.npz", pipeline, state)
-  expected = _batches(batch_fn, state, 6)
-  np.testing.assert_array_equal(_batches(batch_fn, first, 3)[0],
-                                np.arange(3))  # replayed
+  expected = _batches(pipeline.batch_fn, state, 6)
   other = jax_data.random_reference_data(Live(), 2, 3)
   restored = jax_data.restore_checkpoint(tmp_path / "c.npz", other)
   np.testing.assert_array_equal(_batches(other.batch_fn, restored, 6),
                                 expected)
-  release_fn()
+  pipeline.release_fn()
   other.release_fn()
 
 
@@ -328,19 +334,12 @@ def test_a_save_state_a_checkpoint_cannot_hold_is_refused_when_saved(
     tmp_path):
   """A state a checkpoint cannot hold (a Generator) still serves replays in
   the process; saving it says what and where."""
-  pipeline = jax_data.random_reference_data(Unportable(), 2, 3)
-  init_fn, batch_fn, release_fn = pipeline
-  first = init_fn()
-  state = first
-  for _ in range(3):
-    state, _ = batch_fn(state)
-  np.testing.assert_array_equal(_batches(batch_fn, first, 3)[0],
-                                np.arange(3))
+  pipeline, state = _replayed_and_moved_on(Unportable())
   with pytest.raises(jax_data.CheckpointError, match=re.escape(
       "cannot be saved: its save_state returned a Generator at "
       "state['rng']")):
     jax_data.save_checkpoint(tmp_path / "c.npz", pipeline, state)
-  release_fn()
+  pipeline.release_fn()
 
 
 class _FormatMixin:
