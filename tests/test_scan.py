@@ -74,12 +74,18 @@ def test_xs_information_and_epoch_masks(pipeline):
 
   def f(carry, item):
     (batch, info), x = item
-    return carry + jnp.sum(batch["x"] * info.mask) * x, info.mask
+    # The counts are Python ints, as in the loop of batch_fn.
+    mean = jnp.ones(info.batch_size) / float(info.observation_count)
+    return carry + jnp.sum(batch["x"] * info.mask * mean) * x, info.mask
 
   want = _loop(batch_fn, f, 0.0, state, xs, None, information=True)
   got = jax.jit(lambda s, xs: jax_data.scan(
       f, 0.0, s, batch_fn=batch_fn, xs=xs, information=True))(state, xs)
   _same_run(got, want)
+  vmapped = jax.jit(jax.vmap(lambda s: jax_data.scan(
+      f, 0.0, s, batch_fn=batch_fn, xs=xs, information=True)))(
+          init_fn(seed=[1, 2]))
+  assert np.asarray(vmapped[1]).shape == (2, 60, 4)
   # Epochs of 103 observations in batches of 4 end with masked fillers.
   assert not np.asarray(got[1]).all()
 

@@ -350,8 +350,11 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
       lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
       xs)
   def trace(init):
-    closed, returned = jax.make_jaxpr(f, return_shape=True)(
-        init, item(batch0, mask0, x0))
+    # The information is made inside, as the loops make it: its counts
+    # stay Python ints (jnp.ones(info.batch_size) in a step), not tracers.
+    closed, returned = jax.make_jaxpr(
+        lambda c, b, m, x: f(c, item(b, m, x)), return_shape=True)(
+            init, batch0, mask0, x0)
     return (closed,) + pair("f", f, returned, "(carry, y)")
 
   closed, carry_format, y_format = trace(init)
