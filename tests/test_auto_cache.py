@@ -219,7 +219,12 @@ def test_a_restored_auto_pipeline_keeps_the_saved_size(pipelines):
 
   other = pipelines.random_reference_data(_wide(), "auto", MB)
   other[0](seed=0)  # laid out for one chain: 38 batches
-  with pytest.raises(jax_data.CheckpointError, match="cache_size"):
+  with pytest.raises(jax_data.CheckpointError, match=re.escape(
+      "cache_size is 5 in the checkpoint but 38 here") + ".*" + re.escape(
+          "cached_batches_count='auto' chose 38 batches for the 1 chain(s) "
+          "of this pipeline's first init_fn call: restore into a new "
+          "pipeline before any init_fn call (it takes the checkpoint's "
+          "size), or give cached_batches_count=5")):
     jax_data.state_from_pytree(other, tree)
   other[2]()
 

@@ -300,7 +300,7 @@ def _read_tree(tree: Any, pipeline: pl.Pipeline
         "data as float64/int64 with it and float32/int32 without, so the "
         "data's digest and batches differ; restore with the setting the "
         "checkpoint was saved with")
-  _check("pipeline", saved, here)
+  _check("pipeline", saved, here, pipeline.fit_hint(saved))
   lanes = host.get("lanes")
   if not isinstance(lanes, list) or not all(
       isinstance(n, int) and not isinstance(n, bool) and n >= 0
@@ -382,9 +382,9 @@ def _counters(tree: Mapping[str, Any], name: str, shape: Tuple[int, ...],
   return value.astype(dtype)
 
 
-def _check(what: str, saved: Any, here: Any) -> None:
+def _check(what: str, saved: Any, here: Any, hint: str = "") -> None:
   """Raises if ``saved`` differs from ``here``, naming the fields that
-  differ and showing both sides."""
+  differ and showing both sides (then ``hint``)."""
   if saved == here:
     return
   differ = ""
@@ -395,7 +395,7 @@ def _check(what: str, saved: Any, here: Any) -> None:
         if saved.get(k) != here.get(k)) + "; "
   raise CheckpointError(
       f"checkpoint does not fit: {differ}its {what} is {saved!r}, but here "
-      f"it is {here!r}")
+      f"it is {here!r}{hint}")
 
 
 def save_checkpoint(path: Union[str, bytes, os.PathLike], pipeline: Any,

@@ -172,6 +172,12 @@ class Pipeline(collections.abc.Sequence):
     here. The default does nothing."""
     del fingerprint, lanes
 
+  def fit_hint(self, fingerprint: Any) -> str:
+    """What to do, where a checkpoint of ``fingerprint`` does not fit this
+    pipeline because of a size it chose itself; the default: nothing."""
+    del fingerprint
+    return ""
+
   def restoring(self) -> ContextManager[None]:
     """The context in which a checkpoint is checked and restored into this
     pipeline: sizes that :meth:`prepare_restore` chose are undone if the

@@ -284,6 +284,19 @@ class RandomPipeline(pl.RandomPipeline):
           isinstance(n, int) and n >= 0 for n in lanes)
       self._lay_out_for(math.prod(lanes) if valid else 1)
 
+  def fit_hint(self, fingerprint: Any) -> str:
+    """Where ``"auto"`` chose another cache size at this pipeline's first
+    ``init_fn`` call than the checkpoint's: how to restore it."""
+    saved = fingerprint.get("cache_size") if isinstance(fingerprint,
+                                                        dict) else None
+    if self._sized_for is None or saved == self._cache_size:
+      return ""
+    return (f"; cached_batches_count='auto' chose {self._cache_size} "
+            f"batches for the {self._sized_for} chain(s) of this pipeline's "
+            "first init_fn call: restore into a new pipeline before any "
+            f"init_fn call (it takes the checkpoint's size), or give "
+            f"cached_batches_count={saved!r}")
+
   @contextlib.contextmanager
   def restoring(self) -> Iterator[None]:
     """An ``"auto"`` pipeline that was not laid out yet is not laid out
