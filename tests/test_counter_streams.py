@@ -3,6 +3,7 @@ host and on the device, and on every loader that reads rows by index."""
 
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -273,6 +274,45 @@ def test_draws_over_billions_repeat_as_draws_with_replacement(n, expected):
   assert low <= repeats <= high, (repeats, expected)
 
 
+@pytest.mark.parametrize("n", [2**24 + 1, 2**28 + 3, 2**32, 2**33 + 7,
+                               10**12])
+def test_the_draws_of_many_seeds_are_uniform_over_billions(n):
+  """One draw from each of 2**20 seeds (independent draws from the
+  marginal) collides in about k**2 / (2 n) pairs, as uniform draws do.
+  When a draw's second hash word was a function of its first, a third of
+  the observations could not be drawn at n = 2**32 (about twice the
+  pairs), and above 2**32 only 2**32 of them (128 pairs at n = 1e12, where
+  0.55 are expected). Poisson counts: the bounds hold with probability
+  above 1 - 1e-6."""
+  seeds = np.arange(2**20, dtype=np.uint64)
+  drawn = cs.uniform(counter_chains.uint32_words(seeds),
+                     np.zeros(seeds.size, np.int64), n)
+  assert drawn.min() >= 0 and drawn.max() < n
+  _, counts = np.unique(drawn, return_counts=True)
+  pairs = int((counts * (counts - 1) // 2).sum())
+  expected = seeds.size * (seeds.size - 1) / (2 * n)
+  low, high = stats.poisson(expected).ppf([1e-7, 1 - 1e-7])
+  assert low <= pairs <= high, (pairs, expected)
+
+
+def test_the_epochs_of_many_chains_have_keys_of_their_own():
+  """The keys of 4,096 seeds' first 256 epochs (1,048,576 epochs) are all
+  different: 64 bits, whose collisions are 3e-8 likely here. Keyed by one
+  32-bit state, about 128 epochs had another's keys, and the state of a
+  seed XORed with the epoch, so that epoch e of seed 268 was epoch
+  e ^ 365 of seed 3,466 (every e)."""
+  seeds = np.repeat(np.arange(4096, dtype=np.uint64), 256)
+  epochs = np.tile(np.arange(256), 4096)
+  with np.errstate(over="ignore"):
+    keys = cs.round_keys(counter_chains.uint32_words(seeds), epochs, np)
+  pairs = keys[0].astype(np.uint64) << np.uint64(32) | keys[1]
+  assert np.unique(pairs).size == pairs.size
+  n = 10**6
+  for e in range(16):
+    assert not np.array_equal(cs.permute(268, e, np.arange(64), n),
+                              cs.permute(3466, e ^ 365, np.arange(64), n))
+
+
 def test_a_chunk_costs_no_replay():
   """A stream positioned at batch 1e9 draws what a stream that got there
   batch by batch would: the same function of the batch number."""
@@ -465,6 +505,46 @@ def test_old_independent_positions_are_refused_when_merged_or_loaded():
   with pytest.raises(ValueError, match="version 1 of the counter-based "
                      "independent draws"):
     loader.load_state(chain, saved)
+
+
+def _saved_with(tree, field, version):
+  """``tree`` (state_to_pytree's) with ``field`` at ``version``, as the
+  jax_data of that version wrote it."""
+  host = json.loads(bytes(np.asarray(tree["host"])).decode())
+  host[field] = version
+  return {**tree, "host": np.frombuffer(json.dumps(host).encode(), np.uint8)}
+
+
+@pytest.mark.parametrize("n", [1000, 2**25])
+def test_checkpoints_of_version_2_restore_where_the_stream_is_the_same(n):
+  """Version 2 of the independent draws drew what version 3 draws up to
+  2**24 observations: such checkpoints restore there, and are refused
+  above, naming the change; shuffled chains of version 2 of the
+  permutations are refused at every n."""
+  loader = jax_data.SourceDataLoader(_Virtual(n), workers=0)
+  pipeline = jax_data.random_reference_data(loader, 3, 4)
+  init_fn, batch_fn, release_fn = pipeline
+  state, _ = jax.vmap(batch_fn)(init_fn(seed=range(2), stream="counter"))
+  old = _saved_with(jax_data.state_to_pytree(pipeline, state),
+                    "counter_draws", 2)
+  if n <= cs.PAIRED_ABOVE:
+    restored = jax_data.state_from_pytree(pipeline, old)
+    _, batch = jax.vmap(batch_fn)(state)
+    _, again = jax.vmap(batch_fn)(restored)
+    np.testing.assert_array_equal(again["x"], batch["x"])
+  else:
+    with pytest.raises(jax_data.CheckpointError, match=re.escape(
+        "version 2 (jax_data before 2026-11-30), and this jax_data draws "
+        "them with version 3, whose draws over more than 2**24 "
+        "observations are uniform")):
+      jax_data.state_from_pytree(pipeline, old)
+  shuffled = _saved_with(jax_data.state_to_pytree(
+      pipeline, init_fn(seed=range(2), shuffle=True, stream="counter")),
+                         "counter_permutation", 2)
+  with pytest.raises(jax_data.CheckpointError, match=re.escape(
+      "version 3, whose seeds' epochs are their own")):
+    jax_data.state_from_pytree(pipeline, shuffled)
+  release_fn()
 
 
 def test_a_state_far_ahead_is_served_without_replay():

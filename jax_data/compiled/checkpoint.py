@@ -224,22 +224,29 @@ def _check_counter_versions(host: Dict[str, Any]) -> None:
   (:data:`COUNTER_DRAWS`), shuffled ones with other permutations
   (:data:`COUNTER_PERMUTATION`). From the same position such chains would
   draw other batches than they would have."""
-  changes = (("counter_draws", COUNTER_DRAWS, ("independent",), "2026-11-28",
+  fingerprint = host.get("fingerprint")
+  count = (fingerprint.get("observation_count")
+           if isinstance(fingerprint, dict) else None)
+  changes = (("counter_draws", COUNTER_DRAWS, ("independent",),
+              ("2026-11-28", "2026-11-30"),
               "independent batches (stream='counter', shuffle=False) with "
-              "the hash", "which no longer gives one seed's batches to "
-              "another in another order"),
+              "the hash", cs.UNIFORM_CHANGES),
              ("counter_permutation", COUNTER_PERMUTATION,
-              ("shuffle", "epochs"), "2026-11-29",
+              ("shuffle", "epochs"), ("2026-11-29", "2026-11-30"),
               "shuffled batches (stream='counter', shuffle=True) with the "
-              "permutations", "whose epochs of up to 16 observations are "
-              "uniform and of more are odd as often as even"))
-  for field, version, modes, date, what, why in changes:
+              "permutations", cs.PERMUTE_CHANGES))
+  for field, version, modes, dates, what, why in changes:
     saved = host.get(field, 1)
-    if saved != version and _has_counter_chains(host, modes):
+    same = saved == version or (
+        field == "counter_draws" and isinstance(count, int)
+        and cs.same_draws(saved, count))
+    if not same and _has_counter_chains(host, modes):
+      date = dates[0] if saved == 1 else dates[-1]
       raise CheckpointError(
           f"checkpoint does not fit: its chains draw counter-based {what} "
           f"of version {saved} (jax_data before {date}), and this jax_data "
-          f"draws them with version {version}, {why}; restored, the "
+          f"draws them with version {version}, "
+          f"{why.get(saved, 'another stream')}; restored, the "
           "chains would go on with other batches than they would have. "
           "Start them anew (init_fn), or finish the run with the jax_data "
           "that saved it")

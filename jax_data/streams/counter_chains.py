@@ -141,12 +141,15 @@ def _redrawn(seeds: Sequence[int], starts: Sequence[int], chain: np.ndarray,
   for c, k in zip(chain.tolist(), column.tolist()):
     position = starts[c] + k
     tail = (position & _U32, position >> 32)
-    prefix = _prefix(cs.TAG_UNIFORM_LO, seeds[c])
+    low = _prefix(cs.TAG_UNIFORM_LO, seeds[c])
+    high = _prefix(cs.TAG_UNIFORM_HI, seeds[c])
     attempt, h = 0, limit
     while h >= limit:
       attempt += 1
-      h = cs.combined_hash(_absorbed_int(prefix, tail + (attempt, prefix)),
-                           n)
+      h = _absorbed_int(low, tail + (attempt, low))
+      if n > cs.PAIRED_ABOVE:
+        h = cs.combined_hash(h, _absorbed_int(high, tail + (attempt, high)),
+                             n)
     values.append(h % n)
   # As uniform's astype: n above 2**63 is beyond int64 (and any index).
   return np.asarray(values, np.uint64).astype(np.int64)
@@ -177,6 +180,8 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
   span = 2**64 if wide else 2**32
   limit = span - span % n
   prefix = _prefixes(cs.TAG_UNIFORM_LO, seeds)
+  paired = n > cs.PAIRED_ABOVE
+  prefix_high = _prefixes(cs.TAG_UNIFORM_HI, seeds) if paired else None
   lows = (starts & _U32).astype(np.uint32)
   highs = (starts >> 32).astype(np.uint32)
   # A run whose low words wrap past 2**32 changes its high word midway:
@@ -191,27 +196,24 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
   def draw(first: int, last: int) -> None:  # chains first .. last - 1
     x = np.empty((rows, cols), np.uint32)
     tmp = np.empty_like(x)
+    y = np.empty_like(x) if paired else None
     with np.errstate(over="ignore"):
       for c0 in range(first, last, rows):
         c1 = min(last, c0 + rows)
         for k0 in range(0, length, cols):
           k1 = min(length, k0 + cols)
           h, t = x[:c1 - c0, :k1 - k0], tmp[:c1 - c0, :k1 - k0]
-          # The positions' low words, wrapping like uint32.
-          np.add(count[k0:k1], lows[c0:c1, None], out=h)
-          np.bitwise_xor(h, prefix[c0:c1, None], out=h)
-          # (prefix ^ low) then the mix: _absorb_into with the XOR done.
-          _absorb_into(h, 0, t)
-          high = highs[c0:c1, None]
-          _absorb_into(h, high if high.any() else 0, t)
-          _absorb_into(h, 0, t)  # attempt 0
-          _absorb_into(h, prefix[c0:c1, None], t)  # the seed's again
+          words = (count[k0:k1], lows[c0:c1, None], highs[c0:c1, None])
+          _hash_into(h, t, *words, prefix[c0:c1, None])
+          if paired:
+            h = cs.combined_hash(h, _hash_into(
+                y[:c1 - c0, :k1 - k0], t, *words,
+                prefix_high[c0:c1, None]), n)
           if wide:
-            h = cs.combined_hash(h, n)
             reduced, dtype = _remainder(h, np.uint64(n), np.empty_like(h)), (
                 np.uint64)
           else:
-            h, dtype = cs.combined_hash(h, n), np.uint32
+            dtype = np.uint32
             reduced = h if n == span else _remainder(
                 h, np.uint32(n), tmp[:c1 - c0, :k1 - k0])
           out[c0:c1, k0:k1] = reduced
@@ -231,6 +233,22 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
   for c in crossing:
     out[c] = cs.uniform(int(seeds[c]), int(starts[c]) + np.arange(length), n)
   return out
+
+
+def _hash_into(h: np.ndarray, tmp: np.ndarray, count: np.ndarray,
+               lows: np.ndarray, highs: np.ndarray, prefix: np.ndarray
+               ) -> np.ndarray:
+  """:func:`~jax_data.streams.counter_streams.uniform_hash` of attempt 0
+  at positions ``lows + count`` (low words, wrapping like uint32) and
+  ``highs``, after the seeds' ``prefix``, into ``h`` (returned)."""
+  np.add(count, lows, out=h)
+  np.bitwise_xor(h, prefix, out=h)
+  # (prefix ^ low) then the mix: _absorb_into with the XOR done.
+  _absorb_into(h, 0, tmp)
+  _absorb_into(h, highs if highs.any() else 0, tmp)
+  _absorb_into(h, 0, tmp)  # attempt 0
+  _absorb_into(h, prefix, tmp)  # the seed's again
+  return h
 
 
 def _uint64(values: Sequence[int]) -> np.ndarray:
@@ -299,6 +317,15 @@ def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
   return indices, mask
 
 
+def _changed_stream(saved: str, verb: str, version: int,
+                    why: Optional[str], before: str) -> str:
+  """The message that refuses a position of a stream that has changed."""
+  return (f"the position was saved with {saved} (jax_data before {before}), "
+          f"and this jax_data {verb} version {version}, "
+          f"{why or 'another stream'}; from it the chain would go on with "
+          "other batches than it would have. Start the chain anew")
+
+
 class CounterStream:
   """Random mini-batch indices of a counter-based stream: batch ``j`` is a
   pure function of (seed, ``j``), so the position is the batch count and
@@ -343,23 +370,20 @@ class CounterStream:
       raise ValueError(
           f"state is for a chain in mode {state.get('mode')!r}, but this "
           f"chain is in mode {self.mode!r}")
-    if not self.shuffle and state.get("draws", 1) != cs.UNIFORM_VERSION:
-      raise ValueError(
-          f"the position was saved with version {state.get('draws', 1)} of "
-          "the counter-based independent draws (jax_data before "
-          f"2026-11-28), and this jax_data draws version "
-          f"{cs.UNIFORM_VERSION}, which no longer gives one seed's batches "
-          "to another in another order; from it the chain would go on with "
-          "other batches than it would have. Start the chain anew")
-    if self.shuffle and state.get("permutation", 1) != cs.PERMUTE_VERSION:
-      raise ValueError(
-          f"the position was saved with version "
-          f"{state.get('permutation', 1)} of the counter-based shuffled "
-          "streams (jax_data before 2026-11-29), and this jax_data shuffles "
-          f"with version {cs.PERMUTE_VERSION}, whose epochs of up to 16 "
-          "observations are uniform and of more are odd as often as even; "
-          "from it the chain would go on with other batches than it would "
-          "have. Start the chain anew")
+    draws = state.get("draws", 1)
+    if not self.shuffle and not cs.same_draws(draws,
+                                              self.observations.count):
+      raise ValueError(_changed_stream(
+          f"version {draws} of the counter-based independent draws",
+          "draws", cs.UNIFORM_VERSION, cs.UNIFORM_CHANGES.get(draws),
+          "2026-11-28" if draws == 1 else "2026-11-30"))
+    permutation = state.get("permutation", 1)
+    if self.shuffle and permutation != cs.PERMUTE_VERSION:
+      raise ValueError(_changed_stream(
+          f"version {permutation} of the counter-based shuffled streams",
+          "shuffles with", cs.PERMUTE_VERSION,
+          cs.PERMUTE_CHANGES.get(permutation),
+          "2026-11-29" if permutation == 1 else "2026-11-30"))
     seed, batch = position_fields(state, "seed", "batch")
     seed = check_int("seed", seed, minimum=0, maximum=2**64 - 1)
     # Positions of the stream (batch * mb_size) are int64.

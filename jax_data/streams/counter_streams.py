@@ -57,23 +57,56 @@ _U32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
 # Tags that keep the hashes of the two modes and of their words apart.
 TAG_PERMUTE = 0x243F6A88
+TAG_PERMUTE_HI = 0x082EFA98
 TAG_UNIFORM_LO = 0x85A308D3
 TAG_UNIFORM_HI = 0x13198A2E
-#: Above this many observations an independent draw's hash ``h`` becomes
-#: ``h ^ mix(h ^ tag)``: ``h`` is a bijection of the position's low word,
-#: so draws from it alone would repeat an observation less often than
-#: draws with replacement do, by the factor ``1 - n / 2**32`` (at most
-#: 0.4 % here).
+#: Above this many observations an independent draw's hash is that of
+#: two 32-bit hashes of (seed, position, attempt) under two tags
+#: (:func:`combined_hash`): the first alone is a bijection of the
+#: position's low word, so draws from it alone would repeat an observation
+#: less often than draws with replacement do, by the factor
+#: ``1 - n / 2**32`` (at most 0.4 % here); and above ``2**32`` an index
+#: needs more than its 32 bits.
 PAIRED_ABOVE = 1 << 24
 #: The version of the independent draws' hash: 2 since it absorbs the
-#: seed's state again after the position (2026-11-28); positions and
-#: checkpoints saved without it were drawn with 1.
-UNIFORM_VERSION = 2
+#: seed's state again after the position (2026-11-28); 3 since above
+#: :data:`PAIRED_ABOVE` observations its second word is a hash of the
+#: draw's own (2026-11-30: it was a function of the first word, which left
+#: a third of the observations unreachable at ``2**32`` and all but
+#: ``2**32`` of them above). Positions and checkpoints saved without a
+#: version were drawn with 1; those of 2 draw the same up to
+#: :data:`PAIRED_ABOVE` (:func:`same_draws`).
+UNIFORM_VERSION = 3
 #: The version of the shuffled streams' permutations: 2 since epochs of at
 #: most :data:`SORTED_UP_TO` observations are sorted hashes and a key's bit
-#: swaps observations 0 and 1 of the others (2026-11-29); positions and
-#: checkpoints saved without it were shuffled with 1.
-PERMUTE_VERSION = 2
+#: swaps observations 0 and 1 of the others (2026-11-29); 3 since the keys
+#: absorb the seed's state again after the epoch, and are keyed by two
+#: hashes of 32 bits (2026-11-30: the epochs of two seeds were each
+#: other's, at epoch numbers XORed by a constant). Positions and
+#: checkpoints saved without a version were shuffled with 1.
+PERMUTE_VERSION = 3
+
+
+#: What each earlier version of the independent draws lacked, and of the
+#: permutations (for the messages that refuse their positions).
+UNIFORM_CHANGES = {
+    1: "which no longer gives one seed's batches to another in another "
+       "order",
+    2: "whose draws over more than 2**24 observations are uniform (those "
+       "of version 2 left observations out)"}
+PERMUTE_CHANGES = {
+    1: "whose epochs of up to 16 observations are uniform and of more are "
+       "odd as often as even, and whose seeds' epochs are their own",
+    2: "whose seeds' epochs are their own (those of version 2 served "
+       "another seed's epochs at other epoch numbers)"}
+
+
+def same_draws(version: int, n: int) -> bool:
+  """Whether independent draws of hash version ``version`` over ``n``
+  observations are those of :data:`UNIFORM_VERSION` (2 and 3 differ only
+  above :data:`PAIRED_ABOVE`)."""
+  return version == UNIFORM_VERSION or (version == 2
+                                        and n <= PAIRED_ABOVE)
 
 
 def domain_bits(n: int) -> int:
@@ -141,8 +174,28 @@ def round_keys(seed: int, epoch: Any, xp: Any = np) -> list:
     epoch_hi = (epoch >> np.uint64(32)).astype(np.uint32)
   else:
     epoch_lo, epoch_hi = _u32(epoch, xp), _u32(0, xp)
-  base = (_u32(TAG_PERMUTE, xp), seed_lo, seed_hi, epoch_lo, epoch_hi)
-  return [_absorb(base + (_u32(r, xp),), xp) for r in range(ROUNDS + 1)]
+  first, second = (_epoch_state(tag, seed_lo, seed_hi, epoch_lo, epoch_hi,
+                                xp)
+                   for tag in (TAG_PERMUTE, TAG_PERMUTE_HI))
+  golden = xp.uint32(GOLDEN)
+  return [_mix((_mix((first ^ _u32(r, xp)) * golden, xp) ^ second) * golden,
+               xp) for r in range(ROUNDS + 1)]
+
+
+def _epoch_state(tag: int, seed_lo: Any, seed_hi: Any, epoch_lo: Any,
+                 epoch_hi: Any, xp: Any) -> Any:
+  """A 32-bit hash of (seed, epoch) under ``tag``: the tag and the seed's
+  words absorbed (the ``prefix``), the epoch's, then the prefix again.
+  Without the last, the state after a seed XORed with the epoch's low
+  word, so the epochs of two seeds were each other's at epoch numbers
+  XORed by a constant; :func:`round_keys` derives the keys from two such
+  hashes, 64 bits, so that epochs of different chains collide no more
+  often than 64-bit keys do."""
+  prefix = _absorb((_u32(tag, xp), seed_lo, seed_hi), xp)
+  h = prefix
+  for word in (epoch_lo, epoch_hi, prefix):
+    h = _mix((h ^ word) * xp.uint32(GOLDEN), xp)
+  return h
 
 
 def mix_int(x: int) -> int:
@@ -157,11 +210,19 @@ def mix_int(x: int) -> int:
 
 def round_keys_int(seed: int, epoch: int) -> list:
   """:func:`round_keys` of one epoch, as Python ints (the same values):
-  the hash of the words they share is taken once."""
-  h = GOLDEN
-  for word in (TAG_PERMUTE, *_words(seed), *_words(epoch)):
-    h = mix_int(((h ^ word) * GOLDEN) & _U32)
-  return [mix_int(((h ^ r) * GOLDEN) & _U32) for r in range(ROUNDS + 1)]
+  the hashes of the words they share are taken once."""
+  states = []
+  for tag in (TAG_PERMUTE, TAG_PERMUTE_HI):
+    prefix = GOLDEN
+    for word in (tag, *_words(seed)):
+      prefix = mix_int(((prefix ^ word) * GOLDEN) & _U32)
+    h = prefix
+    for word in (*_words(epoch), prefix):
+      h = mix_int(((h ^ word) * GOLDEN) & _U32)
+    states.append(h)
+  first, second = states
+  return [mix_int(((mix_int(((first ^ r) * GOLDEN) & _U32) ^ second)
+                   * GOLDEN) & _U32) for r in range(ROUNDS + 1)]
 
 
 # A chunk whose offsets fall in at most this many epochs is permuted epoch
@@ -416,8 +477,9 @@ def uniform(seed: Any, positions: Any, n: int, xp: Any = np) -> Any:
   A hash (:func:`uniform_hash`) absorbs the seed's state again after the
   position: without that, the stream of one seed was the stream of another
   with positions XORed by a constant (chains drawing each other's batches
-  in another order). Above :data:`PAIRED_ABOVE` observations
-  :func:`combined_hash` makes it no longer a bijection of the position.
+  in another order). Above :data:`PAIRED_ABOVE` observations it is
+  :func:`combined_hash` of two such hashes: no longer a bijection of the
+  position, and of 64 bits above ``2**32`` observations.
 
   NumPy takes int64 positions below ``2**63`` and a Python int seed, or a
   pair of ``uint32`` arrays of the seeds' low and high words, one seed per
@@ -452,8 +514,11 @@ def _uniform(seed: Any, positions: Any, n: int, xp: Any) -> Any:
     words = (seed_lo, seed_hi, pos_lo, pos_hi)
     if some is not None:  # seeds are scalars, or arrays like the positions
       words = tuple(w if w.ndim == 0 else w[some] for w in words)
-    return combined_hash(uniform_hash(TAG_UNIFORM_LO, *words, attempt, xp),
-                         n, xp)
+    low = uniform_hash(TAG_UNIFORM_LO, *words, attempt, xp)
+    if n <= PAIRED_ABOVE:
+      return low
+    return combined_hash(low, uniform_hash(TAG_UNIFORM_HI, *words, attempt,
+                                           xp), n, xp)
 
   if xp is np:
     hashes = draw(np.uint32(0))
@@ -499,22 +564,21 @@ def uniform_hash(tag: int, seed_lo: Any, seed_hi: Any, pos_lo: Any,
   return h
 
 
-def combined_hash(h: Any, n: int, xp: Any = np) -> Any:
-  """An independent draw's hash from its :func:`uniform_hash` ``h`` (a
-  Python int or an array): ``h`` itself up to :data:`PAIRED_ABOVE`
-  observations; above, with ``m = mix(h ^ TAG_UNIFORM_HI)``, ``h ^ m``,
-  which is not a bijection of ``h`` (an observation repeats as with
-  replacement), and above ``2**32`` the 64-bit ``m << 32 | h ^ m``."""
-  if n <= PAIRED_ABOVE:
-    return h
-  if isinstance(h, int):
-    m = mix_int(((h ^ TAG_UNIFORM_HI) * GOLDEN) & _U32)
-    return (h ^ m) if n <= 2**32 else (m << 32) | (h ^ m)
-  m = _mix((h ^ xp.uint32(TAG_UNIFORM_HI)) * xp.uint32(GOLDEN), xp)
+def combined_hash(low: Any, high: Any, n: int, xp: Any = np) -> Any:
+  """An independent draw's hash over ``n`` observations, above
+  :data:`PAIRED_ABOVE`, from its two :func:`uniform_hash` words ``low``
+  (tag :data:`TAG_UNIFORM_LO`) and ``high`` (:data:`TAG_UNIFORM_HI`),
+  Python ints or arrays: up to ``2**32`` observations ``low ^ high``,
+  which is not a bijection of the position (an observation repeats as
+  with replacement); above, the 64-bit ``high << 32 | low ^ high`` (a
+  bijection of the pair, with low bits of that kind too). (Up to
+  :data:`PAIRED_ABOVE` the hash is ``low`` alone.)"""
+  if isinstance(low, int):
+    return (low ^ high) if n <= 2**32 else (high << 32) | (low ^ high)
   if n <= 2**32:
-    return h ^ m
-  return ((m.astype(np.uint64) << np.uint64(32))
-          | (h ^ m).astype(np.uint64))
+    return low ^ high
+  return ((high.astype(np.uint64) << np.uint64(32))
+          | (low ^ high).astype(np.uint64))
 
 
 def _check_size(n: int, bits: int, xp: Any) -> None:
