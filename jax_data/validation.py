@@ -157,6 +157,12 @@ def seed_list(seed: Any) -> Optional[List[Any]]:
   if isinstance(seed, jax.core.Tracer):
     raise TypeError(f"seed must be concrete integers (a chain's seed is "
                     f"fixed when init_fn makes it), got seed={seed!r}")
+  if isinstance(seed, jax.Array) and jax.dtypes.issubdtype(
+      seed.dtype, jax.dtypes.prng_key):
+    raise TypeError(
+        f"seed must be an integer or a sequence of integers, got typed "
+        f"PRNG keys of shape {seed.shape}: seed=range(C) makes C chains "
+        "(DeviceNumpyDataLoader's jax.random chains take key=)")
   if isinstance(seed, (np.ndarray, jax.Array)):
     if np.ndim(seed) == 0:
       return None

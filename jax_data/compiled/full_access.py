@@ -99,7 +99,10 @@ def full_reference_data(data_loader: DataLoader,
     ``(data_state, (results, carry))``. With ``masking=True``,
     ``fun(batch, mask, carry)`` returns one result per batch; otherwise
     ``fun(batch, carry)`` returns one per observation and the results of
-    fillers are dropped, so results have leading axis ``N``.
+    fillers are dropped, so results have leading axis ``N``. With
+    ``information=True``, ``batch`` is the pair ``(batch, info)`` (a
+    :class:`~jax_data.MiniBatchInformation`), as ``batch_fn`` returns it:
+    ``fun((batch, info), carry)``.
   """
   # Typed as the tuple it unpacks as (its functions' protocols).
   return cast(OrderedBatch, _full_pipeline(
@@ -476,7 +479,9 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
     information=False, batched=True, device_count=1)`` returns
     ``(results, carry)``; with ``batched=False``, ``fun(observation, carry)``
     is vmapped over each batch and the carry of the batch's first
-    observation is kept.
+    observation is kept. With ``information=True``, ``fun`` gets the pair
+    ``(batch, info)`` in place of ``batch``, as for
+    :func:`full_reference_data`.
   """
   if mesh is not None or batch_axis is not None:
     axes = global_passes.split_axes(
