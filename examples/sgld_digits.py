@@ -14,7 +14,7 @@ carry the chains' positions from one call to the next.
 
 Run it from the repository root::
 
-    python examples/sgld_digits.py            # 20,000 steps, about 30 s
+    python examples/sgld_digits.py            # 20,000 steps, about 10-15 s
     python examples/sgld_digits.py --quick    # 2,000 steps, for CI
     python examples/sgld_digits.py --out /tmp/sgld.png
 
