@@ -295,6 +295,25 @@ def test_the_draws_of_many_seeds_are_uniform_over_billions(n):
   assert low <= pairs <= high, (pairs, expected)
 
 
+def test_seeds_of_one_32_bit_state_draw_streams_of_their_own():
+  """Seeds 1 and 2658119697165189120 leave the same 32-bit state once
+  their words are hashed, and drew the same stream while the hash absorbed
+  that state again rather than the words; among 2**20 random 64-bit seeds
+  126 pairs did. Now no two of those seeds' first four draws over 2**24
+  agree (chance: 3e-17 pairs), and the pair's streams differ."""
+  n = 2**24
+  pair = [cs.uniform(seed, np.arange(1000), n)
+          for seed in (1, 2658119697165189120)]
+  assert np.mean(pair[0] == pair[1]) < 0.01
+  seeds = np.unique(np.random.default_rng(5).integers(
+      0, 2**63, 2**20, dtype=np.int64).astype(np.uint64) * np.uint64(2))
+  words = counter_chains.uint32_words(seeds)
+  first = [cs.uniform(words, np.full(seeds.size, t, np.int64), n)
+           for t in range(4)]
+  signature = np.stack(first, axis=1)
+  assert np.unique(signature, axis=0).shape[0] == seeds.size
+
+
 def test_the_epochs_of_many_chains_have_keys_of_their_own():
   """The keys of 4,096 seeds' first 256 epochs (1,048,576 epochs) are all
   different: 64 bits, whose collisions are 3e-8 likely here. Keyed by one
@@ -515,34 +534,28 @@ def _saved_with(tree, field, version):
   return {**tree, "host": np.frombuffer(json.dumps(host).encode(), np.uint8)}
 
 
-@pytest.mark.parametrize("n", [1000, 2**25])
-def test_checkpoints_of_version_2_restore_where_the_stream_is_the_same(n):
-  """Version 2 of the independent draws drew what version 3 draws up to
-  2**24 observations: such checkpoints restore there, and are refused
-  above, naming the change; shuffled chains of version 2 of the
-  permutations are refused at every n."""
-  loader = jax_data.SourceDataLoader(_Virtual(n), workers=0)
+@pytest.mark.parametrize("version", [2, 3])
+def test_checkpoints_of_the_draws_and_epochs_of_2026_11_29_are_refused(
+    version):
+  """Versions 2 and 3 of the independent draws, and 2 of the permutations,
+  drew other streams (tests above): their checkpoints are refused, naming
+  the change."""
+  loader = jax_data.NumpyDataLoader(x=np.arange(1000))
   pipeline = jax_data.random_reference_data(loader, 3, 4)
-  init_fn, batch_fn, release_fn = pipeline
-  state, _ = jax.vmap(batch_fn)(init_fn(seed=range(2), stream="counter"))
-  old = _saved_with(jax_data.state_to_pytree(pipeline, state),
-                    "counter_draws", 2)
-  if n <= cs.PAIRED_ABOVE:
-    restored = jax_data.state_from_pytree(pipeline, old)
-    _, batch = jax.vmap(batch_fn)(state)
-    _, again = jax.vmap(batch_fn)(restored)
-    np.testing.assert_array_equal(again["x"], batch["x"])
-  else:
-    with pytest.raises(jax_data.CheckpointError, match=re.escape(
-        "version 2 (jax_data before 2026-11-30), and this jax_data draws "
-        "them with version 3, whose draws over more than 2**24 "
-        "observations are uniform")):
-      jax_data.state_from_pytree(pipeline, old)
+  init_fn, _, release_fn = pipeline
+  old = _saved_with(jax_data.state_to_pytree(
+      pipeline, init_fn(seed=range(2), stream="counter")), "counter_draws",
+                    version)
+  with pytest.raises(jax_data.CheckpointError, match=re.escape(
+      f"version {version} (jax_data before 2026-11-30), and this jax_data "
+      f"draws them with version {cs.UNIFORM_VERSION}, ") + ".*" + re.escape(
+          "whose seeds' streams are their own")):
+    jax_data.state_from_pytree(pipeline, old)
   shuffled = _saved_with(jax_data.state_to_pytree(
       pipeline, init_fn(seed=range(2), shuffle=True, stream="counter")),
                          "counter_permutation", 2)
   with pytest.raises(jax_data.CheckpointError, match=re.escape(
-      "version 3, whose seeds' epochs are their own")):
+      f"version {cs.PERMUTE_VERSION}, whose seeds' epochs are their own")):
     jax_data.state_from_pytree(pipeline, shuffled)
   release_fn()
 
@@ -784,6 +797,35 @@ def test_device_batches_beyond_the_counter_streams_words():
                        f"{mb + 7}"):
       init_fn(**kwargs)
   release_fn()
+
+
+@pytest.mark.parametrize("n, mb", [(2**32 - 1, 7), (2**32 - 5, 100)])
+def test_the_device_masks_an_epochs_last_batch_near_2_32(n, mb):
+  """An epoch's last batch whose offsets pass 2**32 (n just below it):
+  the device's uint32 offsets wrapped to 0, 1, ... and were marked valid,
+  serving the epoch's first observations again; they are fillers, as on
+  the host."""
+  per_epoch = -(-n // mb)
+  for batch in (per_epoch - 1, 2 * per_epoch - 1):
+    want, want_mask = cs.stream_batches(3, batch, 1, mb, n, True, True)
+    got, mask = jax.jit(lambda b: device_streams.device_batch(
+        jnp.asarray([3, 0], jnp.uint32), b, mb, n, 2))(jnp.uint32(batch))
+    np.testing.assert_array_equal(np.asarray(mask), want_mask[0])
+    np.testing.assert_array_equal(np.asarray(got, np.int64), want[0])
+
+
+def test_a_counter_stream_ends_at_its_last_position():
+  """Positions (batch * mb_size) are int64: a stream asked for batches
+  past its last raises, rather than wrap and report a position that no
+  restore takes."""
+  stream = CounterStream(jax_data.sampling.ObservationRange(0, 1000), 8, 4,
+                         False, False)
+  last = (2**63 - 1) // 8
+  stream.set_state({**stream.get_state(), "batch": last - 1})
+  stream.draw(2)
+  with pytest.raises(ValueError, match=f"ends at batch {last}"):
+    stream.draw(1)
+  stream.set_state(stream.get_state())  # where it stopped: restorable
 
 
 def test_vmapped_device_chains_of_one_kind_draw_only_their_stream(

@@ -224,9 +224,6 @@ def _check_counter_versions(host: Dict[str, Any]) -> None:
   (:data:`COUNTER_DRAWS`), shuffled ones with other permutations
   (:data:`COUNTER_PERMUTATION`). From the same position such chains would
   draw other batches than they would have."""
-  fingerprint = host.get("fingerprint")
-  count = (fingerprint.get("observation_count")
-           if isinstance(fingerprint, dict) else None)
   changes = (("counter_draws", COUNTER_DRAWS, ("independent",),
               ("2026-11-28", "2026-11-30"),
               "independent batches (stream='counter', shuffle=False) with "
@@ -237,10 +234,7 @@ def _check_counter_versions(host: Dict[str, Any]) -> None:
               "permutations", cs.PERMUTE_CHANGES))
   for field, version, modes, dates, what, why in changes:
     saved = host.get(field, 1)
-    same = saved == version or (
-        field == "counter_draws" and isinstance(count, int)
-        and cs.same_draws(saved, count))
-    if not same and _has_counter_chains(host, modes):
+    if saved != version and _has_counter_chains(host, modes):
       date = dates[0] if saved == 1 else dates[-1]
       raise CheckpointError(
           f"checkpoint does not fit: its chains draw counter-based {what} "

@@ -143,12 +143,13 @@ def _redrawn(seeds: Sequence[int], starts: Sequence[int], chain: np.ndarray,
     tail = (position & _U32, position >> 32)
     low = _prefix(cs.TAG_UNIFORM_LO, seeds[c])
     high = _prefix(cs.TAG_UNIFORM_HI, seeds[c])
+    seed = (seeds[c] & _U32, seeds[c] >> 32)
     attempt, h = 0, limit
     while h >= limit:
       attempt += 1
-      h = _absorbed_int(low, tail + (attempt, low))
+      h = _absorbed_int(low, tail + (attempt,) + seed)
       if n > cs.PAIRED_ABOVE:
-        h = cs.combined_hash(h, _absorbed_int(high, tail + (attempt, high)),
+        h = cs.combined_hash(h, _absorbed_int(high, tail + (attempt,) + seed),
                              n)
     values.append(h % n)
   # As uniform's astype: n above 2**63 is beyond int64 (and any index).
@@ -182,6 +183,7 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
   prefix = _prefixes(cs.TAG_UNIFORM_LO, seeds)
   paired = n > cs.PAIRED_ABOVE
   prefix_high = _prefixes(cs.TAG_UNIFORM_HI, seeds) if paired else None
+  seed_lo, seed_hi = uint32_words(seeds)
   lows = (starts & _U32).astype(np.uint32)
   highs = (starts >> 32).astype(np.uint32)
   # A run whose low words wrap past 2**32 changes its high word midway:
@@ -203,7 +205,8 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
         for k0 in range(0, length, cols):
           k1 = min(length, k0 + cols)
           h, t = x[:c1 - c0, :k1 - k0], tmp[:c1 - c0, :k1 - k0]
-          words = (count[k0:k1], lows[c0:c1, None], highs[c0:c1, None])
+          words = (count[k0:k1], lows[c0:c1, None], highs[c0:c1, None],
+                   seed_lo[c0:c1, None], seed_hi[c0:c1, None])
           _hash_into(h, t, *words, prefix[c0:c1, None])
           if paired:
             h = cs.combined_hash(h, _hash_into(
@@ -236,18 +239,20 @@ def uniform_runs(seeds: Sequence[int], starts: Sequence[int], length: int,
 
 
 def _hash_into(h: np.ndarray, tmp: np.ndarray, count: np.ndarray,
-               lows: np.ndarray, highs: np.ndarray, prefix: np.ndarray
-               ) -> np.ndarray:
+               lows: np.ndarray, highs: np.ndarray, seed_lo: np.ndarray,
+               seed_hi: np.ndarray, prefix: np.ndarray) -> np.ndarray:
   """:func:`~jax_data.streams.counter_streams.uniform_hash` of attempt 0
   at positions ``lows + count`` (low words, wrapping like uint32) and
-  ``highs``, after the seeds' ``prefix``, into ``h`` (returned)."""
+  ``highs`` of the seeds of words ``seed_lo`` and ``seed_hi``, whose
+  ``prefix`` is given, into ``h`` (returned)."""
   np.add(count, lows, out=h)
   np.bitwise_xor(h, prefix, out=h)
   # (prefix ^ low) then the mix: _absorb_into with the XOR done.
   _absorb_into(h, 0, tmp)
   _absorb_into(h, highs if highs.any() else 0, tmp)
   _absorb_into(h, 0, tmp)  # attempt 0
-  _absorb_into(h, prefix, tmp)  # the seed's again
+  _absorb_into(h, seed_lo, tmp)  # the seed's words again
+  _absorb_into(h, seed_hi if seed_hi.any() else 0, tmp)
   return h
 
 
@@ -306,7 +311,9 @@ def chain_batches(seeds: Sequence[int], firsts: Sequence[int], count: int,
       if columns is None:  # a run per chain
         indices = uniform_runs(seeds, firsts * mb_size, count * mb_size, n,
                                split)
-      else:  # a run per batch
+      else:  # a run per batch, of its consecutive columns
+        if columns.step not in (None, 1):
+          raise ValueError(f"columns must be consecutive, got {columns}")
         batches = firsts[:, None] + np.arange(count, dtype=np.int64)
         indices = uniform_runs(np.repeat(seeds, count),
                                (batches * mb_size + cols[0]).reshape(-1),
@@ -371,8 +378,7 @@ class CounterStream:
           f"state is for a chain in mode {state.get('mode')!r}, but this "
           f"chain is in mode {self.mode!r}")
     draws = state.get("draws", 1)
-    if not self.shuffle and not cs.same_draws(draws,
-                                              self.observations.count):
+    if not self.shuffle and draws != cs.UNIFORM_VERSION:
       raise ValueError(_changed_stream(
           f"version {draws} of the counter-based independent draws",
           "draws", cs.UNIFORM_VERSION, cs.UNIFORM_CHANGES.get(draws),
@@ -387,8 +393,9 @@ class CounterStream:
     seed, batch = position_fields(state, "seed", "batch")
     seed = check_int("seed", seed, minimum=0, maximum=2**64 - 1)
     # Positions of the stream (batch * mb_size) are int64.
+    # last_batch + 1: the stream's end, after its last batch.
     batch = check_int("batch", batch, minimum=0,
-                      maximum=(2**63 - 1) // self.mb_size)
+                      maximum=self.last_batch + 1)
     self.seed, self._batch = seed, batch
     self._drawn = None  # another seed, perhaps
 
@@ -405,9 +412,23 @@ class CounterStream:
     return 0 if drawn is None else sum(
         a.nbytes for a in drawn[2:] if a is not None)
 
+  @property
+  def last_batch(self) -> int:
+    """The stream's last batch: positions (batch * mb_size) are int64."""
+    return (2**63 - 1) // self.mb_size
+
   def advance(self, count: int) -> int:
     """Moves past the next ``count`` batches; returns the first of them
-    (whose indices :func:`stream_batches` then gives)."""
+    (whose indices :func:`stream_batches` then gives).
+
+    Raises:
+      ValueError: the stream ends before them (:attr:`last_batch`).
+    """
+    if self._batch + count > self.last_batch + 1:
+      raise ValueError(
+          f"a counter-based stream ends at batch {self.last_batch} (its "
+          f"positions, batch * mb_size, are int64); batches {self._batch} "
+          f"to {self._batch + count - 1} were asked for")
     first, self._batch = self._batch, self._batch + count
     return first
 
@@ -422,7 +443,8 @@ class CounterStream:
       # The same values as drawn one call at a time: batch j's indices are
       # a function of (seed, j) alone.
       width = len(range(self.mb_size)[columns or slice(None)])
-      ahead = max(1, _DRAW_WORDS // max(1, count * width)) * count
+      ahead = min(max(1, _DRAW_WORDS // max(1, count * width)) * count,
+                  self.last_batch + 1 - first)
       indices, mask = chain_batches(
           [self.seed], [first], ahead, self.mb_size,
           self.observations.count, self.shuffle, self.in_epochs,

@@ -73,10 +73,11 @@ PAIRED_ABOVE = 1 << 24
 #: :data:`PAIRED_ABOVE` observations its second word is a hash of the
 #: draw's own (2026-11-30: it was a function of the first word, which left
 #: a third of the observations unreachable at ``2**32`` and all but
-#: ``2**32`` of them above). Positions and checkpoints saved without a
-#: version were drawn with 1; those of 2 draw the same up to
-#: :data:`PAIRED_ABOVE` (:func:`same_draws`).
-UNIFORM_VERSION = 3
+#: ``2**32`` of them above); 4 since it absorbs the seed's words again,
+#: not the 32-bit state they left (2026-11-30: seeds that left the same
+#: state drew the same stream). Positions and checkpoints saved without a
+#: version were drawn with 1.
+UNIFORM_VERSION = 4
 #: The version of the shuffled streams' permutations: 2 since epochs of at
 #: most :data:`SORTED_UP_TO` observations are sorted hashes and a key's bit
 #: swaps observations 0 and 1 of the others (2026-11-29); 3 since the keys
@@ -92,21 +93,15 @@ PERMUTE_VERSION = 3
 UNIFORM_CHANGES = {
     1: "which no longer gives one seed's batches to another in another "
        "order",
-    2: "whose draws over more than 2**24 observations are uniform (those "
-       "of version 2 left observations out)"}
+    2: "whose draws over more than 2**24 observations are uniform, and "
+       "whose seeds' streams are their own",
+    3: "whose seeds' streams are their own (in version 3 a seed drew the "
+       "stream of 2**32 - 1 others)"}
 PERMUTE_CHANGES = {
     1: "whose epochs of up to 16 observations are uniform and of more are "
        "odd as often as even, and whose seeds' epochs are their own",
     2: "whose seeds' epochs are their own (those of version 2 served "
        "another seed's epochs at other epoch numbers)"}
-
-
-def same_draws(version: int, n: int) -> bool:
-  """Whether independent draws of hash version ``version`` over ``n``
-  observations are those of :data:`UNIFORM_VERSION` (2 and 3 differ only
-  above :data:`PAIRED_ABOVE`)."""
-  return version == UNIFORM_VERSION or (version == 2
-                                        and n <= PAIRED_ABOVE)
 
 
 def domain_bits(n: int) -> int:
@@ -555,11 +550,14 @@ def _uniform(seed: Any, positions: Any, n: int, xp: Any) -> Any:
 def uniform_hash(tag: int, seed_lo: Any, seed_hi: Any, pos_lo: Any,
                  pos_hi: Any, attempt: Any, xp: Any) -> Any:
   """The 32-bit hash of an independent draw: ``tag``, the seed's words,
-  the position's words and the attempt absorbed, then the state the seed
-  left (the ``prefix``) absorbed again."""
-  prefix = _absorb((_u32(tag, xp), seed_lo, seed_hi), xp)
-  h = prefix
-  for word in (pos_lo, pos_hi, attempt, prefix):
+  the position's words and the attempt absorbed, then the seed's words
+  again. Absorbed again, the 32-bit state the seed left (version 3) made
+  two seeds that left the same state draw the same stream (seed 1 and
+  2658119697165189120, and any seed with 2**32 - 1 others); before that
+  (version 1), a seed's stream was another's at positions XORed by a
+  constant."""
+  h = _absorb((_u32(tag, xp), seed_lo, seed_hi), xp)
+  for word in (pos_lo, pos_hi, attempt, seed_lo, seed_hi):
     h = _mix((h ^ word) * xp.uint32(GOLDEN), xp)
   return h
 

@@ -83,10 +83,13 @@ def device_batch(seed: Any, batch: Any, mb_size: int, n: int, mode: int
   def in_epochs():
     per_epoch = -(-n // mb_size)
     epoch = batch // jnp.uint32(per_epoch)
-    positions = (batch % jnp.uint32(per_epoch)) * jnp.uint32(mb_size) + steps
-    valid = positions < jnp.uint32(n)
+    # The batch's first offset is below n; its last may pass 2**32 (n
+    # near it), where uint32 wraps: valid is told without the sum.
+    start = (batch % jnp.uint32(per_epoch)) * jnp.uint32(mb_size)
+    valid = steps < jnp.uint32(n) - start
+    positions = jnp.where(valid, start + steps, jnp.uint32(0))
     indices = permute(seed, jnp.broadcast_to(epoch, positions.shape),
-                      jnp.where(valid, positions, 0), n, jnp)
+                      positions, n, jnp)
     return jnp.where(valid, indices, jnp.uint32(0)), valid
 
   return (independent, shuffled, in_epochs)[mode]()
