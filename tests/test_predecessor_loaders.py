@@ -3,7 +3,9 @@ contract: ``_format``, ``register_*_pipeline``, ``get_batches`` returning a
 mask or None, optional ``save_state``/``load_state``) serve pipelines as
 they are."""
 
+import collections
 import functools
+import json
 import re
 
 import jax
@@ -340,6 +342,46 @@ def test_a_save_state_a_checkpoint_cannot_hold_is_refused_when_saved(
       "state['rng']")):
     jax_data.save_checkpoint(tmp_path / "c.npz", pipeline, state)
   pipeline.release_fn()
+
+
+def test_a_save_state_is_held_exactly_or_refused_naming_the_value():
+  """What a checkpoint holds of a save_state comes back with its types
+  (NumPy dtypes and byte orders, np.float64 as np.float64, tuples, int
+  keys); a value whose type JSON would lose is refused, naming it."""
+  from jax_data.loaders import legacy_loader
+  state = {"f64": np.float64(2.5), "names": np.array(["ab", "c"]),
+           "big": np.arange(3, dtype=">i4"), "half": np.ones(2, jnp.bfloat16),
+           "pair": (1, np.int16(2)), "by_chain": {3: [4.0, None]},
+           "flag": np.bool_(True)}
+  encoded = json.loads(json.dumps(legacy_loader.encode_state(state)))
+  decoded = legacy_loader.decode_state(encoded)
+  assert decoded.keys() == state.keys()
+  for key, value in state.items():
+    got = decoded[key]
+    assert type(got) is type(value), key
+    assert np.asarray(got).dtype == np.asarray(value).dtype, key
+    np.testing.assert_array_equal(np.asarray(got, object),
+                                  np.asarray(value, object))
+  for value, named in [(np.array([1 + 2j]), "dtype complex128"),
+                       (np.datetime64("2020-01-01"), "dtype datetime64[D]"),
+                       (collections.defaultdict(int), "a defaultdict"),
+                       (collections.namedtuple("Epoch", "e")(1), "an Epoch")]:
+    with pytest.raises(TypeError, match=re.escape(named.split(" ", 1)[1])
+                       + r".* at state\['x'\]\[0\]"):
+      legacy_loader.encode_state({"x": [value]})
+
+
+def test_a_position_saved_before_the_encoding_restores_as_it_was():
+  """A position saved before save_state's value was encoded is that value
+  as it was, also one with a key of the encoding's kind."""
+  loader = Saving()
+  chain = loader.register_random_pipeline(2, 3)
+  cursor = jax_data.loaders.legacy_loader.LegacyCursor(
+      loader, chain, jax_data.random_reference_data(Saving(), 2, 3).host
+      .layout)
+  loader.chains[chain][3] = 99
+  cursor.seek({"position": 7})
+  assert loader.chains[chain][3] == 7
 
 
 class _FormatMixin:

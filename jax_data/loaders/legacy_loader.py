@@ -179,11 +179,31 @@ class LegacyCursor(ChainCursor):
     self._loader.release_chain(self._chain)
 
 
-# The key of a position's encoded save_state (see LegacyCursor.position).
-_STATE = "save_state"
+# The key of a position's encoded save_state (see LegacyCursor.position):
+# one no save_state of a loader uses, so that positions saved before it
+# (the save_state's value as it was) restore as they did.
+_STATE = "__jax_data_save_state__"
 # Keys of encoded values JSON does not hold as they are.
 _ARRAY, _SCALAR, _TUPLE, _ITEMS = ("__array__", "__scalar__", "__tuple__",
                                    "__items__")
+# Kinds of NumPy values held exactly: booleans, integers, floats (with
+# ml_dtypes' bfloat16, float8 and int4, named by their dtype's name) and
+# unicode strings.
+_KINDS = "biufU"
+
+
+def _dtype_name(dtype: np.dtype, path: str) -> str:
+  """The name that :func:`decode_state` makes ``dtype`` again from."""
+  if dtype.kind in _KINDS:
+    return dtype.str  # with its byte order
+  if dtype.kind == "V" and not dtype.fields and dtype.name in _ML_DTYPES:
+    return dtype.name
+  raise TypeError(f"a NumPy value of dtype {dtype} at state{path}")
+
+
+# ml_dtypes' types, which NumPy names but dtype.str does not tell apart.
+_ML_DTYPES = {"bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3b11fnuz",
+              "float8_e4m3fnuz", "float8_e5m2fnuz", "int4", "uint4"}
 
 
 def encode_state(value: Any, path: str = "") -> Any:
@@ -192,24 +212,25 @@ def encode_state(value: Any, path: str = "") -> Any:
   keys other than strings as pairs (:func:`decode_state` undoes it).
 
   Raises:
-    TypeError: a value of another type (a ``Generator``, a file); the
-      message names it and where it is.
+    TypeError: a value of another type (a ``Generator``, a complex or
+      datetime value, a NamedTuple or ``defaultdict``, whose type would
+      be lost); the message names it and where it is.
   """
-  if value is None or isinstance(value, (bool, int, float, str)):
-    return value
-  if isinstance(value, np.ndarray) and value.dtype != object:
-    return {_ARRAY: value.tolist(), "dtype": value.dtype.name,
+  if isinstance(value, np.ndarray):
+    return {_ARRAY: value.tolist(), "dtype": _dtype_name(value.dtype, path),
             "shape": list(value.shape)}
-  if isinstance(value, np.generic) and not isinstance(value, np.object_):
-    return {_SCALAR: value.item(), "dtype": value.dtype.name}
-  if isinstance(value, list):
+  if isinstance(value, np.generic):  # before float: np.float64 is one
+    return {_SCALAR: value.item(), "dtype": _dtype_name(value.dtype, path)}
+  if value is None or type(value) in (bool, int, float, str):
+    return value
+  if type(value) is list:
     return [encode_state(v, f"{path}[{i}]") for i, v in enumerate(value)]
-  if isinstance(value, tuple):
+  if type(value) is tuple:
     return {_TUPLE: [encode_state(v, f"{path}[{i}]")
                      for i, v in enumerate(value)]}
-  if isinstance(value, dict):
-    if all(isinstance(k, str) for k in value) and not (
-        {_ARRAY, _SCALAR, _TUPLE, _ITEMS} & set(value)):
+  if type(value) is dict:
+    if all(type(k) is str for k in value) and not (
+        {_ARRAY, _SCALAR, _TUPLE, _ITEMS, _STATE} & set(value)):
       return {k: encode_state(v, f"{path}[{k!r}]") for k, v in value.items()}
     return {_ITEMS: [[encode_state(k, f"{path} key"),
                       encode_state(v, f"{path}[{k!r}]")]
