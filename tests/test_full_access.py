@@ -655,6 +655,47 @@ def test_new_lambdas_share_a_pass_that_keeps_nothing_they_closed_over():
   release_mapper()
 
 
+def test_arrays_an_inner_jit_holds_are_those_of_each_call():
+  """An inner jax.jit keeps the arrays it closes over as its own
+  constants, which the jaxpr's text does not show: passes that differ only
+  there compute with their own (small ones compared by value, large ones
+  as the same array), not the first's."""
+  x = np.ones((6, 3), np.float32)
+  mapper_fn, release_fn = jax_data.full_data_mapper(
+      jax_data.NumpyDataLoader(x=x), 2, 3)
+  for size in (3, 2048):  # 12 bytes, 8 KiB
+    for scale in (1.0, 10.0, 2.0):
+      w = np.full((3, size), scale, np.float32)
+      inner = jax.jit(lambda v, w=w: v @ w)
+      partial = jax.jit(functools.partial(lambda w, v: v @ w, w))
+      for f in (inner, partial):
+        results, _ = mapper_fn(lambda b, c, f=f: (f(b["x"]), c), None)
+        np.testing.assert_array_equal(results, np.full((6, size),
+                                                       3 * scale))
+  release_fn()
+
+
+def test_a_callback_reads_the_dict_it_closes_over_now():
+  """Two callbacks over equal dicts are the same pass only if they are
+  the same dict: a callback reads its dict when it runs."""
+  x = np.ones(4, np.float32)
+  mapper_fn, release_fn = jax_data.full_data_mapper(
+      jax_data.NumpyDataLoader(x=x), 2, 2)
+
+  def fun_of(config):
+    host = lambda v: np.asarray(v * config["scale"], np.float32)
+    return lambda b, c: (jax.pure_callback(
+        host, jax.ShapeDtypeStruct(b["x"].shape, jnp.float32), b["x"],
+        vmap_method="sequential"), c)
+
+  first, second = {"scale": 1.0}, {"scale": 1.0}
+  np.testing.assert_array_equal(mapper_fn(fun_of(first), None)[0], x)
+  first["scale"] = 5.0
+  np.testing.assert_array_equal(mapper_fn(fun_of(second), None)[0], x)
+  np.testing.assert_array_equal(mapper_fn(fun_of(first), None)[0], 5 * x)
+  release_fn()
+
+
 class _Host:
   """A model whose host function is a bound method: a new object on every
   attribute access."""

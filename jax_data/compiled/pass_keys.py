@@ -15,6 +15,7 @@ import functools
 import re
 import struct
 import types
+import weakref
 from typing import Any
 from typing import Callable
 
@@ -54,22 +55,26 @@ _BY_VALUE = (type(None), bool, int, float, complex, str, bytes, np.dtype,
 _DEPTH = 4
 
 
-def value_key(value: Any, depth: int = _DEPTH) -> Any:
+def value_key(value: Any, depth: int = _DEPTH, captured: bool = False
+              ) -> Any:
   """A key equal for values a host function cannot tell apart: equal
   numbers, strings and tuples and small dicts of them; functions of the
   same code over the same closure; otherwise the same object (an array, a
-  list or a model is read when the callback runs, through the object)."""
+  list or a model is read when the callback runs, through the object).
+  ``captured``: ``value`` is held by the closure of a function of the
+  user's (not JAX's), where a dict is read when the callback runs (and
+  may change between calls), so the same object."""
   if isinstance(value, (float, complex)):
     # By their bits: 0.0 == -0.0, but a host function tells them apart.
     return (type(value), struct.pack("<dd", value.real, value.imag))
   if isinstance(value, _BY_VALUE):
     return (type(value), value)
   if isinstance(value, tuple):
-    return tuple(value_key(v, depth) for v in value)
-  if (isinstance(value, dict) and len(value) <= 64 and all(
+    return tuple(value_key(v, depth, captured) for v in value)
+  if (not captured and isinstance(value, dict) and len(value) <= 64 and all(
       isinstance(v, _BY_VALUE) for v in value.values())):
-    # Options built anew on each trace (JAX's print options, a callback's
-    # static arguments), read as they were then.
+    # Options built anew on each trace and bound as arguments (JAX's print
+    # options, a callback's static arguments), read as they were then.
     return (dict, tuple(sorted((repr(k), value_key(v))
                                for k, v in value.items())))
   if depth > 0 and isinstance(value, types.MethodType):
@@ -85,9 +90,13 @@ def value_key(value: Any, depth: int = _DEPTH) -> Any:
     # JAX wraps a callback in a new function on every trace, and user code
     # often passes a new lambda: what it calls is its code and closure.
     cells = []
+    # JAX's wrappers close over what each trace builds anew (a dict of
+    # static arguments); the user's functions over what they read later.
+    users = not (value.__module__ or "").startswith("jax.")
     for cell in value.__closure__ or ():
       try:
-        cells.append(value_key(cell.cell_contents, depth - 1))
+        cells.append(value_key(cell.cell_contents, depth - 1,
+                               captured=users))
       except ValueError:  # an empty cell
         cells.append(None)
     return (value.__code__, tuple(cells),
@@ -120,10 +129,64 @@ def callbacks(jaxpr: Any) -> list:
     if "rule" in eqn.params:  # custom_vmap's, which batching calls
       rule = eqn.params["rule"]
       keys.append(("rule", value_key(getattr(rule, "rule", rule))))
+    # Arrays a jaxpr's text does not show: an inner jit's closed-over
+    # constants, and literals of more than one element (JAX's simplified
+    # constants print them as [...]).
+    literals = [v.val for v in eqn.invars if isinstance(v, jax_core.Literal)
+                and np.size(v.val) > 1]
+    if literals:
+      keys.append(("literals", tuple(const_key(c) for c in literals)))
     for param in eqn.params.values():
+      for inner in closed_jaxprs(param):
+        if inner.consts:
+          keys.append(("consts", tuple(const_key(c) for c in inner.consts)))
       for inner in jaxprs(param):
         keys.extend(callbacks(inner))
   return keys
+
+
+# Constants up to this many bytes are keyed by their values (a few model
+# parameters, read again on every call); larger ones by the array itself.
+_CONST_BYTES = 4096
+
+
+def const_key(const: Any) -> Any:
+  """A key of an array a compiled pass holds as a constant (an inner
+  ``jax.jit``'s closed-over parameters): equal for equal small arrays,
+  else only for the same array, held weakly, so that a key does not keep
+  a sampler's parameters alive."""
+  if isinstance(const, jax.core.Tracer):
+    return object()  # an enclosing trace's value: this call's alone
+  try:
+    dtype = np.dtype(const.dtype)
+  except (AttributeError, TypeError):  # a typed PRNG key array, ...
+    return _SameLive(const)
+  if np.size(const) * dtype.itemsize <= _CONST_BYTES:
+    return (str(dtype), np.shape(const), np.asarray(const).tobytes())
+  return _SameLive(const)
+
+
+class _SameLive:
+  """Equal only to a wrapper of the same object while it lives, held
+  weakly (an object that cannot be referenced weakly is held)."""
+
+  __slots__ = ("ref", "_id")
+
+  def __init__(self, obj: Any):
+    try:
+      self.ref = weakref.ref(obj)
+    except TypeError:
+      self.ref = lambda obj=obj: obj
+    self._id = id(obj)
+
+  def __eq__(self, other: Any) -> bool:
+    if not isinstance(other, _SameLive):
+      return False
+    mine = self.ref()
+    return mine is not None and mine is other.ref()
+
+  def __hash__(self) -> int:
+    return self._id
 
 
 def rules(wrapped: Any, depth: int = 2 * _DEPTH) -> list:
@@ -148,6 +211,15 @@ def rules(wrapped: Any, depth: int = 2 * _DEPTH) -> list:
     except ValueError:  # an empty cell
       pass
   return found
+
+
+def closed_jaxprs(param: Any) -> list:
+  """The closed jaxprs in one equation parameter (one, or a tuple)."""
+  if isinstance(param, jax_core.ClosedJaxpr):
+    return [param]
+  if isinstance(param, (tuple, list)):
+    return [j for p in param for j in closed_jaxprs(p)]
+  return []
 
 
 def jaxprs(param: Any) -> list:
