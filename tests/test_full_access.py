@@ -682,17 +682,45 @@ def test_a_callback_reads_the_dict_it_closes_over_now():
   mapper_fn, release_fn = jax_data.full_data_mapper(
       jax_data.NumpyDataLoader(x=x), 2, 2)
 
-  def fun_of(config):
-    host = lambda v: np.asarray(v * config["scale"], np.float32)
-    return lambda b, c: (jax.pure_callback(
-        host, jax.ShapeDtypeStruct(b["x"].shape, jnp.float32), b["x"],
-        vmap_method="sequential"), c)
+  def scaled(v, config):
+    return np.asarray(v * config["scale"], np.float32)
 
-  first, second = {"scale": 1.0}, {"scale": 1.0}
-  np.testing.assert_array_equal(mapper_fn(fun_of(first), None)[0], x)
-  first["scale"] = 5.0
-  np.testing.assert_array_equal(mapper_fn(fun_of(second), None)[0], x)
-  np.testing.assert_array_equal(mapper_fn(fun_of(first), None)[0], 5 * x)
+  hosts = [  # the dict in a closure, a partial's argument, a default
+      lambda config: lambda v: scaled(v, config),
+      lambda config: functools.partial(scaled, config=config),
+      lambda config: lambda v, config=config: scaled(v, config)]
+  for host_of in hosts:
+
+    def fun_of(config, host_of=host_of):
+      return lambda b, c: (jax.pure_callback(
+          host_of(config), jax.ShapeDtypeStruct(b["x"].shape, jnp.float32),
+          b["x"], vmap_method="sequential"), c)
+
+    first, second = {"scale": 1.0}, {"scale": 1.0}
+    np.testing.assert_array_equal(mapper_fn(fun_of(first), None)[0], x)
+    first["scale"] = 5.0
+    np.testing.assert_array_equal(mapper_fn(fun_of(second), None)[0], x)
+    np.testing.assert_array_equal(mapper_fn(fun_of(first), None)[0], 5 * x)
+  release_fn()
+
+
+def test_arrays_jax_prints_as_literals_are_those_of_each_call():
+  """With jax_use_simplified_jaxpr_constants, arrays a function closes
+  over are literals that print as [...], of one element too."""
+  x = np.ones((4, 1), np.float32)
+  mapper_fn, release_fn = jax_data.full_data_mapper(
+      jax_data.NumpyDataLoader(x=x), 2, 2)
+  before = jax.config.jax_use_simplified_jaxpr_constants
+  jax.config.update("jax_use_simplified_jaxpr_constants", True)
+  try:
+    for shape in ((1,), (1, 1), (3,)):
+      for scale in (1.0, 7.0):
+        w = jnp.full(shape, scale, np.float32)
+        results, _ = mapper_fn(lambda b, c, w=w: (b["x"] * w, c), None)
+        np.testing.assert_array_equal(
+            results, np.broadcast_to(x * scale, results.shape))
+  finally:
+    jax.config.update("jax_use_simplified_jaxpr_constants", before)
   release_fn()
 
 

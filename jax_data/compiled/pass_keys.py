@@ -61,8 +61,9 @@ def value_key(value: Any, depth: int = _DEPTH, captured: bool = False
   numbers, strings and tuples and small dicts of them; functions of the
   same code over the same closure; otherwise the same object (an array, a
   list or a model is read when the callback runs, through the object).
-  ``captured``: ``value`` is held by the closure of a function of the
-  user's (not JAX's), where a dict is read when the callback runs (and
+  ``captured``: ``value`` is bound by a function of the user's (not
+  JAX's: :func:`_users`), in its closure, defaults or a
+  ``functools.partial``, where a dict is read when the callback runs (and
   may change between calls), so the same object."""
   if isinstance(value, (float, complex)):
     # By their bits: 0.0 == -0.0, but a host function tells them apart.
@@ -83,16 +84,18 @@ def value_key(value: Any, depth: int = _DEPTH, captured: bool = False
     return (types.MethodType, value_key(value.__func__, depth - 1),
             _Same(value.__self__))
   if depth > 0 and isinstance(value, functools.partial):
+    users = _users(value.func)
     return (functools.partial, value_key(value.func, depth - 1),
-            value_key(value.args, depth - 1),
-            value_key(tuple(sorted(value.keywords.items())), depth - 1))
+            value_key(value.args, depth - 1, captured=users),
+            value_key(tuple(sorted(value.keywords.items())), depth - 1,
+                      captured=users))
   if depth > 0 and isinstance(value, types.FunctionType):
     # JAX wraps a callback in a new function on every trace, and user code
     # often passes a new lambda: what it calls is its code and closure.
     cells = []
     # JAX's wrappers close over what each trace builds anew (a dict of
     # static arguments); the user's functions over what they read later.
-    users = not (value.__module__ or "").startswith("jax.")
+    users = _users(value)
     for cell in value.__closure__ or ():
       try:
         cells.append(value_key(cell.cell_contents, depth - 1,
@@ -100,10 +103,18 @@ def value_key(value: Any, depth: int = _DEPTH, captured: bool = False
       except ValueError:  # an empty cell
         cells.append(None)
     return (value.__code__, tuple(cells),
-            value_key(value.__defaults__, depth - 1),
+            value_key(value.__defaults__, depth - 1, captured=users),
             _Same(value.__kwdefaults__) if value.__kwdefaults__ else None,
             _Same(value.__globals__))
   return _Same(value)
+
+
+def _users(function: Any) -> bool:
+  """Whether ``function`` is the user's, not one of JAX's wrappers (which
+  bind what each trace builds anew: print options, a dict of static
+  arguments), so that the values it binds are read when it runs."""
+  return not (getattr(function, "__module__", None) or "").startswith(
+      "jax.")
 
 
 # Parameters of ``custom_jvp_call`` and ``custom_vjp_call`` that hold the
@@ -130,10 +141,10 @@ def callbacks(jaxpr: Any) -> list:
       rule = eqn.params["rule"]
       keys.append(("rule", value_key(getattr(rule, "rule", rule))))
     # Arrays a jaxpr's text does not show: an inner jit's closed-over
-    # constants, and literals of more than one element (JAX's simplified
+    # constants, and literals that are not scalars (JAX's simplified
     # constants print them as [...]).
     literals = [v.val for v in eqn.invars if isinstance(v, jax_core.Literal)
-                and np.size(v.val) > 1]
+                and np.ndim(v.val) > 0]
     if literals:
       keys.append(("literals", tuple(const_key(c) for c in literals)))
     for param in eqn.params.values():
