@@ -363,6 +363,8 @@ def test_a_save_state_is_held_exactly_or_refused_naming_the_value():
     np.testing.assert_array_equal(np.asarray(got, object),
                                   np.asarray(value, object))
   for value, named in [(np.array([1 + 2j]), "dtype complex128"),
+                       (np.ones(2, np.longdouble),
+                        f"dtype {np.dtype(np.longdouble)}"),
                        (np.datetime64("2020-01-01"), "dtype datetime64[D]"),
                        (collections.defaultdict(int), "a defaultdict"),
                        (collections.namedtuple("Epoch", "e")(1), "an Epoch")]:

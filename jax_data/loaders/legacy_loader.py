@@ -194,16 +194,22 @@ _KINDS = "biufU"
 
 def _dtype_name(dtype: np.dtype, path: str) -> str:
   """The name that :func:`decode_state` makes ``dtype`` again from."""
-  if dtype.kind in _KINDS:
+  if dtype.kind in _KINDS and dtype.itemsize <= 8 or dtype.kind == "U":
     return dtype.str  # with its byte order
-  if dtype.kind == "V" and not dtype.fields and dtype.name in _ML_DTYPES:
-    return dtype.name
+  if _ml_dtype(dtype):
+    return dtype.name  # dtype.str does not tell these apart
   raise TypeError(f"a NumPy value of dtype {dtype} at state{path}")
 
 
-# ml_dtypes' types, which NumPy names but dtype.str does not tell apart.
-_ML_DTYPES = {"bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3b11fnuz",
-              "float8_e4m3fnuz", "float8_e5m2fnuz", "int4", "uint4"}
+def _ml_dtype(dtype: np.dtype) -> bool:
+  """Whether ``dtype`` is one of ml_dtypes' (bfloat16, float8, int4, ...),
+  which JAX names."""
+  if dtype.kind != "V" or dtype.fields:
+    return False
+  try:
+    return jnp.dtype(dtype.name) == dtype
+  except TypeError:
+    return False
 
 
 def encode_state(value: Any, path: str = "") -> Any:
