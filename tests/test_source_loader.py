@@ -203,8 +203,25 @@ def test_worker_processes_give_the_same_streams():
   loader = SourceDataLoader(records, transform=decode, workers=2,
                             processes=True)
   _assert_same_streams(loader)
-  with pytest.raises(TypeError, match="do not pickle"):
+  with pytest.raises(TypeError, match="but the transform does not pickle: "
+                     ".*; define it at module level"):
     SourceDataLoader(records, transform=lambda r: decode(r), processes=True)
+  with pytest.raises(TypeError, match=r"but the source \(Locked\) does not "
+                     "pickle: .*__getstate__"):
+    SourceDataLoader(Locked(records), transform=decode, processes=True)
+
+
+class Locked:
+  """A source holding what does not pickle (as an open h5py file)."""
+
+  def __init__(self, records):
+    self.records, self.lock = records, threading.Lock()
+
+  def __len__(self):
+    return len(self.records)
+
+  def __getitem__(self, i):
+    return self.records[i]
 
 
 def test_grain_map_dataset():

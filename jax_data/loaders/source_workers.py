@@ -114,10 +114,19 @@ def pickle_for_workers(source: Any, transform: Optional[Callable],
   try:
     pickler.dump((source, transform))
   except Exception as e:  # pylint: disable=broad-except
+    try:  # which of the two: the advice differs
+      pickle.dumps(source)
+      culprit = ("the transform does not pickle", "define it at module "
+                 "level")
+    except Exception:  # pylint: disable=broad-except
+      culprit = (f"the source ({type(source).__name__}) does not pickle",
+                 "give it a __getstate__ that leaves out what it opened "
+                 "(a file, a connection) and a __setstate__ that opens it "
+                 "again by path in the worker")
     raise TypeError(
         "processes=True sends source and transform to worker processes, "
-        f"but they do not pickle: {type(e).__name__}: {e}; define the "
-        "transform at module level, or use threads") from e
+        f"but {culprit[0]}: {type(e).__name__}: {e}; {culprit[1]}, or use "
+        "threads (processes=False)") from e
   if scan and pickler.names:
     names = ", ".join(f"__main__.{n}" for n in dict.fromkeys(pickler.names))
     raise TypeError(
