@@ -443,9 +443,18 @@ def test_save_checkpoint_checks_its_path_and_leaves_nothing_half_written(
   with pytest.raises(TypeError, match="path must be a file name .*path=None"):
     jax_data.save_checkpoint(None, pipeline, state)
   (tmp_path / "taken").mkdir()
-  with pytest.raises(IsADirectoryError):
+  with pytest.raises(IsADirectoryError, match=r"path must be a file name, "
+                     r"got path='.*taken', a directory"):
     jax_data.save_checkpoint(tmp_path / "taken", pipeline, state)
+  with pytest.raises(FileNotFoundError, match=r"path='.*c.npz' is in "
+                     r"'.*no.such', which does not exist"):
+    jax_data.save_checkpoint(tmp_path / "no" / "such" / "c.npz", pipeline,
+                             state)
   assert sorted(os.listdir(tmp_path)) == ["taken"]
+  with pytest.raises(ValueError, match="save_checkpoint got a state of "
+                     "another pipeline"):
+    jax_data.save_checkpoint(tmp_path / "c.npz", pipeline,
+                             _pipeline()[0](seed=0))
   # A bytes name is a file name too.
   jax_data.save_checkpoint(os.fsencode(tmp_path / "b.npz"), pipeline, state)
   assert jax_data.restore_checkpoint(tmp_path / "b.npz", pipeline).chunk == 0

@@ -211,4 +211,11 @@ def test_other_arguments_are_named():
     jax_data.DataSave(pipeline, None)
   with pytest.raises(TypeError, match="got lanes='x'"):
     jax_data.DataRestore(pipeline, lanes="x")
+  with pytest.raises(TypeError, match="lanes=1.5"):
+    jax_data.DataRestore(pipeline, lanes=[1.5])
+  with pytest.raises(ValueError, match="DataSave got a state of another "
+                     "pipeline"):
+    jax_data.DataSave(pipeline, jax_data.random_reference_data(
+        jax_data.NumpyDataLoader(x=np.arange(10)), 2, 3)[0]())
   jax_data.DataRestore(pipeline, lanes=np.arange(1))
+  assert jax_data.DataRestore(pipeline, lanes=iter([0])).lanes == [0]

@@ -66,8 +66,14 @@ def state_to_pytree(pipeline: Any, state: CacheState) -> Dict[str, np.ndarray]:
   Returns:
     ``{"host": uint8 JSON bytes, "chunk", "position": int32, "key": uint32}``.
   """
+  return pytree_of(pipeline, state, "state_to_pytree")
+
+
+def pytree_of(pipeline: Any, state: CacheState, where: str
+              ) -> Dict[str, np.ndarray]:
+  """:func:`state_to_pytree`, whose errors name ``where``."""
   pipeline = pl.of(pipeline)
-  lanes, arrays = pipeline.saved_lanes(state)
+  lanes, arrays = pipeline.saved_lanes(state, where)
   chains = []
   if pipeline.host is not None:
     for lane in np.ndindex(*lanes):
@@ -427,7 +433,14 @@ def save_checkpoint(path: Union[str, bytes, os.PathLike], pipeline: Any,
   except TypeError:
     raise TypeError("path must be a file name (a str, bytes or "
                     f"os.PathLike), got path={path!r}") from None
-  tree = state_to_pytree(pipeline, state)
+  if os.path.isdir(path):
+    raise IsADirectoryError(
+        f"path must be a file name, got path={path!r}, a directory")
+  folder = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(folder):
+    raise FileNotFoundError(
+        f"path={path!r} is in {folder!r}, which does not exist")
+  tree = pytree_of(pipeline, state, "save_checkpoint")
   partial = path + ".partial"
   try:
     with open(partial, "wb") as f:

@@ -305,7 +305,7 @@ class GlobalPipeline(pl.RandomPipeline):
             GlobalPipeline, self).scan_batches(f, init, state, xs, length,
                                                information, device_count))
 
-  def saved_lanes(self, state: Any
+  def saved_lanes(self, state: Any, where: str = "state_to_pytree"
                   ) -> Tuple[Tuple[int, ...], Dict[str, np.ndarray]]:
     """What a checkpoint saves: a lane per chain (``()`` without a chain
     axis), each with one of this process's part chains, whose position is
@@ -316,7 +316,7 @@ class GlobalPipeline(pl.RandomPipeline):
       TypeError, ValueError: not a state of this pipeline; this process
         holds no part of some chain (a chain axis across processes).
     """
-    state = self.check_state(state, "state_to_pytree")
+    state = self.check_state(state, where)
     lead = np.shape(state.chunk)
     numbers, held = _local(state.chain)
     held = held.reshape(lead + (-1,))

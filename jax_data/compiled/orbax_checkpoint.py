@@ -61,6 +61,7 @@ from jax_data.compiled import checkpoint
 from jax_data.compiled import pipeline as pl
 from jax_data.errors import CheckpointError
 from jax_data.types import CacheState
+from jax_data.validation import check_int
 
 _FILE = re.compile(r"data\.process-(\d+)-of-(\d+)\.npz")
 
@@ -199,11 +200,12 @@ class DataSave(ocp.args.CheckpointArgs):
 
   def __post_init__(self):
     # At the call, not when the manager saves (in the background).
-    pl.of(self.pipeline)
+    pipeline = pl.of(self.pipeline)
     if not isinstance(self.state, CacheState):
       raise TypeError(
           "state must be a CacheState of the pipeline's init_fn (stacked "
           f"states too), got state of type {type(self.state).__name__}")
+    pipeline.saved_lanes(self.state, "DataSave")  # this pipeline's
 
 
 @ocp.args.register_with_handler(DataCheckpointHandler, for_restore=True)
@@ -222,3 +224,7 @@ class DataRestore(ocp.args.CheckpointArgs):
         or not hasattr(self.lanes, "__iter__")):
       raise TypeError("lanes must be None or a sequence of lane numbers, "
                       f"got lanes={self.lanes!r}")
+    if self.lanes is not None:
+      self.lanes = list(self.lanes)  # a generator is read once
+      for lane in self.lanes:
+        check_int("lanes", lane, minimum=0)

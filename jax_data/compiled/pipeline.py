@@ -104,12 +104,13 @@ class Pipeline(collections.abc.Sequence):
     """The digest of the loader's data (``content_digest``), or None."""
     return None if self.host is None else self.host.loader.content_digest()
 
-  def saved_lanes(self, state: Any
+  def saved_lanes(self, state: Any, where: str = "state_to_pytree"
                   ) -> Tuple[Tuple[int, ...], Dict[str, np.ndarray]]:
     """What a checkpoint saves of ``state``: its lane shape (``()``, or the
     vmap/pmap axes) and its fields ``chain`` (a host chain per lane, or a
     device chain's kind), ``chunk``, ``position`` and ``key`` as NumPy
-    arrays with that leading shape.
+    arrays with that leading shape (``where``: the function named in an
+    error).
 
     Raises:
       TypeError, ValueError: not a state of this pipeline.
@@ -119,7 +120,7 @@ class Pipeline(collections.abc.Sequence):
     lanes = np.shape(state.chain)
     if np.shape(state.key)[len(lanes):] != np.shape(self.template.key):
       raise TypeError("state does not belong to this pipeline")
-    states.check_identity(state.pipeline, self.id, "state_to_pytree")
+    states.check_identity(state.pipeline, self.id, where)
     return lanes, {f: np.asarray(getattr(state, f))
                    for f in ("chain", "chunk", "position", "key")}
 

@@ -433,14 +433,14 @@ class RandomPipeline(pl.RandomPipeline):
     """``state`` with the chunk it points at in its cache."""
     return _refresh(self._bridge, self._owner, state, device_count)
 
-  def saved_lanes(self, state: Any):
+  def saved_lanes(self, state: Any, where: str = "state_to_pytree"):
     """See :meth:`Pipeline.saved_lanes`; an ``"auto"`` pipeline that made
     no chain yet has no states to save."""
     if self._unlaid is not None:
       raise TypeError(
           "state does not belong to this pipeline: this pipeline "
           "(cached_batches_count='auto') has made no chain yet")
-    return super().saved_lanes(state)
+    return super().saved_lanes(state, where)
 
   def check_open(self) -> None:
     """See :meth:`Pipeline.check_open`."""
