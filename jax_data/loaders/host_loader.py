@@ -314,8 +314,17 @@ class HostDataLoader(DataLoader):
       check_int("fillers_from", fillers, minimum=0,
                 maximum=(self.observation_count or 0) - layout.mb_size,
                 what="the observation count less mb_size")
+    observations = spec.observations
+    if (not share and observations.shard_count > 1
+        and batch_rows(spec, layout.mb_size) > observations.count):
+      raise ValueError(
+          f"shard_count={observations.shard_count} leaves "
+          f"shard_index={observations.shard_index} "
+          f"{observations.count} observation(s), fewer than "
+          f"mb_size={batch_rows(spec, layout.mb_size)}: use fewer shards "
+          "or smaller batches")
     check_int("mb_size", batch_rows(spec, layout.mb_size), minimum=1,
-              maximum=None if share else spec.observations.count,
+              maximum=None if share else observations.count,
               what="the observation count")
 
     def checked_open(number: int, spec: ChainSpec) -> ChainCursor:
