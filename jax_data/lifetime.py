@@ -255,9 +255,6 @@ STEPS = Shared()
 #: Compiled full-data passes by chunk format and function, while a pipeline
 #: keeps them (each keeps its ``max_compiled`` most recent).
 PASSES = Shared(weak=True)
-#: The batch wrappers of ``batched=False`` functions, while a mapper keeps
-#: them.
-BATCHED = Shared(weak=True)
 
 
 # How long no host must have been called before the interpreter may finalize.

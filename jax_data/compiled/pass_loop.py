@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_data.lifetime import BATCHED
 from jax_data.types import MiniBatchInformation
 from jax_data.types import PyTree
 
@@ -252,12 +251,8 @@ def cast_varying(x: jax.Array, axes: frozenset) -> jax.Array:
 
 def vectorised(fun: Callable) -> Callable:
   """``fun(observation, carry)`` as a batched function (vmapped over a
-  batch, keeping the carry of its first observation): one wrapper per
-  ``fun`` in a process (``lifetime.BATCHED``), so no new compilation."""
-  return BATCHED.get(fun, lambda: _make_batched(fun))
-
-
-def _make_batched(fun: Callable) -> Callable:
+  batch, keeping the carry of its first observation). A new wrapper per
+  call compiles nothing new: passes are keyed by what they trace to."""
   vmapped = jax.vmap(fun, in_axes=(0, None))
 
   def batched_fun(batch, carry):

@@ -186,15 +186,15 @@ _STATE = "__jax_data_save_state__"
 # Keys of encoded values JSON does not hold as they are.
 _ARRAY, _SCALAR, _TUPLE, _ITEMS = ("__array__", "__scalar__", "__tuple__",
                                    "__items__")
-# Kinds of NumPy values held exactly: booleans, integers, floats (with
-# ml_dtypes' bfloat16, float8 and int4, named by their dtype's name) and
-# unicode strings.
-_KINDS = "biufU"
+# Kinds of NumPy values held exactly by their dtype.str, up to 8 bytes:
+# booleans, integers and floats (ml_dtypes' are held by their name, unicode
+# strings of any width).
+_KINDS = "biuf"
 
 
 def _dtype_name(dtype: np.dtype, path: str) -> str:
   """The name that :func:`decode_state` makes ``dtype`` again from."""
-  if dtype.kind in _KINDS and dtype.itemsize <= 8 or dtype.kind == "U":
+  if (dtype.kind in _KINDS and dtype.itemsize <= 8) or dtype.kind == "U":
     return dtype.str  # with its byte order
   if _ml_dtype(dtype):
     return dtype.name  # dtype.str does not tell these apart
