@@ -839,3 +839,37 @@ def test_one_result_per_batch_without_masking_names_fun(pipelines):
       call()
   release_mapper()
   release_full()
+
+
+@pytest.mark.parametrize("carry, returned, message", [
+    (np.int32(0), lambda c, b: c + 0.5,
+     r"carry is int32\[\], fun returned float32\[\] for it"),
+    (np.float32(0), lambda c, b: c + b["x"], r"float32\[\].*float32\[4\]"),
+    # a carry the pass need not thread (its value unchanged) is checked too
+    ({"a": np.float32(0)}, lambda c, b: (c["a"],),
+     r"carry has a leaf at \['a'\], fun returned one at \[0\]"),
+    ({"a": np.float32(0)}, lambda c, b: {**c, "b": c["a"]},
+     r"fun's carry has 1 more leaves, the first at \['b'\]")])
+def test_a_carry_of_another_type_is_named(pipelines, carry, returned,
+                                          message):
+  """A fun whose carry changes type is told so in the passes' own terms
+  (fun, carry), as jax_data.scan names f and init, and never loses it."""
+  loader = jax_data.NumpyDataLoader(x=np.arange(10.0, dtype=np.float32))
+  mapper_fn, release_mapper = pipelines.full_data_mapper(loader, 2, 4)
+  init_fn, map_fn, release_full = pipelines.full_reference_data(loader, 2, 4)
+
+  def fun(batch, carry):
+    return batch["x"], returned(carry, batch)
+
+  for call in (lambda: mapper_fn(fun, carry),
+               lambda: map_fn(fun, init_fn(), carry),
+               lambda: jax.jit(lambda c: mapper_fn(fun, c))(carry)):
+    with pytest.raises(TypeError, match=r"fun must return a carry of "
+                       r"carry's .*" + message):
+      call()
+  # a Python number is promoted to what fun returns, as lax.scan does
+  _, total = mapper_fn(lambda b, m, c: (b["x"], c + (b["x"] * m).sum()), 0,
+                       masking=True)
+  assert total.dtype == jnp.float32 and total == 45.0
+  release_mapper()
+  release_full()

@@ -34,6 +34,7 @@ from jax_data.compiled.pass_loop import map_pass
 from jax_data.compiled.pass_loop import progress_reporter
 from jax_data.compiled.pass_loop import varying_axes
 from jax_data.compiled.pass_loop import vectorised
+from jax_data.compiled.scan import promoted_carry
 from jax_data.errors import CheckpointError
 from jax_data.lifetime import PASSES
 from jax_data.lifetime import Shared
@@ -382,6 +383,9 @@ class FullPipeline(pl.Pipeline):
     batch = varying_like(batch, data_state, example=True)
     traced = Traced(applier(fun, self._plan, masking, information),
                     carry, *batch)
+    # Named here, not in lax.scan's words; a pass that maps the batches of
+    # a chunk (the carry unchanged) would drop a carry of another type.
+    promoted_carry(carry, traced.carry_shapes, "fun", "carry")
     if not masking:
       _check_per_observation(fun, traced.result_shapes, self._plan.mb_size)
     return traced

@@ -264,7 +264,7 @@ class Traced:
     self.jaxpr = closed.jaxpr
     self.consts = list(closed.consts)
     self.out_tree = jax.tree_util.tree_structure(shapes)
-    self.result_shapes = shapes[1]
+    self.carry_shapes, self.result_shapes = shapes
     # Host callbacks print as the addresses of wrappers made by each trace;
     # they are keyed by the functions they call instead.
     # Not ``fun`` itself: a key must not hold what it closes over (this

@@ -234,11 +234,14 @@ def in_lockstep(closed: Any) -> bool:
   return names_axes([closed.jaxpr]) or bool(closed.effects)
 
 
-def promoted_carry(init: PyTree, returned: PyTree) -> PyTree:
+def promoted_carry(init: PyTree, returned: PyTree, fun: str = "f",
+                   given_as: str = "init") -> PyTree:
   """``init`` with its weakly typed leaves (Python numbers) in the dtypes
   ``f`` returns for them, as ``lax.scan`` promotes them (``0`` for a sum
   of float32 batches, or ``0.0`` for one of float32 batches under x64);
-  ``init`` itself if none changes.
+  ``init`` itself if none changes. ``fun`` and ``given_as`` name the
+  function and the argument ``init`` was given as (the full-data passes'
+  ``fun`` and ``carry``).
 
   Raises:
     TypeError: ``f`` returns a carry of another structure, or a leaf of
@@ -247,18 +250,19 @@ def promoted_carry(init: PyTree, returned: PyTree) -> PyTree:
   paths, tree = jax.tree_util.tree_flatten_with_path(init)
   formats, returned_tree = jax.tree_util.tree_flatten_with_path(returned)
   if tree != returned_tree:
+    difference = _first_difference(paths, formats, fun, given_as)
     raise TypeError(
-        f"f must return a carry of init's structure: init is {tree}, f "
-        f"returned {returned_tree}{_first_difference(paths, formats)}")
+        f"{fun} must return a carry of {given_as}'s structure: {given_as} "
+        f"is {tree}, {fun} returned {returned_tree}{difference}")
   out, changed = [], False
   for (path, leaf), (_, format) in zip(paths, formats):
     given = jax.typeof(leaf)
     if given.shape != format.shape or (
         given.dtype != format.dtype and not given.weak_type):
       raise TypeError(
-          f"f must return a carry of init's shapes and dtypes: "
-          f"init{jax.tree_util.keystr(path)} is {given.str_short()}, f "
-          "returned "
+          f"{fun} must return a carry of {given_as}'s shapes and dtypes: "
+          f"{given_as}{jax.tree_util.keystr(path)} is {given.str_short()}, "
+          f"{fun} returned "
           f"{jax.typeof(jnp.zeros(format.shape, format.dtype)).str_short()}"
           " for it")
     if given.weak_type and not (given.dtype == format.dtype
@@ -271,17 +275,19 @@ def promoted_carry(init: PyTree, returned: PyTree) -> PyTree:
   return jax.tree_util.tree_unflatten(tree, out) if changed else init
 
 
-def _first_difference(given: list, returned: list) -> str:
+def _first_difference(given: list, returned: list, fun: str,
+                      given_as: str) -> str:
   """Where two flattened carries' leaf paths first differ, as the end of
   a message ("" if only their nodes differ, e.g. a NamedTuple's type)."""
   keystr = lambda path: jax.tree_util.keystr(path) or "the root"
   for (a, _), (b, _) in zip(given, returned):
     if a != b:
-      return f"; init has a leaf at {keystr(a)}, f returned one at {keystr(b)}"
+      return (f"; {given_as} has a leaf at {keystr(a)}, {fun} returned one "
+              f"at {keystr(b)}")
   shared = min(len(given), len(returned))
   if len(given) != len(returned):
-    longer, name = ((given, "init") if len(given) > shared
-                    else (returned, "f's"))
+    longer, name = ((given, given_as) if len(given) > shared
+                    else (returned, f"{fun}'s"))
     return (f"; {name} carry has {len(longer) - shared} more leaves, the "
             f"first at {keystr(longer[shared][0])}")
   return ""
