@@ -55,7 +55,6 @@ from jax_data.loaders.tensorflow_rows import MemoryRows
 from jax_data.loaders.tensorflow_rows import Reading
 from jax_data.loaders.tensorflow_rows import Rows
 from jax_data.loaders.tensorflow_rows import in_order
-from jax_data.loaders.tensorflow_streams import MAX_SEED
 from jax_data.loaders.tensorflow_streams import OrderedMemoryCursor
 from jax_data.loaders.tensorflow_streams import OrderedPipelineCursor
 from jax_data.loaders.tensorflow_streams import ShuffleCursor
@@ -404,13 +403,15 @@ class TensorflowDataLoader(HostDataLoader):
     return ObservationRange(0, ENDLESS)
 
   def check_spec(self, spec: ChainSpec) -> None:
-    """Seeds of random chains are in ``[0, 2**31)``; ``shuffle`` and
-    ``in_epochs`` choose among counter-based streams only."""
+    """Seeds of random chains are non-negative integers of any size, as
+    for the NumPy loaders' exact streams (counter-based ones take seeds
+    below 2**64); ``shuffle`` and ``in_epochs`` choose among counter-based
+    streams only."""
     if isinstance(spec, OrderedChain):
       return
     if spec.stream == "counter":
       return
-    check_int("seed", spec.seed, minimum=0, maximum=MAX_SEED)
+    check_int("seed", spec.seed, minimum=0)
     if spec.shuffle or spec.in_epochs:
       raise ValueError(
           f"shuffle and in_epochs choose among the counter-based streams "

@@ -52,7 +52,6 @@ from jax_data.validation import check_saved_state
 
 # 2: random chains shuffle with sampling.BufferShuffle, not tf.data's op.
 POSITION_VERSION = 2
-MAX_SEED = 2**31 - 1
 
 def _flat(out: Chunk, rows: int) -> Rows:
   """Views of a chunk's leaves with one axis of ``rows`` observations."""
@@ -255,8 +254,7 @@ class ShuffleCursor(ChainCursor):
                                  "shuffle_cache": self._shuffle_cache,
                                  "shard": self._shard}, "this random chain")
     batch = check_int("position", position.get("position"), minimum=0)
-    seed = check_int("seed", position.get("seed"), minimum=0,
-                     maximum=MAX_SEED)
+    seed = check_int("seed", position.get("seed"), minimum=0)
     if seed != self._shuffle.seed:  # another stream: its source too
       self._shuffle.seed, self._shuffle.position = seed, None
       self._source_step = None
