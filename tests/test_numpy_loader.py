@@ -488,6 +488,33 @@ def test_a_buffer_pool_gives_buffers_again_once_free():
   del many, long_held
 
 
+def test_a_buffer_pool_keeps_the_buffers_of_a_few_formats_not_all():
+  """Chunks of chains served as they come ready have a row count for each
+  group size; a pool that kept six buffers of every such format grew call
+  after call (1,024 memmap chains). The last eight formats used keep
+  theirs, and a reserved format keeps its buffers whatever else comes."""
+  from jax_data.loaders.gather import BufferPool
+  pool = BufferPool()
+  reserved = ((4,), np.float32)
+  pool.reserve(10, [reserved])
+  kept = [pool.empty(*reserved) for _ in range(10)]
+  for rows in range(1, 200):
+    pool.empty((rows, 33), np.float32)
+  formats = pool._free  # pylint: disable=protected-access
+  assert len(formats) == 1 + 8
+  assert {shape[0] for shape, _ in formats if shape != (4,)} == set(
+      range(192, 200))
+  assert len(formats[((4,), np.dtype(np.float32))]) == 10
+  # a format used again is recent again; the buffers it keeps come back
+  again = pool.empty((192, 33), np.float32)
+  del again
+  for rows in range(300, 307):
+    pool.empty((rows, 33), np.float32)
+  assert ((192, 33), np.dtype(np.float32)) in formats
+  assert ((193, 33), np.dtype(np.float32)) not in formats
+  del kept
+
+
 def _gather_threads():
   return sum(t.name.startswith("jax_data-gather")
              for t in threading.enumerate())
