@@ -12,7 +12,6 @@ read, transformed and checked by a pool of worker threads.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import functools
 import threading
 import time
@@ -27,6 +26,7 @@ import jax
 import numpy as np
 
 from jax_data.errors import PipelineReleasedError
+from jax_data.lifetime import give_back_heap
 from jax_data.loaders.chains import ChainCursor
 from jax_data.loaders.chains import ChainSpec
 from jax_data.loaders.chains import ChunkLayout
@@ -350,30 +350,6 @@ def _copy_repeated(first: np.ndarray, inverse: np.ndarray,
       rows += low
       for leaf in out:
         leaf[rows] = leaf[source]
-
-
-def _malloc_trim() -> Optional[Callable[[int], int]]:
-  try:
-    trim = ctypes.CDLL(None).malloc_trim
-  except (OSError, AttributeError, TypeError):  # not glibc
-    return None
-  trim.argtypes = [ctypes.c_size_t]
-  trim.restype = ctypes.c_int
-  return trim
-
-
-_MALLOC_TRIM = _malloc_trim()
-
-
-def give_back_heap() -> None:
-  """Returns the freed heap memory of this process to the system, where
-  the C library is glibc (elsewhere nothing). A read's index arrays (5 MiB
-  each for 1,024 chains) are freed into the producing thread's arena,
-  which kept them resident: 1,024 chains with caches of 10 peaked at
-  +502 MiB above the start against a bound of 422, and at +332 with the
-  copy in blocks and this (``benchmarks/chains.py --source-memory``)."""
-  if _MALLOC_TRIM is not None:
-    _MALLOC_TRIM(0)
 
 
 def _distinct(flat: np.ndarray

@@ -30,6 +30,7 @@ from jax_data.errors import PipelineReleasedError
 from jax_data.errors import foreign_state
 from jax_data.lifetime import LIVE_HOSTS
 from jax_data.lifetime import Thread
+from jax_data.lifetime import give_back_heap
 from jax_data.loaders.chains import ChainSpec
 from jax_data.loaders.chains import Chunk
 from jax_data.loaders.chains import ChunkLayout
@@ -131,6 +132,9 @@ class Host:
     self._copier = Gatherer()
     self.requests = 0
     LIVE_HOSTS.add(self)
+    # What pipelines released before this one freed (their chunks, once
+    # compiled code and states let go of them) goes back to the system.
+    give_back_heap()
 
   @property
   def rendezvous(self) -> Rendezvous:
@@ -354,6 +358,7 @@ class Host:
       rendezvous.release(error)
     self._copier.close()
     self._zeros = None
+    give_back_heap()
 
 
 class _Parts:
