@@ -10,6 +10,7 @@ import os
 import pickle
 import re
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -711,6 +712,44 @@ def test_an_ended_pool_fails_its_blocks_as_broken_never_cancelled(
   assert len(done) == 3
   assert all(source_workers.broke(future) and not future.cancelled()
              for future in futures)
+
+
+def _write_half_a_result(marker):
+  """In a pool's worker: begins a result in the results' pipe, as a worker
+  ended while it wrote one leaves it (its header promises 1 MiB), tells
+  ``marker`` so, and waits."""
+  frame = sys._getframe()  # pylint: disable=protected-access
+  while "result_queue" not in frame.f_locals:  # the pool's worker loop
+    frame = frame.f_back
+  writer = frame.f_locals["result_queue"]._writer  # pylint: disable=protected-access
+  writer._send(struct.pack("!i", 1 << 20) + b"half")  # pylint: disable=protected-access
+  open(marker, "w").close()
+  time.sleep(60)
+
+
+def test_a_pool_ended_while_a_worker_wrote_a_result_lets_go(tmp_path):
+  """Half a result in the results' pipe kept the pool's manager thread
+  reading for ever once its workers were ended (the pool's own end for
+  writing kept the pipe open), and the interpreter's exit waited on it:
+  10 of 22 runs of a released processes=True pipeline hung at exit. Ended,
+  the pool's thread reads the pipe's end and fails the pool as broken."""
+  pool = concurrent.futures.ProcessPoolExecutor(
+      1, mp_context=multiprocessing.get_context("spawn"))
+  results = pool._result_queue  # pylint: disable=protected-access
+  marker = tmp_path / "written"
+  future = pool.submit(_write_half_a_result, str(marker))
+  try:
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+      assert time.monotonic() < deadline, "the worker never wrote"
+      time.sleep(0.05)
+    manager = pool._executor_manager_thread  # pylint: disable=protected-access
+    source_workers.terminate(pool)
+    manager.join(30)
+    assert not manager.is_alive()
+    assert source_workers.broke(future)
+  finally:  # else (the bug) this process's exit would wait for ever
+    results._writer.close()  # pylint: disable=protected-access
 
 
 def test_a_worker_process_that_dies_once_is_replaced(tmp_path):

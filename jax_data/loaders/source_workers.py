@@ -268,9 +268,20 @@ def terminate(pool: concurrent.futures.Executor) -> None:
   # lands in the dict. Futures are not cancelled (see wait): those left
   # fail with BrokenProcessPool.
   processes = getattr(pool, "_processes", None)
+  results = getattr(pool, "_result_queue", None)
   pool.shutdown(wait=False)
   for process in list((processes or {}).values()):
     process.terminate()
+  # A worker ended while it wrote a result leaves half a message in the
+  # results' pipe, which the pool's manager thread then waits on for ever,
+  # and the interpreter's exit with it (10 of 22 runs of a released
+  # pipeline's process pool): the pool's own end for writing keeps the
+  # pipe open. Closed (the pool never writes there), the rest reads as the
+  # pipe's end once the workers are gone, and the thread ends the pool as
+  # broken.
+  writer = getattr(results, "_writer", None)
+  if writer is not None:
+    writer.close()
 
 
 def wait(futures: Sequence[concurrent.futures.Future],
