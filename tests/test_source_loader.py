@@ -175,7 +175,8 @@ def test_repeated_rows_are_copied_in_blocks(monkeypatch):
   trims = []
   monkeypatch.setattr(source_loader, "COPY_BLOCK", 3)
   monkeypatch.setattr(source_loader, "TRIM_ROWS", 1)
-  monkeypatch.setattr(source_loader, "_MALLOC_TRIM", trims.append)
+  monkeypatch.setattr(source_loader, "give_back_heap",
+                      lambda: trims.append(0))
   images, labels = _images()
   _assert_same_streams(SourceDataLoader(
       [{"image": im, "label": lb} for im, lb in zip(images, labels)],
