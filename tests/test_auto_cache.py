@@ -388,3 +388,62 @@ def _tensorflow():
   except ImportError:  # optional: the loaders of slow rows then are one
     return None
   return tf
+
+
+@pytest.mark.parametrize("second", ["init", "restore"])
+def test_threads_that_lay_out_an_auto_pipeline_at_once_build_one_host(
+    monkeypatch, tmp_path, second):
+  """Two threads' first init_fn calls on an "auto" pipeline (or a restore
+  beside one) each built a host of their own, and one's state belonged to
+  no pipeline (16 of 20 tries of a reviewer's probe), or a restore that
+  failed undid init_fn's layout. A slower sizing and building here make
+  the calls meet: without the lock, the restore case fails every time."""
+  import threading
+  import time
+
+  def slowly(function):
+    def slow(*args, **kwargs):
+      time.sleep(0.1)
+      return function(*args, **kwargs)
+    return slow
+
+  saved_pipeline = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(1000.0, dtype=np.float32)), 5, 4)
+  checkpoint = tmp_path / "state.npz"
+  jax_data.save_checkpoint(checkpoint, saved_pipeline,
+                           saved_pipeline[0](seed=9))
+  monkeypatch.setattr(pl, "auto_cache_size", slowly(pl.auto_cache_size))
+  monkeypatch.setattr(pl, "assemble", slowly(pl.assemble))
+  pipeline = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(1000.0, dtype=np.float32)), "auto", 4)
+  init_fn, batch_fn, release_fn = pipeline
+  barrier, states, errors = threading.Barrier(2), {}, []
+
+  def make(k):
+    barrier.wait()
+    try:
+      if k == 1 and second == "restore":
+        states[k] = jax_data.restore_checkpoint(checkpoint, pipeline)
+      else:
+        states[k] = init_fn(seed=range(3) if k else 7)
+    except Exception as error:  # pylint: disable=broad-except
+      errors.append(error)
+
+  threads = [threading.Thread(target=make, args=(k,)) for k in range(2)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  if second == "restore" and errors:
+    # init_fn came first and chose its size: the checkpoint's does not fit,
+    # and saying so undoes nothing of init_fn's
+    assert len(errors) == 1 and 1 not in states
+    assert isinstance(errors[0], jax_data.CheckpointError)
+    assert "cache_size is 5 in the checkpoint" in str(errors[0])
+  else:
+    assert not errors
+  batch_fns = {0: jax.jit(batch_fn), 1: jax.jit(
+      batch_fn if second == "restore" else jax.vmap(batch_fn))}
+  for k, state in states.items():  # each is this pipeline's
+    jax.block_until_ready(batch_fns[k](state))
+  release_fn()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 import warnings
 import weakref
 from typing import Any
@@ -164,6 +165,10 @@ class RandomPipeline(pl.RandomPipeline):
     self._told = cache_size is not None
     self._held: List[Tuple[Any, int, bool]] = []
     self._pruned = 8  # the notes' count after the last pruning, or 8
+    # Held while "auto" lays the pipeline out: two threads' first init_fn
+    # calls (or a restore beside one) would each build a host of their own,
+    # and one's states would belong to no pipeline.
+    self._laying = threading.RLock()
     if cache_size is not None:
       self._lay_out(cache_size)
 
@@ -188,11 +193,14 @@ class RandomPipeline(pl.RandomPipeline):
     refresh ``together`` or not
     (:func:`~jax_data.compiled.pipeline.auto_cache_size` on the default
     device's platform); one laid out already stays as it is."""
-    if self._unlaid is not None:
-      self._lay_out(pl.auto_cache_size(self._unlaid[0], self._mb_size,
-                                       chain_count, jax.default_backend(),
-                                       together))
-      self._sized_for = chain_count
+    if self._unlaid is None:
+      return
+    with self._laying:
+      if self._unlaid is not None:  # not laid out by another thread since
+        self._lay_out(pl.auto_cache_size(self._unlaid[0], self._mb_size,
+                                         chain_count, jax.default_backend(),
+                                         together))
+        self._sized_for = chain_count
 
   def _check_more(self, chain_count: int, together: bool) -> None:
     """Warns, once, when the chains of an ``"auto"`` pipeline's
@@ -273,16 +281,19 @@ class RandomPipeline(pl.RandomPipeline):
     check then says what differs)."""
     if self._unlaid is None:
       return
-    size = fingerprint.get("cache_size") if isinstance(fingerprint,
-                                                       dict) else None
-    if (isinstance(size, int) and not isinstance(size, bool)
-        and 1 <= size <= MAX_AXIS and size * self._mb_size * pl.row_bytes(
-            self._unlaid[0]) <= pl.MAX_CACHE_BYTES):
-      self._lay_out(size)  # _sized_for stays None: the checkpoint's
-    else:
-      valid = isinstance(lanes, list) and all(
-          isinstance(n, int) and n >= 0 for n in lanes)
-      self._lay_out_for(math.prod(lanes) if valid else 1)
+    with self._laying:
+      if self._unlaid is None:  # laid out by another thread since
+        return
+      size = fingerprint.get("cache_size") if isinstance(fingerprint,
+                                                         dict) else None
+      if (isinstance(size, int) and not isinstance(size, bool)
+          and 1 <= size <= MAX_AXIS and size * self._mb_size * pl.row_bytes(
+              self._unlaid[0]) <= pl.MAX_CACHE_BYTES):
+        self._lay_out(size)  # _sized_for stays None: the checkpoint's
+      else:
+        valid = isinstance(lanes, list) and all(
+            isinstance(n, int) and n >= 0 for n in lanes)
+        self._lay_out_for(math.prod(lanes) if valid else 1)
 
   def fit_hint(self, fingerprint: Any) -> str:
     """Where ``"auto"`` chose another cache size at this pipeline's first
@@ -303,16 +314,19 @@ class RandomPipeline(pl.RandomPipeline):
     again if the restore fails: :meth:`prepare_restore` took the
     checkpoint's size, and a refused checkpoint must not choose the size
     of the chains ``init_fn`` makes next."""
-    unlaid = dict(self.__dict__) if self._unlaid is not None else None
-    try:
-      yield
-    except BaseException:
-      if unlaid is not None and self._unlaid is None:
-        host = self.host
-        self.__dict__.clear()
-        self.__dict__.update(unlaid)
-        host.release()
-      raise
+    # Held throughout: another thread's init_fn must neither lay the
+    # pipeline out meanwhile nor have its layout undone.
+    with self._laying:
+      unlaid = dict(self.__dict__) if self._unlaid is not None else None
+      try:
+        yield
+      except BaseException:
+        if unlaid is not None and self._unlaid is None:
+          host = self.host
+          self.__dict__.clear()
+          self.__dict__.update(unlaid)
+          host.release()
+        raise
 
   @functools.cached_property
   def _bridge(self) -> Bridge:
