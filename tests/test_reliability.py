@@ -465,3 +465,23 @@ def test_a_chain_made_while_release_fn_runs_is_closed():
   assert isinstance(results[0], jax_data.PipelineReleasedError)
   assert opened and closed == opened
   assert init_fn.__self__.host.chains() == []
+
+
+def test_a_release_while_a_state_is_checked_says_released():
+  """release_fn in another thread between the check that the pipeline is
+  open and the check of the state's chain (once in 78 races of a
+  reviewer's probe) said the chain was not this pipeline's (its chains:
+  none); it says the pipeline was released."""
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      NumpyDataLoader(x=np.arange(10.0)), 2, 3)
+  state = init_fn()
+  host = batch_fn.__self__.host
+  has_chain = host.has_chain
+
+  def released_meanwhile(chain):
+    release_fn()
+    return has_chain(chain)
+
+  host.has_chain = released_meanwhile
+  with pytest.raises(jax_data.PipelineReleasedError, match="release_fn"):
+    batch_fn(state)

@@ -403,8 +403,12 @@ class RandomPipeline(pl.RandomPipeline):
           "chain yet; make its states with its init_fn")
     state = super().check_state(state, where)
     self.host.check_open()  # a released pipeline has no chains: says so
-    states.check_chains(state.chain, self.host.has_chain, self.host.chains,
-                        where)
+    try:
+      states.check_chains(state.chain, self.host.has_chain,
+                          self.host.chains, where)
+    except ValueError:
+      self.host.check_open()  # released by another thread meanwhile
+      raise
     return state
 
   def advance(self, state: CacheState, device_count: int = 1):
