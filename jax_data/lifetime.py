@@ -258,7 +258,6 @@ STEPS = Shared()
 PASSES = Shared(weak=True)
 
 
-
 def _malloc_trim() -> Optional[Callable[[int], int]]:
   try:
     trim = ctypes.CDLL(None).malloc_trim

@@ -425,13 +425,7 @@ class FullPipeline(pl.Pipeline):
       raise TypeError(f"fun must be callable, got fun={fun!r}")
     data_state = states.check_state(data_state, self.template, "map_fn")
     if self.host is not None:  # else a device loader's passes
-      self.host.check_open()  # a released pipeline has no chains: says so
-      try:
-        states.check_chains(data_state.chain, self.host.has_chain,
-                            self.host.chains, "map_fn")
-      except ValueError:
-        self.host.check_open()  # released by another thread meanwhile
-        raise
+      states.check_chains(data_state.chain, self.host, "map_fn")
     call = pl.Call.checked(information, device_count, masking)
     masking, information, device_count = (call.masking, call.information,
                                            call.device_count)

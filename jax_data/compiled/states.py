@@ -4,7 +4,7 @@ batch out of their cache inside compiled code."""
 from __future__ import annotations
 
 from typing import Any
-from typing import Callable
+from typing import Protocol
 from typing import Sequence
 
 import jax
@@ -75,11 +75,23 @@ def check_identity(field: Any, pipeline: int, where: str) -> None:
     raise foreign_state(where, foreign[0], pipeline)
 
 
-def check_chains(field: Any, has_chain: Callable[[int], bool],
-                 chains: Callable[[], Sequence[int]], where: str) -> None:
-  """Raises if a known ``chain`` field (of stacked states too) names a
-  chain for which ``has_chain`` is False (the pipeline's ``chains()`` are
-  then listed); traced fields are checked on the host instead."""
+class ChainHolder(Protocol):
+  """What :func:`check_chains` asks of a pipeline's host."""
+
+  def check_open(self) -> None: ...
+
+  def has_chain(self, number: int) -> bool: ...
+
+  def chains(self) -> Sequence[int]: ...
+
+
+def check_chains(field: Any, host: ChainHolder, where: str) -> None:
+  """Raises if ``host``'s pipeline was released
+  (:class:`~jax_data.PipelineReleasedError`, also where another thread
+  released it during the check), or if a known ``chain`` field (of stacked
+  states too) names a chain the host does not have (its chains are then
+  listed); traced fields are checked on the host instead."""
+  host.check_open()  # a released pipeline has no chains: says so
   try:
     numbers = np.asarray(field)
   except jax.errors.TracerArrayConversionError:
@@ -87,9 +99,10 @@ def check_chains(field: Any, has_chain: Callable[[int], bool],
   # A lookup per distinct chain: eager calls pay O(1) for one state, not a
   # listing of every chain the pipeline ever made.
   unknown = sorted(n for n in set(numbers.reshape(-1).tolist())
-                   if not has_chain(n))
+                   if not host.has_chain(n))
   if unknown:
-    have = chains()
+    host.check_open()  # released by another thread meanwhile
+    have = host.chains()
     shown = ", ".join(map(str, have[:8])) + (", ..." if len(have) > 8
                                              else "")
     raise ValueError(
