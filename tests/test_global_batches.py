@@ -377,3 +377,33 @@ def test_a_part_is_kept_in_the_chain_spec():
   assert spec_from_json(spec_to_json(whole)) == whole
   with pytest.raises(ValueError, match="part index"):
     spec_from_json(dict(spec_to_json(spec), part={"index": 4, "count": 4}))
+
+
+def test_an_init_fn_call_ended_early_leaves_no_part(monkeypatch):
+  # A Ctrl-C while the parts of a global state are registered: none of
+  # them stays, and the next call serves the chains of a fresh pipeline.
+  loader = NumpyDataLoader(**_data())
+  mesh = _mesh((2, 2), ("chains", "data"))
+  pipeline = jax_data.random_reference_data(
+      loader, CACHE, MB, mesh=mesh, batch_axis="data", chain_axis="chains")
+  init_fn, batch_fn, release_fn = pipeline
+  register, made = pipeline.host.register, []
+
+  def interrupted(spec):
+    made.append(spec)
+    if len(made) == 3:
+      raise KeyboardInterrupt
+    return register(spec)
+
+  monkeypatch.setattr(pipeline.host, "register", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    init_fn(seed=[3, 4], shuffle=True)
+  assert pipeline.host.chains() == []
+  monkeypatch.undo()
+  state, batch = batch_fn(init_fn(seed=[3, 4], shuffle=True))
+  assert len(pipeline.host.chains()) == 4  # two chains of two parts
+  for c, seed in enumerate([3, 4]):
+    np.testing.assert_array_equal(
+        batch["index"][c], _solo(loader, 1, seed=seed, shuffle=True,
+                                 stream="counter")[0][0])
+  release_fn()

@@ -664,3 +664,51 @@ def test_a_bad_sequence_of_seeds_is_refused_before_any_chain(pipelines):
       init_fn(seed=bad)
   assert pipeline.host.chains() == []
   release_fn()
+
+
+@pytest.mark.parametrize("seed", [7, range(5)])
+@pytest.mark.parametrize("where", ["register", "state"])
+def test_an_init_fn_call_ended_early_leaves_no_chain(pipelines, monkeypatch,
+                                                     seed, where):
+  # A Ctrl-C among many seeds, or a cache too large to allocate, ends the
+  # call before its state exists: no chain is left that no state names.
+  loader = NumpyDataLoader(x=np.arange(40))
+  pipeline = pipelines.random_reference_data(loader, 2, 3)
+  init_fn, batch_fn, release_fn = pipeline
+  host = pipeline.host
+  register, calls_made = host.register, []
+
+  def interrupted(spec):
+    calls_made.append(spec)
+    if len(calls_made) == 3 or (where == "register" and isinstance(seed, int)):
+      raise KeyboardInterrupt
+    return register(spec)
+
+  def no_memory(*args, **kwargs):
+    raise MemoryError("cache")
+
+  if where == "register":
+    monkeypatch.setattr(host, "register", interrupted)
+    expected = KeyboardInterrupt
+  else:
+    monkeypatch.setattr(jax_data.compiled.random_access.CacheState,
+                        "start" if isinstance(seed, int) else "start_chains",
+                        no_memory)
+    expected = MemoryError
+  with pytest.raises(expected):
+    init_fn(seed=seed)
+  assert host.chains() == []
+  monkeypatch.undo()
+  state = init_fn(seed=seed)
+  assert len(host.chains()) == (1 if isinstance(seed, int) else 5)
+  fresh_init, fresh_batch, fresh_release = pipelines.random_reference_data(
+      NumpyDataLoader(x=np.arange(40)), 2, 3)
+  fresh = fresh_init(seed=seed)
+  step = batch_fn if isinstance(seed, int) else jax.vmap(batch_fn)
+  fresh_step = fresh_batch if isinstance(seed, int) else jax.vmap(fresh_batch)
+  for _ in range(3):
+    state, batch = step(state)
+    fresh, expected_batch = fresh_step(fresh)
+    np.testing.assert_array_equal(batch["x"], expected_batch["x"])
+  release_fn()
+  fresh_release()

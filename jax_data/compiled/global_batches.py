@@ -190,9 +190,20 @@ class GlobalPipeline(pl.RandomPipeline):
     lead = () if self._axes.chain_axis is None else (len(specs),)
     zeros = np.zeros(lead, np.int32)
     part = lambda row, index: self._part(chains[row], specs[row], index)
-    return global_state(self._axes, self.template, lead, part, zeros, zeros,
-                        np.zeros(lead + np.shape(self.template.key),
-                                 np.uint32))
+    try:
+      return global_state(self._axes, self.template, lead, part, zeros,
+                          zeros, np.zeros(lead + np.shape(self.template.key),
+                                          np.uint32))
+    except BaseException:
+      # Ended early (a Ctrl-C, a failed placement): the parts registered
+      # so far belong to no state.
+      numbers = set(chains)
+      with self._lock:
+        made = [key for key in self._parts if key[0] in numbers]
+        parts = [self._parts.pop(key) for key in made]
+      for number in parts:
+        self.host.remove_chain(number)
+      raise
 
   def _seeds(self, seed: Any) -> List[Optional[int]]:
     if self._axes.chain_axis is None:

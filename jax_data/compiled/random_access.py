@@ -358,9 +358,10 @@ class RandomPipeline(pl.RandomPipeline):
       together = getattr(spec, "stream", None) == "counter"
       self._lay_out_for(1, together)
       self._check_more(1, together)
-      chain = self.host.register(spec)
-      state = CacheState.start(self.id, chain, self._mb_size,
-                               self._cache_size, self._batch_format)
+      with self._registering() as chains:
+        chains.append(self.host.register(spec))
+        state = CacheState.start(self.id, chains[0], self._mb_size,
+                                 self._cache_size, self._batch_format)
       self._hold(state, 1, together)
       return state
     # Every seed checked before any chain is registered (or the sizes of
@@ -372,11 +373,26 @@ class RandomPipeline(pl.RandomPipeline):
                    for spec in specs)
     self._lay_out_for(len(specs), together)
     self._check_more(len(specs), together)
-    chains = [self.host.register(spec) for spec in specs]
-    state = CacheState.start_chains(self.id, chains, self._mb_size,
-                                    self._cache_size, self._batch_format)
+    with self._registering() as chains:
+      chains.extend(self.host.register(spec) for spec in specs)
+      state = CacheState.start_chains(self.id, chains, self._mb_size,
+                                      self._cache_size, self._batch_format)
     self._hold(state, len(specs), together)
     return state
+
+  @contextlib.contextmanager
+  def _registering(self) -> Iterator[List[int]]:
+    """The list ``init_fn`` adds the numbers of the chains it registers
+    to: if anything ends the call before their state is made (a Ctrl-C
+    among 1,024 seeds, a cache too large to allocate), they are taken out
+    again, so that no chain without a state stays in the pipeline."""
+    chains: List[int] = []
+    try:
+      yield chains
+    except BaseException:
+      for chain in chains:
+        self.host.remove_chain(chain)
+      raise
 
   def batch_fn(self, state: CacheState, information: bool = False,
                device_count: int = 1):
