@@ -767,6 +767,54 @@ def test_a_worker_process_that_dies_once_is_replaced(tmp_path):
   assert _mapped(loader) == list(range(30))
 
 
+class HalfWritten(Numbered):
+  """Record ``die_at`` ends the process reading it while it writes its
+  result (half a message left in the results' pipe, as a worker killed
+  for memory mid-write leaves it), while the file ``once`` does not exist
+  (None: every time)."""
+
+  def __getitem__(self, i):
+    if i == self.die_at and not (self.once and os.path.exists(self.once)):
+      if self.once:
+        open(self.once, "w").close()
+      frame = sys._getframe()  # pylint: disable=protected-access
+      while "result_queue" not in frame.f_locals:  # the pool's worker loop
+        frame = frame.f_back
+      writer = frame.f_locals["result_queue"]._writer  # pylint: disable=protected-access
+      writer._send(struct.pack("!i", 1 << 20) + b"half")  # pylint: disable=protected-access
+      os._exit(3)
+    return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("once", [True, False])
+def test_a_worker_that_died_writing_a_result_does_not_stall_reads(
+    tmp_path, once):
+  """The pool's manager thread read the half result for ever, and the read
+  waited for ever; the pool is now ended and its blocks read again."""
+  source = HalfWritten(die_at=13, once=str(tmp_path / "died") if once
+                       else None)
+  loader = SourceDataLoader(source, workers=2, processes=True)
+  outcome = []
+
+  def read():
+    try:
+      outcome.append(_mapped(loader))
+    except Exception as e:  # pylint: disable=broad-except
+      outcome.append(e)
+
+  reader = threading.Thread(target=read, daemon=True)
+  reader.start()
+  reader.join(150)
+  assert not reader.is_alive(), "the read stalled"
+  if once:
+    assert os.path.exists(source.once)
+    assert outcome == [list(range(30))]
+  else:
+    assert isinstance(outcome[0], Exception)
+    assert re.search(r"record 13 ended the worker process that read it",
+                     str(outcome[0]))
+
+
 def test_a_record_that_always_ends_its_worker_is_named():
   loader = SourceDataLoader(Numbered(die_at=13), workers=2, processes=True)
   for _ in range(2):  # also a later request: named again, not a broken pool

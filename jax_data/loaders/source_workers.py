@@ -24,6 +24,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import types
 import weakref
 from typing import Any
@@ -236,13 +237,13 @@ def _read_alone(pool: concurrent.futures.Executor, records: np.ndarray,
   the position of the record that ended the worker, if one did (-1: the
   worker ended before it read any)."""
   started = submit(pool, worker_ready)
-  wait([started], stop, cancel=False)
+  wait([started], stop, cancel=False, pool=pool)
   if broke(started):
     return started, -1
   stacked: List[List[np.ndarray]] = []
   for at in range(records.size):
     future = submit(pool, read_block, records[at:at + 1])
-    wait([future], stop, cancel=False)
+    wait([future], stop, cancel=False, pool=pool)
     if broke(future):
       return future, at
     if future.exception() is not None:
@@ -284,19 +285,51 @@ def terminate(pool: concurrent.futures.Executor) -> None:
     writer.close()
 
 
+# How often a read of worker processes looks for one that died, and how
+# long after it finds one it waits for the pool to fail its blocks before
+# it ends the pool (see wait).
+_WATCH_SECONDS = 0.5
+_STUCK_SECONDS = 5.0
+
+
+def _died(pool: concurrent.futures.Executor) -> bool:
+  """Whether a worker process of ``pool`` has ended: the pool never ends
+  one itself until it is shut down."""
+  processes = getattr(pool, "_processes", None) or {}
+  return any(process.exitcode is not None
+             for process in list(processes.values()))
+
+
 def wait(futures: Sequence[concurrent.futures.Future],
           stop: Optional[concurrent.futures.Future],
-          cancel: bool = True) -> None:
+          cancel: bool = True,
+          pool: Optional[concurrent.futures.Executor] = None) -> None:
   """Waits until every future is done, or ``stop`` is: then (if
   ``cancel``) the futures not started are cancelled, those running finish
   in the background, and :class:`~jax_data.PipelineReleasedError` is
   raised. (A process pool's futures are not cancelled: its manager thread
-  may fail them at the same time, and fails on a cancelled one.)"""
+  may fail them at the same time, and fails on a cancelled one.)
+
+  With ``pool``, the process pool the futures came from: a worker that
+  died while it wrote a result (killed for memory, say) leaves half a
+  message in the results' pipe, which the pool's manager thread then reads
+  for ever, and the futures were never done. A pool that has not failed
+  them within a few seconds of a worker's end is ended (:func:`terminate`),
+  which fails them as broken: read again, as for any worker that died."""
   pending = [f for f in futures if not f.done()]
+  died_at: Optional[float] = None
+  ended = False
   while pending and not (stop is not None and stop.done()):
     concurrent.futures.wait(pending + ([] if stop is None else [stop]),
+                            timeout=None if pool is None else _WATCH_SECONDS,
                             return_when=concurrent.futures.FIRST_COMPLETED)
     pending = [f for f in pending if not f.done()]
+    if pending and pool is not None and not ended:
+      if died_at is None:
+        died_at = time.monotonic() if _died(pool) else None
+      elif time.monotonic() - died_at > _STUCK_SECONDS:
+        terminate(pool)
+        ended = True
   if stop is not None and stop.done():
     for future in futures if cancel else ():
       future.cancel()
@@ -490,7 +523,7 @@ class WorkerPool:
     pool = self._process_pool()
     futures = [submit(pool, read_block, unique[part]) for part in parts]
     try:
-      wait(futures, stop, cancel=False)
+      wait(futures, stop, cancel=False, pool=pool)
     except PipelineReleasedError:
       if not all(f.done() for f in futures):
         self._retire(pool)
