@@ -338,6 +338,13 @@ def _stream(name, value):
      "has no 'offset'"),
     (MODES[1], _stream("rng", None), "rng must be the state of a PCG64 "
      "generator, got rng=None"),
+    # Out of range, a field of the generator's state gave NumPy's bare
+    # OverflowError, no CheckpointError.
+    (MODES[1], _edit(lambda c: c["snapshot"]["stream"]["rng"].__setitem__(
+        "uinteger", -1)), "rng must be the state of a PCG64 generator.*"
+     "OverflowError"),
+    ({}, _edit(lambda c: c["snapshot"]["stream"]["rng"].__setitem__(
+        "has_uint32", 2**40)), "rng must be"),
     ({}, _stream("rng", {"bit_generator": "PCG64"}), "rng must be"),
     ({}, _edit(lambda c: c["snapshot"].__setitem__("stream", None)),
      "a stream's position is a dict, got None"),
@@ -442,6 +449,10 @@ def test_save_checkpoint_checks_its_path_and_leaves_nothing_half_written(
   state = pipeline[0](seed=0)
   with pytest.raises(TypeError, match="path must be a file name .*path=None"):
     jax_data.save_checkpoint(None, pipeline, state)
+  for bad in (None, 3):  # Python's own message named no argument
+    with pytest.raises(TypeError, match=f"path must be a file name .*"
+                       f"path={bad}"):
+      jax_data.restore_checkpoint(bad, pipeline)
   (tmp_path / "taken").mkdir()
   with pytest.raises(IsADirectoryError, match=r"path must be a file name, "
                      r"got path='.*taken', a directory"):
@@ -494,10 +505,26 @@ def test_counters_out_of_range_are_refused(field, value, match):
   with pytest.raises(jax_data.CheckpointError, match=match):
     jax_data.state_from_pytree(pipeline, dict(tree, **{field: np.int32(
         value)}))
-  # Eagerly, a state built by hand is refused too.
+  # Eagerly, a state built by hand is refused too, and is not saved (a
+  # negative chunk failed with "max() arg is an empty sequence", and a
+  # position out of range was saved, to be refused at its restore).
   if value < 0 or field == "position":
+    edited = state._replace(**{field: jnp.int32(value)})
     with pytest.raises(ValueError, match=f"{field}={value}"):
-      pipeline[1](state._replace(**{field: jnp.int32(value)}))
+      pipeline[1](edited)
+    with pytest.raises(ValueError, match=f"state_to_pytree got a state with "
+                       f"{field}={value}"):
+      jax_data.state_to_pytree(pipeline, edited)
+
+
+def test_a_traced_state_is_not_saved():
+  """Inside jit a state's counters are unknown: said so, not NumPy's
+  TracerArrayConversionError."""
+  pipeline = _pipeline()
+  state = pipeline[0](seed=1)
+  with pytest.raises(TypeError, match="state_to_pytree needs a concrete "
+                     "state, got a traced one"):
+    jax.jit(lambda s: jax_data.state_to_pytree(pipeline, s)["chunk"])(state)
 
 
 def test_a_loaders_store_limits_bound_replays():

@@ -140,6 +140,15 @@ def test_load_state_names_what_differs():
     (dict(stream="counter"), dict(batch=-3), "batch must be between 0"),
     (dict(stream="counter"), dict(batch=2**70), "got batch=1180591620717"),
     (dict(stream="counter"), dict(seed=-1), "seed must be between 0"),
+    # A bare OverflowError, and "unhashable type: 'list'".
+    (dict(), dict(rng={"bit_generator": "PCG64", "state": {"state": -1,
+                                                           "inc": 1},
+                       "has_uint32": 0, "uinteger": 0}),
+     "rng must be the state of a PCG64 generator.*OverflowError"),
+    (dict(stream="counter"), dict(draws=[2]), r"draws must be an integer, "
+     r"got draws=\[2\]"),
+    (dict(stream="counter", shuffle=True), dict(permutation=[1]),
+     r"permutation must be an integer"),
 ])
 def test_load_state_checks_every_field(kwargs, edit, match):
   """An edited position is refused, naming the field, and the chain goes
@@ -157,7 +166,7 @@ def test_load_state_checks_every_field(kwargs, edit, match):
       del stream[name]
     else:
       stream[name] = value
-  with pytest.raises(ValueError, match=match):
+  with pytest.raises((TypeError, ValueError), match=match):
     loader.load_state(chain, saved)
   assert _stream(loader, chain, 3) == expected
 

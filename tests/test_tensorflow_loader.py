@@ -5,6 +5,7 @@ import collections
 import contextlib
 import copy
 import io
+import json
 import os
 import subprocess
 import sys
@@ -1145,3 +1146,36 @@ def test_a_seed_of_any_size_draws_its_own_stream_and_restores(tmp_path, seed):
   restored = jax_data.restore_checkpoint(tmp_path / "chain.npz", pipeline)
   assert batches(restored, 3)[1] == batches(state, 3)[1]
   release_fn()
+
+
+@pytest.mark.parametrize("field, value, match", [
+    # Restored in silence: the first batch then failed inside the callback
+    # with an OverflowError, or the chain served another seed's batches.
+    ("position", 2**70, r"position must be between 0 and \d+, got "
+     "position=1180591620717411303424"),
+    ("seed", 4, "its seed=4 is not the chain's seed=3: the chain's spec and "
+     "its snapshot disagree"),
+])
+def test_an_edited_snapshot_of_a_shuffle_buffer_is_refused(field, value,
+                                                           match):
+  def pipeline():
+    return jax_data.random_reference_data(TensorflowDataLoader(
+        _pipeline(53), shuffle_cache=7), 3, 4)
+
+  saved = pipeline()
+  state = saved[0](seed=3)
+  for _ in range(5):
+    state, _ = saved[1](state)
+  tree = jax_data.state_to_pytree(saved, state)
+  host = json.loads(tree["host"].tobytes())
+  host["chains"][0]["snapshot"][field] = value
+  edited = dict(tree, host=np.frombuffer(json.dumps(host).encode(),
+                                         np.uint8))
+  fresh = pipeline()
+  with pytest.raises(jax_data.CheckpointError, match=match):
+    jax_data.state_from_pytree(fresh, edited)
+  assert fresh.host.chains() == []
+  # The unedited tree restores, and goes on as the chain does.
+  np.testing.assert_array_equal(
+      fresh[1](jax_data.state_from_pytree(fresh, tree))[1]["x"],
+      saved[1](state)[1]["x"])

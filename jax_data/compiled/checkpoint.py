@@ -428,11 +428,7 @@ def save_checkpoint(path: Union[str, bytes, os.PathLike], pipeline: Any,
       packed into a tuple again), or its init_fn.
     state: The state to save (stacked states too).
   """
-  try:
-    path = os.fsdecode(path)  # a str, bytes or os.PathLike name
-  except TypeError:
-    raise TypeError("path must be a file name (a str, bytes or "
-                    f"os.PathLike), got path={path!r}") from None
+  path = _file_name(path)
   if os.path.isdir(path):
     raise IsADirectoryError(
         f"path must be a file name, got path={path!r}, a directory")
@@ -472,10 +468,20 @@ def restore_checkpoint(path: Union[str, bytes, os.PathLike], pipeline: Any,
       shows both sides).
     OSError: the file cannot be opened.
   """
-  path = os.fspath(path)
+  path = _file_name(path)
   with open(path, "rb") as f:
     tree = read_tree(f, path)
   return state_from_pytree(pipeline, tree, lanes)
+
+
+def _file_name(path: Any) -> str:
+  """``path`` as a str, if it is a file name (a str, bytes or
+  os.PathLike)."""
+  try:
+    return os.fsdecode(path)
+  except TypeError:
+    raise TypeError("path must be a file name (a str, bytes or "
+                    f"os.PathLike), got path={path!r}") from None
 
 
 def read_tree(f: BinaryIO, path: str) -> Dict[str, np.ndarray]:

@@ -327,6 +327,7 @@ class GlobalPipeline(pl.RandomPipeline):
       TypeError, ValueError: not a state of this pipeline; this process
         holds no part of some chain (a chain axis across processes).
     """
+    states.check_concrete(state, where)
     state = self.check_state(state, where)
     lead = np.shape(state.chunk)
     numbers, held = _local(state.chain)

@@ -117,10 +117,12 @@ class Pipeline(collections.abc.Sequence):
     """
     if not isinstance(state, CacheState):
       raise TypeError(f"state must be a CacheState, got {type(state).__name__}")
+    states.check_concrete(state, where)
     lanes = np.shape(state.chain)
     if np.shape(state.key)[len(lanes):] != np.shape(self.template.key):
       raise TypeError("state does not belong to this pipeline")
     states.check_identity(state.pipeline, self.id, where)
+    states.check_counters(state, np.shape(self.template.mask)[0], where)
     return lanes, {f: np.asarray(getattr(state, f))
                    for f in ("chain", "chunk", "position", "key")}
 

@@ -59,7 +59,7 @@ def check_state(state: Any, expected: CacheState, where: str) -> CacheState:
           f"{np.shape(g)} and dtype {jnp.result_type(g)}, expected "
           f"{np.shape(w)} and {jnp.result_type(w)}")
   check_identity(state.pipeline, int(expected.pipeline), where)
-  _check_counters(state, np.shape(expected.mask)[0], where)
+  check_counters(state, np.shape(expected.mask)[0], where)
   return state
 
 
@@ -118,7 +118,18 @@ WRAPPED = ("a chain's int32 chunk counter goes negative only past "
            "from a new init_fn state")
 
 
-def _check_counters(state: CacheState, cache_size: int, where: str) -> None:
+def check_concrete(state: CacheState, where: str) -> None:
+  """Raises if ``state`` is traced: ``where`` (a checkpoint's save) reads
+  its values on the host."""
+  if any(isinstance(leaf, jax.core.Tracer)
+         for leaf in jax.tree_util.tree_leaves(state)):
+    raise TypeError(
+        f"{where} needs a concrete state, got a traced one (inside jax.jit, "
+        "vmap or scan): save the state that the compiled function returns, "
+        "outside it")
+
+
+def check_counters(state: CacheState, cache_size: int, where: str) -> None:
   """Raises if known counters of a state are out of range (a state built by
   hand, or from a crafted checkpoint)."""
   try:

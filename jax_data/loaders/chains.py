@@ -536,6 +536,14 @@ class ChainCursor(abc.ABC):
     del index
     return None
 
+  def foreign(self, position: Position) -> Optional[str]:
+    """Why ``position``, one the cursor takes, is another chain's than the
+    cursor's spec (a seed of its own that differs), or None (the default:
+    the cursor cannot tell). A checkpoint's spec and snapshot must agree;
+    ``load_state`` may move a chain onto another's stream."""
+    del position
+    return None
+
   def position_after(self, position: Position, chunks: int
                      ) -> Optional[Position]:
     """The position ``chunks`` chunks after ``position`` (one of its

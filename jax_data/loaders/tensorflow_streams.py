@@ -47,6 +47,7 @@ from jax_data.streams.sampling import BufferShuffle
 from jax_data.streams.sampling import Held
 from jax_data.streams.sampling import ObservationRange
 from jax_data.streams.sampling import OrderedStream
+from jax_data.validation import MAX_AXIS
 from jax_data.validation import check_int
 from jax_data.validation import check_saved_state
 
@@ -110,6 +111,7 @@ class ShuffleCursor(ChainCursor):
     self._shuffle_cache = shuffle_cache
     self._shard = [spec.observations.start, spec.observations.count]
     self._shuffle = BufferShuffle(source.count, shuffle_cache, spec.seed)
+    self._seed = spec.seed
     self._batch = 0  # batches served
     # The step the source stands at (it gave the rows of the steps before
     # it, and holds what the shuffle buffer needs there); None: unknown.
@@ -253,12 +255,23 @@ class ShuffleCursor(ChainCursor):
     check_saved_state(position, {"version": POSITION_VERSION,
                                  "shuffle_cache": self._shuffle_cache,
                                  "shard": self._shard}, "this random chain")
-    batch = check_int("position", position.get("position"), minimum=0)
+    # A chain's chunks are numbered by an int32 counter: its batches reach
+    # 2**31 chunks at most.
+    batch = check_int("position", position.get("position"), minimum=0,
+                      maximum=MAX_AXIS * self._layout.cache_size)
+    # The seed of a chain is its spec's: a position of another seed is
+    # another chain's (an edited checkpoint), not this one's.
     seed = check_int("seed", position.get("seed"), minimum=0)
     if seed != self._shuffle.seed:  # another stream: its source too
       self._shuffle.seed, self._shuffle.position = seed, None
       self._source_step = None
     self._batch = batch
+
+  def foreign(self, position: Position) -> Optional[str]:
+    seed = position.get("seed") if isinstance(position, dict) else None
+    if seed != self._seed:
+      return f"its seed={seed!r} is not the chain's seed={self._seed}"
+    return None
 
 
 class _OrderedCursor(ChainCursor):

@@ -475,6 +475,10 @@ def _seek_checked(cursor: ChainCursor, index: int, position: Position
   """
   own = cursor.position_at(index)
   cursor.seek(position)
+  foreign = cursor.foreign(position)
+  if foreign is not None:
+    raise ValueError(f"the saved position {position!r}: {foreign}: the "
+                     "chain's spec and its snapshot disagree")
   if own is None:
     return
   saved = cursor.position()

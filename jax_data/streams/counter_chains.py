@@ -377,13 +377,14 @@ class CounterStream:
       raise ValueError(
           f"state is for a chain in mode {state.get('mode')!r}, but this "
           f"chain is in mode {self.mode!r}")
-    draws = state.get("draws", 1)
+    draws = check_int("draws", state.get("draws", 1), minimum=1)
     if not self.shuffle and draws != cs.UNIFORM_VERSION:
       raise ValueError(_changed_stream(
           f"version {draws} of the counter-based independent draws",
           "draws", cs.UNIFORM_VERSION, cs.UNIFORM_CHANGES.get(draws),
           "2026-11-28" if draws == 1 else "2026-11-30"))
-    permutation = state.get("permutation", 1)
+    permutation = check_int("permutation", state.get("permutation", 1),
+                            minimum=1)
     if self.shuffle and permutation != cs.PERMUTE_VERSION:
       raise ValueError(_changed_stream(
           f"version {permutation} of the counter-based shuffled streams",

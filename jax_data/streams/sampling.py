@@ -62,7 +62,7 @@ def checked_rng(value: Any) -> Dict[str, Any]:
   probe = np.random.PCG64(0)  # seeded: no draw from the OS's entropy
   try:
     probe.state = value
-  except (TypeError, ValueError, KeyError) as e:
+  except (TypeError, ValueError, KeyError, OverflowError) as e:
     raise ValueError(f"rng must be the state of a PCG64 generator, got "
                      f"rng={value!r:.200} ({type(e).__name__}: {e})"
                      ) from None
