@@ -39,6 +39,26 @@ def check_int(name: str, value: Any, minimum: Optional[int] = None,
   return value
 
 
+def check_jax_values(name: str, tree: Any, returned_by: str = "") -> None:
+  """Raises naming ``name`` (with the leaf's path) and the value if a leaf
+  of ``tree`` is not something JAX takes as an array (a string, None in a
+  list, an object); ``returned_by``: the function that returned ``tree``,
+  named in the message.
+
+  Raises:
+    TypeError: such a leaf.
+  """
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    try:
+      jax.typeof(leaf)
+    except TypeError:
+      by = f" (returned by {returned_by})" if returned_by else ""
+      raise TypeError(
+          f"{name}{jax.tree_util.keystr(path)} must be an array or a number"
+          f"{by}, got {leaf!r:.100} of type {type(leaf).__name__}"
+          ) from None
+
+
 def _integer_scalar(value: Any) -> bool:
   """Whether ``value`` is a 0-d array of an integer dtype."""
   try:

@@ -873,3 +873,35 @@ def test_a_carry_of_another_type_is_named(pipelines, carry, returned,
   assert total.dtype == jnp.float32 and total == 45.0
   release_mapper()
   release_full()
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda p: p.mapper_fn(lambda b, c: (b["x"], c), "abc"),
+     "carry must be an array or a number, got 'abc' of type str"),
+    (lambda p: p.map_fn(lambda b, c: (b["x"], c), p.init_fn(),
+                        {"a": (1.0, object())}),
+     r"carry\['a'\]\[1\] must be an array or a number, got <object"),
+    (lambda p: p.map_fn(lambda b, c: ("a", c), p.init_fn(), 0.0),
+     r"the result must be an array or a number \(returned by fun=.*\), got "
+     "'a' of type str"),
+    (lambda p: p.mapper_fn(lambda o, c: ("a", c), 0.0, batched=False),
+     r"the result must be an array or a number \(returned by fun="),
+    # The shape fun returned for one observation, not the vmapped (3,).
+    (lambda p: p.mapper_fn(lambda o, c: o["x"], 0.0, batched=False),
+     r"fun must return a pair \(result, carry\), got an array of shape \(\) "
+     "from fun="),
+])
+def test_what_jax_cannot_take_is_named_in_the_passes_terms(call, message):
+  """A carry or a result JAX cannot hold was JAX's error about the
+  library's own inner functions ("Error interpreting argument to
+  <function Traced.__init__.<locals>.<lambda>>")."""
+  loader = jax_data.NumpyDataLoader(x=np.arange(10.0, dtype=np.float32))
+
+  class Pipes:
+    init_fn, map_fn, _ = full = jax_data.full_reference_data(loader, 2, 3)
+    mapper_fn, _ = mapper = jax_data.full_data_mapper(loader, 2, 3)
+
+  with pytest.raises(TypeError, match=message):
+    call(Pipes)
+  Pipes.full.release_fn()
+  Pipes.mapper.release_fn()

@@ -526,6 +526,15 @@ def test_bad_arguments_are_named(pipeline):
                   length=3)
   with pytest.raises(TypeError, match="f must be callable"):
     jax_data.scan(None, 0, state, batch_fn=batch_fn, length=3)
+  # What JAX cannot hold was JAX's error about an inner lambda of the
+  # library's ("... was passed to the function at path c").
+  with pytest.raises(TypeError, match=r"init\['a'\] must be an array or a "
+                     r"number, got 'abc' of type str"):
+    jax_data.scan(_step, {"a": "abc"}, state, batch_fn=batch_fn, length=3)
+  with pytest.raises(TypeError, match=r"y must be an array or a number "
+                     r"\(returned by f=.*\), got 's'"):
+    jax_data.scan(lambda c, b: (c, "s"), 0, state, batch_fn=batch_fn,
+                  length=3)
   with pytest.raises(TypeError, match="batch_fn must be"):
     jax_data.scan(_step, 0, state, batch_fn=lambda s: s, length=3)
   mapper = jax_data.full_data_mapper(

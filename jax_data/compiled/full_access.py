@@ -54,6 +54,7 @@ from jax_data.types import OrderedBatch
 from jax_data.types import PyTree
 from jax_data.types import ReleaseFn
 from jax_data.validation import check_bool
+from jax_data.validation import check_jax_values
 from jax_data.validation import check_keywords
 
 
@@ -365,7 +366,9 @@ class FullPipeline(pl.Pipeline):
 
     Raises:
       ValueError: with ``masking=False``, results that are not one per
-        observation."""
+        observation.
+      TypeError: a leaf of ``carry`` that is no array or number."""
+    check_jax_values("carry", carry)
     carry = varying_like(carry, data_state)
     shapes = (device_count, tuple(np.shape(leaf) for leaf in
                                   jax.tree_util.tree_leaves(data_state)))

@@ -25,6 +25,7 @@ from jax import lax
 
 from jax_data.types import MiniBatchInformation
 from jax_data.types import PyTree
+from jax_data.validation import check_jax_values
 
 Progress = Union[None, bool, Callable[[int, int], object]]
 
@@ -115,6 +116,8 @@ def applier(fun: Callable, plan: PassPlan, masking: bool,
           observation_count=plan.count, mask=mask, batch_size=plan.mb_size))
     out = fun(batch, mask, carry) if masking else fun(batch, carry)
     result, carry = pair("fun", fun, out, "(result, carry)")
+    check_jax_values("the result", result, f"fun={fun!r}")
+    check_jax_values("the carry", carry, f"fun={fun!r}")
     return carry, result
 
   return apply
@@ -253,11 +256,18 @@ def vectorised(fun: Callable) -> Callable:
   """``fun(observation, carry)`` as a batched function (vmapped over a
   batch, keeping the carry of its first observation). A new wrapper per
   call compiles nothing new: passes are keyed by what they trace to."""
-  vmapped = jax.vmap(fun, in_axes=(0, None))
+  def one(observation, carry):
+    # Checked for one observation: its shapes are fun's own.
+    result, carry = pair("fun", fun, fun(observation, carry),
+                         "(result, carry)")
+    check_jax_values("the result", result, f"fun={fun!r}")
+    check_jax_values("the carry", carry, f"fun={fun!r}")
+    return result, carry
+
+  vmapped = jax.vmap(one, in_axes=(0, None))
 
   def batched_fun(batch, carry):
-    results, carries = pair("fun", fun, vmapped(batch, carry),
-                            "(result, carry)")
+    results, carries = vmapped(batch, carry)
     return results, jax.tree_util.tree_map(lambda c: c[0], carries)
 
   return batched_fun

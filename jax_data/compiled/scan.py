@@ -37,6 +37,7 @@ from jax_data.types import PyTree
 from jax_data.validation import MAX_AXIS
 from jax_data.validation import check_bool
 from jax_data.validation import check_int
+from jax_data.validation import check_jax_values
 
 
 def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
@@ -140,6 +141,7 @@ def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
   information = check_bool("information", information)
   device_count = check_int("device_count", device_count, minimum=1)
   length = _check_length(xs, length)
+  check_jax_values("init", init)
   state = pipeline.check_state(state, "scan")
   pipeline.check_open()
   def loop(init, state, xs):
@@ -359,9 +361,15 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
     # The information is made inside, as the loops make it: its counts
     # stay Python ints (jnp.ones(info.batch_size) in a step), not tracers.
     closed, returned = jax.make_jaxpr(
-        lambda c, b, m, x: f(c, item(b, m, x)), return_shape=True)(
+        lambda c, b, m, x: checked(f(c, item(b, m, x))), return_shape=True)(
             init, batch0, mask0, x0)
     return (closed,) + pair("f", f, returned, "(carry, y)")
+
+  def checked(out):
+    carry, y = pair("f", f, out, "(carry, y)")
+    check_jax_values("the carry", carry, f"f={f!r}")
+    check_jax_values("y", y, f"f={f!r}")
+    return out
 
   closed, carry_format, y_format = trace(init)
   if in_lockstep(closed):
