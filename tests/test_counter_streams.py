@@ -33,6 +33,50 @@ def test_a_domain_past_int64_indices_is_refused(n):
   assert cs.uniform(1, np.arange(1000), 2**63 - 1).min() >= 0
 
 
+@pytest.mark.parametrize("n", [10, 1000, 10**6])
+def test_offsets_outside_the_epoch_are_refused(n):
+  """An offset is in 0 .. n - 1: one in [n, 2**b) gave an observation
+  twice, a negative one wrapped round, past the domain (2**b) the walk
+  never came back, and up to 16 observations NumPy's IndexError said
+  nothing of offsets. Concrete JAX offsets are checked as NumPy's."""
+  bits = cs.domain_bits(n)
+  for bad in ([n], [-1], [0, 1, 2**bits - 1], [2**bits], [2**bits + 5]):
+    for offsets in (np.array(bad), jnp.asarray(bad, jnp.int32)):
+      xp = np if isinstance(offsets, np.ndarray) else jnp
+      with pytest.raises(ValueError, match=re.escape(
+          f"offsets must be in 0 .. n - 1 (n={n}), got offsets={bad}")):
+        cs.permute(3, 0, offsets, n, xp)
+  many = np.arange(-3, n + 20)
+  with pytest.raises(ValueError, match=re.escape(
+      f"{many.size} offsets of which [-3, -2, -1, {n}, {n + 1}] and more")):
+    cs.permute(3, 0, many, n)
+  with pytest.raises(TypeError, match=r"offsets must be integers.*float64"):
+    cs.permute(3, 0, np.array([1.0]), n)
+  for epoch in (-1, 2**64, np.array([0, -1])):
+    with pytest.raises(ValueError, match=r"epoch must be .*got epoch="):
+      cs.permute(3, epoch, np.array([0, 1]), n)
+  with pytest.raises(ValueError, match=re.escape(
+      "positions must be in 0 .. 2**63 - 1, got positions=[-1]")):
+    cs.uniform(3, np.array([-1]), n)
+  perm = cs.permute(3, 2**64 - 1, np.arange(n), n)
+  np.testing.assert_array_equal(np.sort(perm), np.arange(n))
+
+
+@pytest.mark.parametrize("n", [10, 1000, 10**6])
+def test_traced_offsets_outside_the_epoch_end(n):
+  """Traced offsets cannot be checked: those outside 0 .. n - 1 give
+  unspecified observations (in 0 .. n - 1), never a walk without end, and
+  leave the others' as they are."""
+  bits = cs.domain_bits(n)
+  offsets = np.array([0, n - 1, n, 2**bits - 1, 2**bits, 2**32 - 1, 5])
+  got = jax.jit(lambda o: cs.permute(3, 0, o, n, jnp))(
+      jnp.asarray(offsets, jnp.uint32))
+  assert np.all(np.asarray(got) < n)
+  inside = offsets < n
+  np.testing.assert_array_equal(np.asarray(got)[inside],
+                                cs.permute(3, 0, offsets[inside], n))
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 16, 17, 1000, 65_537, 1_000_000])
 def test_every_index_exactly_once_per_epoch(n):
   for seed in (0, 1, 2**40 + 7):

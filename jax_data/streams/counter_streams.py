@@ -41,6 +41,8 @@ from typing import Tuple
 
 import numpy as np
 
+from jax_data.validation import check_int
+
 #: Half-rounds of the Feistel network: each half is mixed into the other
 #: six times. With eight (four rounds of the classic network, Luby and
 #: Rackoff's bound for random round functions) consecutive pairs of its
@@ -366,9 +368,19 @@ def permute(seed: int, epoch: Any, offsets: Any, n: int, xp: Any = np
   ``0 .. n - 1``) of epoch ``epoch``'s permutation of ``0 .. n - 1``.
 
   NumPy returns int64; ``jax.numpy`` (``n`` at most ``2**32``) uint32.
+  Traced offsets (inside ``jit``) cannot be checked: those outside
+  ``0 .. n - 1`` give unspecified values.
+
+  Raises:
+    ValueError: concrete offsets outside ``0 .. n - 1`` (one past the
+      domain cycle-walked for ever, one in ``[n, 2**b)`` gave an
+      observation twice), or an epoch outside ``0 .. 2**64 - 1``.
+    TypeError: offsets that are not integers.
   """
   bits = domain_bits(n)
   _check_size(n, bits, xp)
+  _check_range("offsets", offsets, n - 1, f"n - 1 (n={n})")
+  _check_epoch(epoch)
   if xp is np:
     offsets = np.asarray(offsets)
     if np.ndim(epoch):
@@ -381,6 +393,10 @@ def permute(seed: int, epoch: Any, offsets: Any, n: int, xp: Any = np
     offsets = offsets.astype(xp.uint32)
     return _sorted_at(*(xp.broadcast_to(k, offsets.shape) for k in keys[:2]),
                       offsets, n)
+  # A traced offset outside [0, n) might never walk back inside (one past
+  # the domain never does): it starts from 0 instead.
+  offsets = offsets.astype(xp.uint32)
+  offsets = xp.where(offsets < xp.uint32(n), offsets, xp.uint32(0))
   left, right = _split(offsets, bits, xp)
   left, right = _feistel(left, right, keys, bits, xp)
   from jax import lax
@@ -480,8 +496,14 @@ def uniform(seed: Any, positions: Any, n: int, xp: Any = np) -> Any:
   pair of ``uint32`` arrays of the seeds' low and high words, one seed per
   position; ``jax.numpy`` ``uint32`` positions, or a pair of arrays of
   their low and high ``uint32`` words, and ``n`` below ``2**32``.
+
+  Raises:
+    ValueError: concrete positions below 0 (they wrapped round to others).
+    TypeError: positions that are not integers.
   """
   _check_size(n, domain_bits(n), xp)
+  if not isinstance(positions, tuple):
+    _check_range("positions", positions, 2**63 - 1, "2**63 - 1")
   if xp is np:
     positions = np.asarray(positions, np.int64)
     with np.errstate(over="ignore"):
@@ -577,6 +599,44 @@ def combined_hash(low: Any, high: Any, n: int, xp: Any = np) -> Any:
     return low ^ high
   return ((high.astype(np.uint64) << np.uint64(32))
           | (low ^ high).astype(np.uint64))
+
+
+def _traced(value: Any) -> bool:
+  import jax
+  return isinstance(value, jax.core.Tracer)
+
+
+def _check_range(name: str, values: Any, high: int, bound: str) -> None:
+  """Raises unless the integers ``values`` (NumPy's, concrete JAX ones)
+  are in ``0 .. high`` (``bound`` spells ``high``), naming ``name`` and
+  those outside: one min and one max. Traced values cannot be read, and
+  pass."""
+  if _traced(values):
+    return
+  values = np.asarray(values)
+  if values.dtype.kind not in "iu":
+    raise TypeError(f"{name} must be integers, got {name} of dtype "
+                    f"{values.dtype}: {name}={values!r}")
+  if not values.size or (values.min() >= 0 and values.max() <= high):
+    return
+  if values.size <= 8:
+    shown = f"{name}={values.tolist()}"
+  else:
+    bad = np.unique(values[(values < 0) | (values > high)])
+    shown = (f"{values.size} {name} of which {bad[:5].tolist()}"
+             f"{' and more' if bad.size > 5 else ''} lie outside")
+  raise ValueError(f"{name} must be in 0 .. {bound}, got {shown}")
+
+
+def _check_epoch(epoch: Any) -> None:
+  """Raises for a concrete epoch below 0 or above ``2**64 - 1`` (it stood
+  for another epoch, modulo ``2**64``)."""
+  if _traced(epoch):
+    return
+  if np.ndim(epoch):
+    _check_range("epoch", epoch, 2**64 - 1, "2**64 - 1")
+  else:
+    check_int("epoch", epoch, minimum=0, maximum=2**64 - 1)
 
 
 def _check_size(n: int, bits: int, xp: Any) -> None:
