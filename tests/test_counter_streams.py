@@ -62,6 +62,50 @@ def test_offsets_outside_the_epoch_are_refused(n):
   np.testing.assert_array_equal(np.sort(perm), np.arange(n))
 
 
+def test_bad_seeds_and_batch_arguments_are_named():
+  """A seed is an integer in 0 .. 2**64 - 1: -1 drew seed 2**64 - 1's
+  stream and 2**64 + 7 seed 7's, a float or a string failed deep inside.
+  Empty batches and a truthy string for shuffle were served silently.
+  Seeds' uint32 words, as the chains pass them, still draw."""
+  draws = {
+      "uniform": lambda seed: cs.uniform(seed, np.arange(3), 1000),
+      "permute": lambda seed: cs.permute(seed, 0, np.arange(3), 1000),
+      "stream_batches": lambda seed: cs.stream_batches(seed, 0, 2, 3, 1000,
+                                                       True, False),
+      "round_keys": lambda seed: cs.round_keys(seed, 0)}
+  for draw in draws.values():
+    for seed in (-1, 2**64, 2**64 + 7):
+      with pytest.raises(ValueError, match=re.escape(
+          f"seed must be between 0 and {2**64 - 1}, got seed={seed}")):
+        draw(seed)
+    for seed in (1.5, "3", None, [0, 1], True):
+      with pytest.raises(TypeError, match=re.escape(
+          f"seed must be an integer, got seed={seed!r}")):
+        draw(seed)
+  for bad, message in (
+      (dict(mb_size=0), (ValueError, "mb_size must be at least 1, got "
+                                     "mb_size=0")),
+      (dict(count=-1), (ValueError, "count must be at least 0, got "
+                                    "count=-1")),
+      (dict(first=-1), (ValueError, "first must be at least 0, got "
+                                    "first=-1")),
+      (dict(count=2.0), (TypeError, "count must be an integer, got "
+                                    "count=2.0")),
+      (dict(shuffle="no"), (TypeError, "shuffle must be True or False, got "
+                                       "shuffle='no'")),
+      (dict(in_epochs=1), (TypeError, "in_epochs must be True or False, "
+                                      "got in_epochs=1"))):
+    arguments = {**dict(seed=3, first=0, count=2, mb_size=3, n=1000,
+                        shuffle=True, in_epochs=False), **bad}
+    with pytest.raises(message[0], match=re.escape(message[1])):
+      cs.stream_batches(**arguments)
+  assert cs.stream_batches(3, 0, 0, 3, 1000, True, False)[0].shape == (0, 3)
+  seeds = np.array([0, 2**64 - 1], np.uint64)
+  np.testing.assert_array_equal(
+      cs.uniform(counter_chains.uint32_words(seeds), np.array([5, 5]), 1000),
+      [cs.uniform(int(s), np.array([5]), 1000)[0] for s in seeds])
+
+
 @pytest.mark.parametrize("n", [10, 1000, 10**6])
 def test_traced_offsets_outside_the_epoch_end(n):
   """Traced offsets cannot be checked: those outside 0 .. n - 1 give

@@ -41,6 +41,7 @@ from typing import Tuple
 
 import numpy as np
 
+from jax_data.validation import check_bool
 from jax_data.validation import check_int
 
 #: Half-rounds of the Feistel network: each half is mixed into the other
@@ -162,6 +163,7 @@ def round_keys(seed: int, epoch: Any, xp: Any = np) -> list:
   int64 array (one epoch per index, NumPy) or, with ``xp`` =
   ``jax.numpy``, ``uint32`` (traced) values.
   """
+  _check_seed(seed)
   seed_lo, seed_hi = _seed_words(seed, xp)
   if isinstance(epoch, (int, np.integer)):
     epoch_lo, epoch_hi = (_u32(w, xp) for w in _words(int(epoch)))
@@ -374,11 +376,13 @@ def permute(seed: int, epoch: Any, offsets: Any, n: int, xp: Any = np
   Raises:
     ValueError: concrete offsets outside ``0 .. n - 1`` (one past the
       domain cycle-walked for ever, one in ``[n, 2**b)`` gave an
-      observation twice), or an epoch outside ``0 .. 2**64 - 1``.
-    TypeError: offsets that are not integers.
+      observation twice), or an epoch or a seed outside
+      ``0 .. 2**64 - 1``.
+    TypeError: offsets, or a seed, that are not integers.
   """
   bits = domain_bits(n)
   _check_size(n, bits, xp)
+  _check_seed(seed)
   _check_range("offsets", offsets, n - 1, f"n - 1 (n={n})")
   _check_epoch(epoch)
   if xp is np:
@@ -498,10 +502,13 @@ def uniform(seed: Any, positions: Any, n: int, xp: Any = np) -> Any:
   their low and high ``uint32`` words, and ``n`` below ``2**32``.
 
   Raises:
-    ValueError: concrete positions below 0 (they wrapped round to others).
-    TypeError: positions that are not integers.
+    ValueError: concrete positions below 0 (they wrapped round to others),
+      or a seed outside ``0 .. 2**64 - 1`` (it was another seed, modulo
+      ``2**64``).
+    TypeError: positions, or a seed, that are not integers.
   """
   _check_size(n, domain_bits(n), xp)
+  _check_seed(seed)
   if not isinstance(positions, tuple):
     _check_range("positions", positions, 2**63 - 1, "2**63 - 1")
   if xp is np:
@@ -628,6 +635,17 @@ def _check_range(name: str, values: Any, high: int, bound: str) -> None:
   raise ValueError(f"{name} must be in 0 .. {bound}, got {shown}")
 
 
+def _check_seed(seed: Any) -> None:
+  """Raises for a seed that is neither an integer in ``0 .. 2**64 - 1``
+  nor seeds' ``uint32`` words (a pair of arrays, or an array of the two
+  words, as the chains hold them): -1 was seed ``2**64 - 1``, ``2**64 + 7``
+  seed 7, and a float or a string failed deep inside."""
+  if isinstance(seed, tuple) or np.ndim(seed) > 0 and hasattr(seed,
+                                                              "dtype"):
+    return
+  check_int("seed", seed, minimum=0, maximum=2**64 - 1)
+
+
 def _check_epoch(epoch: Any) -> None:
   """Raises for a concrete epoch below 0 or above ``2**64 - 1`` (it stood
   for another epoch, modulo ``2**64``)."""
@@ -662,7 +680,20 @@ def stream_batches(seed: int, first: Any, count: int, mb_size: int, n: int,
 
   NumPy takes a Python int ``first``; ``jax.numpy`` a ``uint32`` (traced)
   value, with ``n`` at most ``2**32`` and positions below ``2**32``.
+
+  Raises:
+    ValueError: a seed outside ``0 .. 2**64 - 1``, a negative ``count``
+      or ``first`` (NumPy), or ``mb_size`` below 1.
+    TypeError: a seed, ``count``, ``mb_size`` or ``first`` that is not an
+      integer, or ``shuffle`` or ``in_epochs`` not True or False.
   """
+  _check_seed(seed)
+  count = check_int("count", count, minimum=0)
+  mb_size = check_int("mb_size", mb_size, minimum=1)
+  shuffle = check_bool("shuffle", shuffle)
+  in_epochs = check_bool("in_epochs", in_epochs)
+  if xp is np:
+    first = check_int("first", first, minimum=0)
   if xp is np:
     steps = np.arange(count * mb_size, dtype=np.int64).reshape(count,
                                                                mb_size)
