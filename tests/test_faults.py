@@ -641,3 +641,36 @@ def test_a_custom_loader_of_the_wrong_dtype_is_an_error_not_a_cast():
                      r"shape \(2, 2\) and dtype float64, expected shape "
                      r"\(2, 2\) .* and dtype float32"):
     jax.block_until_ready(_scan(batch_fn, 3)(init_fn()))
+
+
+class WrongStructureLoader(BrokenHostLoader):
+  """Says {"x", "y"}, serves arrays of the right shapes and dtypes under
+  other keys, or as a tuple."""
+
+  def __init__(self, batches):
+    super().__init__()
+    self._batches = batches
+
+  @property
+  def observation_format(self):
+    return {"x": jax.ShapeDtypeStruct((), np.float32),
+            "y": jax.ShapeDtypeStruct((), np.float32)}
+
+  def get_batches(self, chain_id):
+    return self._batches, None
+
+
+@pytest.mark.parametrize("batches", [
+    {"x_obs": np.zeros((2, 2), np.float32), "w": np.ones((2, 2), np.float32)},
+    (np.zeros((2, 2), np.float32), np.ones((2, 2), np.float32))])
+def test_a_custom_loader_of_the_wrong_structure_is_an_error(batches):
+  """Leaves of the right count, shapes and dtypes under other keys were
+  served by leaf order, as other features; the message names both
+  structures."""
+  init_fn, batch_fn, _ = jax_data.random_reference_data(
+      WrongStructureLoader(batches), 2, 2)
+  got = jax.tree_util.tree_structure(batches)
+  with pytest.raises(Exception, match=re.escape(
+      f"get_batches returned batches of structure {got}, expected "
+      "PyTreeDef({'x': *, 'y': *}) as in the loader's observation_format")):
+    jax.block_until_ready(_scan(batch_fn, 3)(init_fn()))

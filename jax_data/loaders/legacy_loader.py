@@ -65,7 +65,8 @@ class LegacyCursor(ChainCursor):
   """A chain served through a loader's ``get_batches``, ``save_state`` and
   ``load_state``.
 
-  Its chunks are checked against the layout: the wrong number of arrays, a
+  Its chunks are checked against the layout: the wrong number of arrays,
+  another tree structure (keys named otherwise, a tuple for a dict), a
   wrong shape or dtype is an error that names what differs.
 
   Args:
@@ -82,8 +83,10 @@ class LegacyCursor(ChainCursor):
     self._saves = saves
     # The dtypes the loader declares, which JAX may hold narrower (int64
     # as int32 without jax_enable_x64): leaves of them are served so.
-    self._declared = [np.dtype(s.dtype) for s in jax.tree_util.tree_leaves(
-        getattr(loader, "_format", loader.observation_format))]
+    declared = getattr(loader, "_format", loader.observation_format)
+    self._declared = [np.dtype(s.dtype)
+                      for s in jax.tree_util.tree_leaves(declared)]
+    self._structure = jax.tree_util.tree_structure(declared)
 
   @classmethod
   def registered(cls, loader: Any, spec: ChainSpec,
@@ -118,6 +121,12 @@ class LegacyCursor(ChainCursor):
       raise ValueError(
           f"get_batches returned {len(leaves)} arrays, expected "
           f"{len(expected.leaves)} as in the loader's observation_format")
+    structure = jax.tree_util.tree_structure(batches)
+    if structure != self._structure:
+      # Served by leaf order, its arrays would pass for other features.
+      raise ValueError(
+          f"get_batches returned batches of structure {structure}, expected "
+          f"{self._structure} as in the loader's observation_format")
     checked = []
     for leaf, shape, fmt, declared in zip(leaves, expected.leaf_shapes(),
                                           expected.leaves, self._declared):
