@@ -6,6 +6,7 @@ a mesh, batch for batch, whatever the devices; each device's host part
 chain reads only its rows. Several processes: tests/test_distributed.py.
 """
 
+import re
 import threading
 
 import jax
@@ -345,6 +346,11 @@ def test_bad_meshes_and_arguments_are_named():
   with pytest.raises(TypeError, match="unknown keyword"):
     grid[0](seed=[1, 2], shufle=True)
   init_fn, batch_fn, release_fn = build(mesh=_mesh(), batch_axis="data")
+  for seeds in ([0, 1], (0, 1), range(2), np.array([0, 1])):
+    with pytest.raises(TypeError, match=re.escape(
+        f"seed must be an integer, got seed={seeds!r}; a sequence of seeds "
+        "makes several chains, which on a mesh need chain_axis")):
+      init_fn(seed=seeds)
   state = init_fn(seed=1)
   with pytest.raises(ValueError, match="device_count does not apply"):
     batch_fn(state, device_count=4)

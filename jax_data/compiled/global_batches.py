@@ -47,6 +47,7 @@ from jax_data.loaders.chains import BatchPart
 from jax_data.loaders.host_loader import chain_specs
 from jax_data.types import CacheState
 from jax_data.types import MiniBatchInformation
+from jax_data.validation import seed_list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +176,8 @@ class GlobalPipeline(pl.RandomPipeline):
 
     Raises:
       TypeError, ValueError: bad keywords; with ``chain_axis``, ``seed``
-        not a sequence whose length the chain axis divides.
+        not a sequence whose length the chain axis divides; without it, a
+        sequence (several chains on a mesh need ``chain_axis``).
     """
     seeds = self._seeds(kwargs.pop("seed", None))
     loader = self.host.loader
@@ -207,6 +209,11 @@ class GlobalPipeline(pl.RandomPipeline):
 
   def _seeds(self, seed: Any) -> List[Optional[int]]:
     if self._axes.chain_axis is None:
+      if seed_list(seed) is not None:
+        raise TypeError(
+            f"seed must be an integer, got seed={seed!r}; a sequence of "
+            "seeds makes several chains, which on a mesh need chain_axis "
+            f"(a mesh axis besides batch_axis={self._axes.batch_axis!r})")
       return [seed]
     if not isinstance(seed, Sequence) or isinstance(seed, str) or (
         len(seed) == 0 or len(seed) % self._axes.chain_devices):
