@@ -1179,3 +1179,28 @@ def test_an_edited_snapshot_of_a_shuffle_buffer_is_refused(field, value,
   np.testing.assert_array_equal(
       fresh[1](jax_data.state_from_pytree(fresh, tree))[1]["x"],
       saved[1](state)[1]["x"])
+
+
+def test_a_counter_chain_restored_out_of_memory_says_in_memory():
+  """A checkpoint of an in-memory loader's counter-based chain, restored
+  into a loader not in memory, said "version is 1 in the state but 2 here,
+  shuffle_cache is None ...": the shuffle buffer's fields."""
+  saved = jax_data.random_reference_data(
+      TensorflowDataLoader(_pipeline(53), shuffle_cache=7, in_memory=True),
+      3, 4)
+  state, _ = saved[1](saved[0](seed=3, stream="counter"))
+  tree = jax_data.state_to_pytree(saved, state)
+  elsewhere = jax_data.random_reference_data(
+      TensorflowDataLoader(_pipeline(53), shuffle_cache=7), 3, 4)
+  with pytest.raises(jax_data.CheckpointError, match=r"counter-based stream "
+                     r"\(stream='counter'\), which TensorflowDataLoader "
+                     r"draws only in memory: restore it into a "
+                     r"TensorflowDataLoader\(\.\.\., in_memory=True\)"):
+    jax_data.state_from_pytree(elsewhere, tree)
+  assert elsewhere.host.chains() == []
+  restored = jax_data.random_reference_data(
+      TensorflowDataLoader(_pipeline(53), shuffle_cache=7, in_memory=True),
+      3, 4)
+  np.testing.assert_array_equal(
+      restored[1](jax_data.state_from_pytree(restored, tree))[1]["x"],
+      saved[1](state)[1]["x"])

@@ -410,6 +410,12 @@ class TensorflowDataLoader(HostDataLoader):
     if isinstance(spec, OrderedChain):
       return
     if spec.stream == "counter":
+      if self._arrays is None:  # a checkpoint's spec: init_fn refuses it
+        raise ValueError(
+            f"the chain draws a counter-based stream (stream='counter'), "
+            f"which {type(self).__name__} draws only in memory: restore it "
+            f"into a {type(self).__name__}(..., in_memory=True) over the "
+            "same pipeline")
       return
     check_int("seed", spec.seed, minimum=0)
     if spec.shuffle or spec.in_epochs:
