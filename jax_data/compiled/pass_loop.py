@@ -104,6 +104,10 @@ class PassPlan:
              & (jnp.arange(shape[1])[None, :] >= filled))
 
 
+# The parts of what a pass's fun returns, as messages name them.
+_PARTS = ("the result", "the carry")
+
+
 def applier(fun: Callable, plan: PassPlan, masking: bool,
              information: bool) -> Callable:
   """``apply(carry, (batch, mask)) -> (carry, result)``: ``fun`` called the
@@ -115,22 +119,26 @@ def applier(fun: Callable, plan: PassPlan, masking: bool,
       batch = (batch, MiniBatchInformation(
           observation_count=plan.count, mask=mask, batch_size=plan.mb_size))
     out = fun(batch, mask, carry) if masking else fun(batch, carry)
-    result, carry = pair("fun", fun, out, "(result, carry)")
-    check_jax_values("the result", result, f"fun={fun!r}")
-    check_jax_values("the carry", carry, f"fun={fun!r}")
+    result, carry = pair("fun", fun, out, "(result, carry)", _PARTS)
     return carry, result
 
   return apply
 
 
-def pair(name: str, fun: Callable, out: Any, what: str) -> Tuple[Any, Any]:
+def pair(name: str, fun: Callable, out: Any, what: str,
+         parts: Optional[Tuple[str, str]] = None) -> Tuple[Any, Any]:
   """``out``, what the user's function ``fun`` (the argument ``name``)
-  returned, as the pair ``what`` it must be (an array of two rows is not).
+  returned, as the pair ``what`` it must be (an array of two rows is not);
+  with ``parts``, the names of its two parts, their leaves checked to be
+  values JAX holds (:func:`~jax_data.validation.check_jax_values`).
 
   Raises:
-    TypeError: it is not a pair, naming ``fun`` and what it returned.
+    TypeError: it is not a pair, naming ``fun`` and what it returned; a
+      leaf of a part is no array or number.
   """
   if isinstance(out, (tuple, list)) and len(out) == 2:
+    for part, value in zip(parts or (), out):
+      check_jax_values(part, value, f"{name}={fun!r}")
     return out[0], out[1]
   if isinstance(out, (tuple, list)):
     got = f"a {type(out).__name__} of {len(out)}"
@@ -256,15 +264,10 @@ def vectorised(fun: Callable) -> Callable:
   """``fun(observation, carry)`` as a batched function (vmapped over a
   batch, keeping the carry of its first observation). A new wrapper per
   call compiles nothing new: passes are keyed by what they trace to."""
-  def one(observation, carry):
-    # Checked for one observation: its shapes are fun's own.
-    result, carry = pair("fun", fun, fun(observation, carry),
-                         "(result, carry)")
-    check_jax_values("the result", result, f"fun={fun!r}")
-    check_jax_values("the carry", carry, f"fun={fun!r}")
-    return result, carry
-
-  vmapped = jax.vmap(one, in_axes=(0, None))
+  # Checked for one observation: its shapes are fun's own.
+  vmapped = jax.vmap(lambda o, c: pair("fun", fun, fun(o, c),
+                                       "(result, carry)", _PARTS),
+                     in_axes=(0, None))
 
   def batched_fun(batch, carry):
     results, carries = vmapped(batch, carry)

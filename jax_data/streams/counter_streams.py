@@ -694,7 +694,6 @@ def stream_batches(seed: int, first: Any, count: int, mb_size: int, n: int,
   in_epochs = check_bool("in_epochs", in_epochs)
   if xp is np:
     first = check_int("first", first, minimum=0)
-  if xp is np:
     steps = np.arange(count * mb_size, dtype=np.int64).reshape(count,
                                                                mb_size)
     if columns is not None:
