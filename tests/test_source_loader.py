@@ -715,6 +715,24 @@ def test_an_ended_pool_fails_its_blocks_as_broken_never_cancelled(
              for future in futures)
 
 
+def test_a_block_the_pool_could_not_send_is_read_again():
+  """Workers ended while the pool's feeder thread sends a block to them
+  fail it with BrokenPipeError, not BrokenProcessPool (once in a CI run of
+  test_a_record_that_ends_its_worker_is_blamed_on_its_own_read, whose
+  innocent read then failed): it is read again, as a block of a worker
+  that died is; an error of the source's is not."""
+  def failed(error):
+    future = concurrent.futures.Future()
+    future.set_exception(error)
+    return future
+
+  assert source_workers.broke(failed(BrokenPipeError(32, "Broken pipe")))
+  assert source_workers.broke(failed(
+      concurrent.futures.process.BrokenProcessPool("ended")))
+  assert not source_workers.broke(failed(
+      jax_data.loaders.source_records.RecordError("record 3: OSError")))
+
+
 def _write_half_a_result(marker):
   """In a pool's worker: begins a result in the results' pipe, as a worker
   ended while it wrote one leaves it (its header promises 1 MiB), tells

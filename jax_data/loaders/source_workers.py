@@ -224,9 +224,13 @@ def submit(pool: concurrent.futures.Executor, fn: Callable, *args: Any
 
 def broke(future: concurrent.futures.Future) -> bool:
   """Whether a done future failed because a worker process died, or was
-  cancelled (its block is read again as well)."""
+  cancelled (its block is read again as well). A pipe's error counts too:
+  the pool's feeder thread fails a block it was sending with it when the
+  workers are ended meanwhile (another read's worker died, and its pool
+  with it); a source's own errors come back as ``RecordError``."""
   return future.cancelled() or isinstance(
-      future.exception(), concurrent.futures.process.BrokenProcessPool)
+      future.exception(), (concurrent.futures.process.BrokenProcessPool,
+                           ConnectionError))
 
 
 def _read_alone(pool: concurrent.futures.Executor, records: np.ndarray,
