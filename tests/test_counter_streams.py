@@ -157,6 +157,18 @@ def test_independent_draws_over_two_to_the_32_observations():
   np.testing.assert_array_equal(np.asarray(device).astype(np.int64), host)
 
 
+def test_a_permutation_of_two_to_the_32_observations_on_the_device():
+  """n = 2**32, the most the device takes: every uint32 is an offset, and
+  host and device agree (``uint32(n)`` overflowed before any was drawn)."""
+  offsets = np.array([0, 1, 2, 2**31, 2**32 - 2, 2**32 - 1])
+  host = cs.permute(7, 3, offsets, 2**32)
+  assert host.min() >= 0 and host.max() < 2**32
+  assert len(set(host.tolist())) == offsets.size
+  device = jax.jit(lambda o: cs.permute(7, 3, o, 2**32, jnp))(
+      jnp.asarray(offsets, jnp.uint32))
+  np.testing.assert_array_equal(np.asarray(device).astype(np.int64), host)
+
+
 def test_large_domains_on_the_host():
   """Indices above 2**32 (records up to 1e12 and beyond): every index in
   range, a seek to any position in O(1), epochs far apart distinct."""

@@ -399,20 +399,22 @@ def permute(seed: int, epoch: Any, offsets: Any, n: int, xp: Any = np
                       offsets, n)
   # A traced offset outside [0, n) might never walk back inside (one past
   # the domain never does): it starts from 0 instead.
+  # The last offset, not n, bounds them: n = 2**32 is no uint32.
+  last = xp.uint32(n - 1)
   offsets = offsets.astype(xp.uint32)
-  offsets = xp.where(offsets < xp.uint32(n), offsets, xp.uint32(0))
+  offsets = xp.where(offsets <= last, offsets, xp.uint32(0))
   left, right = _split(offsets, bits, xp)
   left, right = _feistel(left, right, keys, bits, xp)
   from jax import lax
 
   def walk(halves):
     left, right = halves
-    outside = _join(left, right, bits, xp) >= xp.uint32(n)
+    outside = _join(left, right, bits, xp) > last
     l2, r2 = _feistel(left, right, keys, bits, xp)
     return xp.where(outside, l2, left), xp.where(outside, r2, right)
 
   left, right = lax.while_loop(
-      lambda h: xp.any(_join(h[0], h[1], bits, xp) >= xp.uint32(n)), walk,
+      lambda h: xp.any(_join(h[0], h[1], bits, xp) > last), walk,
       (left, right))
   return finish(_join(left, right, bits, xp), keys[ROUNDS], xp)
 
