@@ -266,7 +266,7 @@ def test_progress_is_reported_per_chunk_on_request(pipelines):
       progress=lambda done, total: seen.append((done, total)))
   run = jax.jit(lambda: mapper_fn(lambda b, c: (b["x"], c), None)[0])
   assert run().tolist() == list(range(25))
-  # Counted per request, whatever order XLA asks for the chunks in.
+  # Read off the chunk each request asks for: map_pass asks in order.
   assert seen == [(2, 9), (4, 9), (6, 9), (8, 9), (9, 9)]
 
   seen.clear()
@@ -275,6 +275,45 @@ def test_progress_is_reported_per_chunk_on_request(pipelines):
   with pytest.raises(TypeError, match="progress='yes'"):
     pipelines.full_data_mapper(NumpyDataLoader(x=np.arange(5)), 1, 1,
                               progress="yes")
+
+
+class _FailingRow:
+  """Rows ``{"x": i}`` whose row ``bad`` fails to read until ``mended``
+  (every time: a read ahead that failed is read again when asked)."""
+
+  def __init__(self, n, bad):
+    self.n, self.bad, self.mended = n, bad, False
+
+  def __len__(self):
+    return self.n
+
+  def __getitem__(self, i):
+    if i == self.bad and not self.mended:
+      raise OSError("a read that fails")
+    return {"x": np.float32(i)}
+
+
+def test_progress_after_a_pass_cut_short_reports_whole_passes():
+  """A pass that stops partway (here a failed read; an error in fun or
+  Ctrl-C alike) leaves every later pass's reports from 2 to the total:
+  counted requests stayed partway through, and later passes reported
+  10/14 first and 8/14 last."""
+  seen = []
+  rows = _FailingRow(40, bad=20)
+  mapper_fn, release_fn = jax_data.full_data_mapper(
+      jax_data.SourceDataLoader(rows, workers=0), 2, 3,
+      progress=lambda done, total: seen.append(done))
+  fun = lambda b, c: (b["x"], c)
+  with pytest.raises(Exception, match="OSError: a read that fails"):
+    jax.block_until_ready(mapper_fn(fun, None))
+  assert seen and seen[-1] < 14
+  rows.mended = True
+  for _ in range(2):
+    seen.clear()
+    values, _ = mapper_fn(fun, None)
+    np.testing.assert_array_equal(values, np.arange(40.0))
+    assert seen == [2, 4, 6, 8, 10, 12, 14]
+  release_fn()
 
 
 def test_progress_counts_a_step_once_for_all_lanes_and_devices(pipelines):

@@ -32,13 +32,13 @@ Progress = Union[None, bool, Callable[[int, int], object]]
 
 def progress_reporter(progress: Progress, plan: "PassPlan",
                       devices: int = 1, total: Optional[int] = None
-                      ) -> Optional[Callable[[int], None]]:
-  """Turns the ``progress`` argument into the host's ``participants ->
-  None``, called once per request for a chunk step (the lanes of a vmapped
-  request ask for it together); the ``participants`` requests of the
-  devices that make one step together count as one. A pass split over
-  ``devices`` (each with ``plan``, its block) reports the whole pass's
-  batches, ``total``."""
+                      ) -> Optional[Callable[[int, int], None]]:
+  """Turns the ``progress`` argument into the host's ``(participants,
+  chunk) -> None``, called once per request for chunk ``chunk`` of a pass
+  (the lanes of a vmapped request ask for it together); the
+  ``participants`` requests of the devices that make one step together
+  count as one. A pass split over ``devices`` (each with ``plan``, its
+  block) reports the whole pass's batches, ``total``."""
   if progress is None or progress is False:
     return None
   if progress is True:
@@ -50,19 +50,20 @@ def progress_reporter(progress: Progress, plan: "PassPlan",
   if total is None:
     total = plan.batches * devices
   lock = threading.Lock()
-  asked = [0]  # chunks asked for in the current pass
-  requests = [0]  # requests of the current step
+  step = [-1, 0]  # the chunk of the current step, its requests so far
 
-  def report(participants: int) -> None:
-    # Counted, not read off the chunk index: XLA asked for the last chunk
-    # of a pass before the others until map_pass made it wait for them.
+  def report(participants: int, chunk: int) -> None:
+    # Read off the chunk, not counted: a pass cut short (a failed read, an
+    # error raised in fun, Ctrl-C) left a count partway through, and every
+    # later pass's reports out of step.
     with lock:
-      requests[0] += 1
-      if requests[0] < participants:
+      if chunk != step[0]:
+        step[:] = [chunk, 0]
+      step[1] += 1
+      if step[1] < participants:
         return
-      requests[0] = 0
-      asked[0] = asked[0] % plan.chunks + 1
-      done = asked[0]
+      step[1] = 0
+    done = chunk % plan.chunks + 1
     progress(min(done * plan.cache_size * devices, total), total)
 
   return report

@@ -284,7 +284,7 @@ def new_id() -> int:
 
 def assemble(loader: HostDataLoader, cache_size: int, mb_size: int, *,
              cycle: Optional[int] = None,
-             progress: Optional[Callable[[int], None]] = None,
+             progress: Optional[Callable[[int, int], None]] = None,
              verify_calls: bool = False) -> Host:
   """Builds the host side of a pipeline over ``loader`` (its chains and
   store are made on first use); compiled code reaches it through the
@@ -295,7 +295,8 @@ def assemble(loader: HostDataLoader, cache_size: int, mb_size: int, *,
     cache_size: Batches per chunk.
     mb_size: Observations per batch.
     cycle: Chunks per pass of a full-data pipeline's ordered chains.
-    progress: Told each chunk index compiled code asks for.
+    progress: Told ``(participants, chunk)`` for each request of a chunk
+      of a pass (see :func:`~jax_data.compiled.pass_loop.progress_reporter`).
     verify_calls: Warn when a chunk is produced again (see ``Host``).
   """
   return Host(loader, loader.chunk_layout(cache_size, mb_size), new_id(),

@@ -118,7 +118,7 @@ class Host:
 
   def __init__(self, loader: HostDataLoader, layout: ChunkLayout,
                pipeline_id: int, *, cycle: Optional[int] = None,
-               progress: Optional[Callable[[int], None]] = None,
+               progress: Optional[Callable[[int, int], None]] = None,
                prefetch: bool = True, verify_calls: bool = False):
     self.name = repr(loader)
     self.id = pipeline_id
@@ -230,7 +230,8 @@ class Host:
         targets = [target for target, wanted in zip(whole, need) if wanted]
       if self._progress is not None and any(need):
         # Once per request: its lanes ask for one step of their passes.
-        self._progress(participants)
+        self._progress(participants, min(
+            int(c) for c, wanted in zip(chunks, need) if wanted))
       served = iter(store.chunks(
           [(chain, index) for chain, index, wanted in zip(chains, chunks,
                                                           need) if wanted],
