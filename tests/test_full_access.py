@@ -250,6 +250,11 @@ def test_bad_arguments(pipelines):
     pipelines.full_data_mapper(loader, 0, 2)
   with pytest.raises(ValueError, match="shard_index=3"):
     pipelines.full_data_mapper(loader, 1, 2, shard_index=3, shard_count=3)
+  # The shard's observations, not the loader's, are fewer than a batch.
+  for make in (pipelines.full_data_mapper, pipelines.full_reference_data):
+    with pytest.raises(ValueError, match=r"shard_count=4 leaves shard_index=0 "
+                       r"2 observation\(s\), fewer than mb_size=3"):
+      make(loader, 2, 3, shard_index=0, shard_count=4)
   init_fn, map_fn, _ = pipelines.full_reference_data(loader, 2, 2)
   with pytest.raises(TypeError, match="unknown keyword.*seed=1"):
     init_fn(seed=1)

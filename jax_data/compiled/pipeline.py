@@ -379,6 +379,13 @@ class Config:
       observations = ObservationRange.from_arguments(count, shard_index,
                                                      shard_count)
       count = observations.count
+      if (observations.shard_count > 1 and mb_size is not None
+          and check_int("mb_size", mb_size, minimum=1) > count):
+        raise ValueError(
+            f"shard_count={observations.shard_count} leaves "
+            f"shard_index={observations.shard_index} {count} "
+            f"observation(s), fewer than mb_size={mb_size}: use fewer "
+            "shards or smaller batches")
     if isinstance(cached_batches_count, str) and cached_batches_count == AUTO:
       if full:
         raise ValueError(

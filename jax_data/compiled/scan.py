@@ -289,8 +289,8 @@ def _first_difference(given: list, returned: list, fun: str,
   shared = min(len(given), len(returned))
   if len(given) != len(returned):
     longer, name = ((given, given_as) if len(given) > shared
-                    else (returned, f"{fun}'s"))
-    return (f"; {name} carry has {len(longer) - shared} more leaves, the "
+                    else (returned, f"{fun}'s carry"))
+    return (f"; {name} has {len(longer) - shared} more leaves, the "
             f"first at {keystr(longer[shared][0])}")
   return ""
 
