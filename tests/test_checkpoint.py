@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import zipfile
 
 import jax
@@ -469,6 +470,33 @@ def test_save_checkpoint_checks_its_path_and_leaves_nothing_half_written(
   # A bytes name is a file name too.
   jax_data.save_checkpoint(os.fsencode(tmp_path / "b.npz"), pipeline, state)
   assert jax_data.restore_checkpoint(tmp_path / "b.npz", pipeline).chunk == 0
+
+
+def test_writers_that_save_to_one_path_at_once_each_save_whole(tmp_path):
+  """Every process of a jax.distributed job may save the same state to
+  one path (or several threads): with one temporary name for all, a
+  writer's rename took another's file away (FileNotFoundError), or
+  renamed a file another was writing."""
+  pipeline = _pipeline()
+  state = pipeline[0](seed=0)
+  path = tmp_path / "c.npz"
+  failures = []
+
+  def save():
+    for _ in range(40):
+      try:
+        jax_data.save_checkpoint(path, pipeline, state)
+      except Exception as e:  # pylint: disable=broad-except
+        failures.append(e)
+
+  threads = [threading.Thread(target=save) for _ in range(4)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert not failures
+  assert os.listdir(tmp_path) == ["c.npz"]
+  assert jax_data.restore_checkpoint(path, pipeline).chunk == state.chunk
 
 
 @pytest.mark.parametrize("seed", [2, jnp.int32(2), np.array(2)])

@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 import os
+import uuid
 import zipfile
 import zlib
 from typing import Any
@@ -423,7 +424,9 @@ def save_checkpoint(path: Union[str, bytes, os.PathLike], pipeline: Any,
   True
 
   Args:
-    path: File to write; written to a temporary name first, then renamed.
+    path: File to write; written to a temporary name of its own first,
+      then renamed (so several processes or threads may save to it at
+      once: the last rename wins, and each is whole).
     pipeline: The tuple a pipeline constructor returned (or its functions
       packed into a tuple again), or its init_fn.
     state: The state to save (stacked states too).
@@ -437,9 +440,12 @@ def save_checkpoint(path: Union[str, bytes, os.PathLike], pipeline: Any,
     raise FileNotFoundError(
         f"path={path!r} is in {folder!r}, which does not exist")
   tree = pytree_of(pipeline, state, "save_checkpoint")
-  partial = path + ".partial"
+  # A name of this writer's own: every process of a jax.distributed job
+  # (or several threads) may save the same state to one path, and with a
+  # shared temporary name one writer's rename took another's file away.
+  partial = f"{path}.{uuid.uuid4().hex}.partial"
   try:
-    with open(partial, "wb") as f:
+    with open(partial, "xb") as f:
       np.savez(f, **tree)
     os.replace(partial, path)
   except BaseException:
