@@ -345,6 +345,10 @@ def test_bad_meshes_and_arguments_are_named():
     grid[0](seed=[1, 2, 3])
   with pytest.raises(TypeError, match="unknown keyword"):
     grid[0](seed=[1, 2], shufle=True)
+  # Seeds as a 1-D array, as without a mesh (refused as not a sequence).
+  for seeds in (np.array([1, 2]), jnp.array([1, 2]), range(1, 3)):
+    state = grid[0](seed=seeds)
+    assert np.asarray(state.chunk).shape == (2,)
   init_fn, batch_fn, release_fn = build(mesh=_mesh(), batch_axis="data")
   for seeds in ([0, 1], (0, 1), range(2), np.array([0, 1])):
     with pytest.raises(TypeError, match=re.escape(

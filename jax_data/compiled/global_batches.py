@@ -29,7 +29,6 @@ from typing import Callable
 from typing import Dict
 from typing import List
 from typing import Optional
-from typing import Sequence
 from typing import Tuple
 
 import jax
@@ -215,14 +214,15 @@ class GlobalPipeline(pl.RandomPipeline):
             "seeds makes several chains, which on a mesh need chain_axis "
             f"(a mesh axis besides batch_axis={self._axes.batch_axis!r})")
       return [seed]
-    if not isinstance(seed, Sequence) or isinstance(seed, str) or (
-        len(seed) == 0 or len(seed) % self._axes.chain_devices):
+    # A list, tuple, range or 1-D array, as without a mesh.
+    seeds = None if isinstance(seed, str) else seed_list(seed)
+    if seeds is None or len(seeds) % self._axes.chain_devices:
       raise ValueError(
           f"with chain_axis={self._axes.chain_axis!r}, init_fn takes a "
           "sequence of seeds, one per chain, whose length the "
           f"{self._axes.chain_devices} devices of the chain axis divide, got "
           f"seed={seed!r}")
-    return list(seed)
+    return seeds
 
   def _part(self, chain: int, spec: Any, part: int) -> int:
     """The number of the part chain ``part`` of global chain ``chain``,
