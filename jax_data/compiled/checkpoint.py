@@ -193,7 +193,14 @@ def state_from_pytree(pipeline: Any, tree: Mapping[str, Any],
   with pipeline.restoring():
     host, arrays = _read_tree(tree, pipeline)
     if lanes is not None:
+      saved = tuple(host["lanes"])
       host, arrays = _some_lanes(host, arrays, lanes)
+      refused = pipeline.lanes_refused(host["lanes"][0])
+      if refused:
+        raise ValueError(
+            f"lanes={lanes!r} picks {host['lanes'][0]} of the "
+            f"{math.prod(saved)} chains of the checkpoint (its lanes "
+            f"{saved}), but {refused}: pick such a number of them")
     lanes = tuple(host["lanes"])
     chain = np.full(lanes, -1, np.int32)
     if pipeline.host is None and "device_chains" in host:

@@ -351,29 +351,32 @@ class GlobalPipeline(pl.RandomPipeline):
                   **{f: _local(getattr(state, f))[0]
                      for f in ("chunk", "position", "key")}}
 
+  def lanes_refused(self, count: int) -> str:
+    if self._axes.chain_axis is None:
+      return "" if count == 1 else (
+          "a global pipeline without chain_axis restores one chain")
+    devices = self._axes.chain_devices
+    return "" if count % devices == 0 else (
+        "a global pipeline with chain_axis restores chains whose number "
+        f"the {devices} devices of the chain axis divide")
+
   def restore_lanes(self, saved: List[Dict[str, Any]],
                     arrays: Dict[str, np.ndarray], lanes: Tuple[int, ...],
                     chain: np.ndarray) -> CacheState:
     """A global state of the saved whole chains: this process registers
     the part chains of its devices, each at its chain's position."""
     del chain
-    chained = self._axes.chain_axis is not None
     count = math.prod(lanes)
-    if not chained and count == 1:  # one chain, saved alone or picked
-      lanes = ()
-    elif chained and count % self._axes.chain_devices == 0:
-      lanes = (count,)
-    else:
+    refused = self.lanes_refused(count)
+    if refused:
+      enough = self._axes.chain_devices if self._axes.chain_axis else 1
       raise ValueError(
-          f"the checkpoint's state has lanes {lanes}, which do not fit a "
-          f"global pipeline {'with' if chained else 'without'} chain_axis: "
-          "it restores " + (
-              f"chains whose number the {self._axes.chain_devices} devices "
-              "of the chain axis divide" if chained else "one chain") + (
-                  "; pick them with lanes=[...]" if count >= (
-                      self._axes.chain_devices if chained else 1) else
-                  "; it holds fewer chains: restore it onto a mesh with "
-                  "fewer devices along the chain axis"))
+          f"the checkpoint's state has lanes {lanes}, which do not fit: "
+          f"{refused}" + (
+              "; pick them with lanes=[...]" if count >= enough else
+              "; it holds fewer chains: restore it onto a mesh with "
+              "fewer devices along the chain axis"))
+    lanes = (count,) if self._axes.chain_axis is not None else ()
     arrays = {name: value.reshape(lanes + value.shape[value.ndim - (
         1 if name == "key" else 0):]) for name, value in arrays.items()}
     registered: List[int] = []

@@ -167,6 +167,12 @@ class Pipeline(collections.abc.Sequence):
         cached_chunk=jnp.full(lanes, -1, jnp.int32),
         key=jnp.asarray(arrays["key"], jnp.uint32))
 
+  def lanes_refused(self, count: int) -> str:
+    """Why this pipeline cannot restore ``count`` chains as one state (a
+    chain axis they do not fill), or "" where it can (the default)."""
+    del count
+    return ""
+
   def prepare_restore(self, fingerprint: Any, lanes: Any) -> None:
     """Called before a checkpoint of ``fingerprint`` (its saved
     :attr:`fingerprint`, unchecked) with ``lanes`` (its saved lane shape,
