@@ -476,7 +476,9 @@ def full_data_mapper(data_loader: DataLoader, cached_batches_count: int = 1,
       mesh axis ``batch_axis`` (of every process in a ``jax.distributed``
       job), a contiguous block of batches each; the results are the
       results without a mesh, and each device's carry comes back along a
-      leading axis of the devices (:doc:`/distributed`).
+      leading axis of the devices (:doc:`/distributed`). The pass needs at
+      least a batch per device; ``information=True`` does not apply (the
+      mask comes with ``masking=True``).
     batch_axis: The mesh axis a pass is split along.
 
   Returns:
