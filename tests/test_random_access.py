@@ -334,6 +334,20 @@ def test_release_is_idempotent_and_frees_the_loader(pipelines):
     batch_fn(state)
 
 
+def test_a_released_device_pipeline_names_its_loader():
+  """As a host loader's pipeline does (it said only 'this pipeline')."""
+  loader = jax_data.DeviceNumpyDataLoader(x=np.arange(10.0))
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 2,
+                                                                 2)
+  state = init_fn()
+  release_fn()
+  for call in (init_fn, lambda: batch_fn(state)):
+    with pytest.raises(jax_data.PipelineReleasedError, match=re.escape(
+        "this pipeline over DeviceNumpyDataLoader(x; 10 observations) was "
+        "released by its release_fn")):
+      call()
+
+
 def test_device_loader_pipeline(pipelines):
   loader = jax_data.DeviceNumpyDataLoader(x=np.arange(10))
   init_fn, batch_fn, release_fn = pipelines.random_reference_data(loader, 1, 3)

@@ -307,13 +307,15 @@ class LoaderRef:
 
   def __init__(self, loader: DataLoader):
     self._loader: Optional[DataLoader] = loader
+    # Named in the error once the loader is dropped, as a host's is.
+    self._name = repr(loader)
 
   @property
   def loader(self) -> DataLoader:
     if self._loader is None:
       raise PipelineReleasedError(
-          "this pipeline was released by its release_fn; create a new "
-          "pipeline to draw more data")
+          f"this pipeline over {self._name} was released by its "
+          "release_fn; create a new pipeline to draw more data")
     return self._loader
 
   def check_open(self) -> None:
