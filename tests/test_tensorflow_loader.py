@@ -686,6 +686,30 @@ def test_a_pipeline_with_its_own_randomness_restores_into_a_new_loader(
   other[2]()
 
 
+@pytest.mark.parametrize("in_memory", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_nan_among_the_first_rows_is_data_like_any_value(in_memory, dtype):
+  """Two reads of the first rows are compared byte for byte: a bfloat16 NaN
+  (dtype kind "V") compared unequal, the pipeline was taken for one with
+  randomness of its own, and its checkpoints restored onto other data of
+  the same count and formats."""
+  ml_dtypes = pytest.importorskip("ml_dtypes")
+  np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+
+  def pipeline(first):
+    x = np.array([np.nan] + list(range(first, first + 19))).astype(np_dtype)
+    return jax_data.random_reference_data(TensorflowDataLoader(
+        tf.data.Dataset.from_tensor_slices({"x": x}), in_memory=in_memory),
+                                          2, 4)
+
+  saved, other = pipeline(1), pipeline(101)
+  tree = jax_data.state_to_pytree(saved, saved[0](seed=0))
+  with pytest.raises(jax_data.CheckpointError, match="does not fit: data"):
+    jax_data.state_from_pytree(other, tree)
+  for made in (saved, other):
+    made[2]()
+
+
 def _generated(n):
   """A pipeline of unknown length: from a generator."""
   def gen():
