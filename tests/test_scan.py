@@ -222,6 +222,28 @@ def test_a_python_number_carry_takes_the_steps_dtype(pipeline, init, x64):
             == [np.float32] * len(jax.tree_util.tree_leaves(init)))
 
 
+@pytest.mark.parametrize("length", [0, 3, 13])
+@pytest.mark.parametrize("chains", [None, 2])
+def test_ys_of_python_numbers_stay_weakly_typed(pipeline, length, chains):
+  """As lax.scan's do, so they promote alike later (times a bfloat16: a
+  bfloat16, not a float32); the buffer they were written into made them
+  strong."""
+  init_fn, batch_fn, _ = pipeline
+  step = lambda count, batch: (count + 1, (count * 0.5, 1.0,
+                                           jnp.sum(batch["x"])))
+  run = lambda s: jax_data.scan(step, 0, s, batch_fn=batch_fn,
+                                length=length)
+  want = lambda s: _loop(batch_fn, step, 0, s, None, length)
+  if chains is not None:
+    run, want = jax.vmap(run), jax.vmap(want)
+  state = init_fn(seed=range(chains) if chains else 1)
+  got_ys, want_ys = jax.jit(run)(state)[1], jax.jit(want)(state)[1]
+  assert [y.weak_type for y in got_ys] == [True, True, False]
+  assert [y.weak_type for y in want_ys] == [True, True, False]
+  _same(got_ys, want_ys)
+  assert (got_ys[0] * jnp.bfloat16(2)).dtype == jnp.bfloat16
+
+
 @pytest.mark.parametrize("init, returned, message", [
     (np.float32(0), lambda t: jnp.int32(1), "init is float32.*int32"),
     (np.zeros(2, np.float32), lambda t: jnp.zeros(3), r"float32\[2\].*\[3\]"),

@@ -383,9 +383,20 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
                        out_sharding=_stacked(getattr(s, "sharding", None)))
     return lax.pcast(buffer, axes, to="varying") if axes else buffer
 
+  def weak(a, s):
+    # lax.scan's ys keep a y's weak type (a y of Python numbers), and so
+    # promote as it does; a dynamic update makes a buffer strong. A weak
+    # type's dtype is its kind's default, a Python zero's.
+    if not getattr(s, "weak_type", False):
+      return a
+    buffer = lax.full(a.shape, s.dtype.type(0).item(), sharding=_stacked(
+        getattr(s, "sharding", None)))
+    buffer = lax.pcast(buffer, axes, to="varying") if axes else buffer
+    return buffer.at[...].set(a)
+
   ys = jax.tree_util.tree_map(zeros, y_format)
   if length == 0:
-    return (init, state), ys
+    return (init, state), jax.tree_util.tree_map(weak, ys, y_format)
 
   def put(ys, y, step):
     return jax.tree_util.tree_map(
@@ -498,4 +509,4 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
   # Where length steps leave the state (its cache: the tail's chunk).
   final = states.advanced(state, length, cache_size)
   final = tail_state._replace(chunk=final.chunk, position=final.position)
-  return (carry, final), ys
+  return (carry, final), jax.tree_util.tree_map(weak, ys, y_format)
