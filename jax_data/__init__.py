@@ -20,6 +20,7 @@ from jax_data.compiled.scan import scan
 from jax_data.errors import CheckpointError
 from jax_data.errors import HostLoaderError
 from jax_data.errors import PipelineReleasedError
+from jax_data.errors import RecordError
 from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.loader import DataLoader
 from jax_data.loaders.loader import DeviceDataLoader
@@ -54,6 +55,7 @@ __all__ = [
     "OrderedBatch",
     "PipelineReleasedError",
     "RandomBatch",
+    "RecordError",
     "SourceDataLoader",
     "TensorflowDataLoader",
     "full_data_mapper",

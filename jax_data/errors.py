@@ -9,6 +9,13 @@ class PipelineReleasedError(RuntimeError):
   """A released pipeline was used."""
 
 
+class RecordError(ValueError):
+  """A record of a source could not be read, or does not fit the format of
+  the first record (:class:`~jax_data.SourceDataLoader`); the message names
+  the record. Inside compiled code it reaches the caller in a
+  :class:`HostLoaderError`'s message."""
+
+
 class CheckpointError(ValueError):
   """A checkpoint could not be restored: the file is corrupt, truncated or
   not a jax_data checkpoint, a field is missing or malformed, or it does not

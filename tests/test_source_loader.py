@@ -418,7 +418,10 @@ def test_a_leaf_that_fails_to_convert_names_its_record(source, workers):
       "Can't read data")):
     jax.block_until_ready(mapper_fn(lambda b, c: (b["x"], c), None))
   release_fn()
-  with pytest.raises(jax_data.source_records.RecordError,
+  # Public by name, where it was reached only by its module's path.
+  assert jax_data.RecordError is jax_data.source_records.RecordError
+  assert "RecordError" in jax_data.__all__
+  with pytest.raises(jax_data.RecordError,
                      match=re.escape("record 0 ['x']: OSError")):
     SourceDataLoader(source(0))
 

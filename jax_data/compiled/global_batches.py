@@ -295,8 +295,8 @@ class GlobalPipeline(pl.RandomPipeline):
                    information: bool, device_count: int) -> Any:
     """The loop of :func:`jax_data.scan`: with one chain per state, each
     chunk's global batches scanned over as elements
-    (:func:`jax_data.scan.chunked_scan`, each device fetching its part);
-    with ``chain_axis``, ``batch_fn`` step by step."""
+    (:func:`jax_data.compiled.scan.chunked_scan`, each device fetching its
+    part); with ``chain_axis``, ``batch_fn`` step by step."""
     if self._axes.chain_axis is not None:
       return super().scan_batches(f, init, state, xs, length, information,
                                   device_count)

@@ -442,7 +442,7 @@ class RandomPipeline(pl.RandomPipeline):
   def fetch(self, state: CacheState, chunk: jax.Array,
             device_count: int = 1):
     """Chunk ``chunk`` of the state's chain, inside compiled code:
-    ``(batches, mask)`` (for :func:`jax_data.scan.chunked_scan`)."""
+    ``(batches, mask)`` (for :func:`jax_data.compiled.scan.chunked_scan`)."""
     return self._bridge.fetch(self._owner, state.pipeline, state.chain,
                               chunk, device_count)
 
@@ -451,7 +451,7 @@ class RandomPipeline(pl.RandomPipeline):
     """:meth:`fetch` where ``need``, written into the buffers of the
     state's cache, whose contents are spent, where the CPU allows:
     ``(batches, mask, state)``, the state's cache those buffers (for
-    :func:`jax_data.scan.chunked_scan`, which marks it empty)."""
+    :func:`jax_data.compiled.scan.chunked_scan`, which marks it empty)."""
     batches, mask, spent, spent_mask = self._bridge.fetch_over(
         self._owner, state.pipeline, state.chain, chunk, need, state.batches,
         state.mask, device_count)

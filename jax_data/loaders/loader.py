@@ -38,9 +38,10 @@ def _canonical(formats: PyTree) -> PyTree:
 class DataLoader(metaclass=abc.ABCMeta):
   """Describes a dataset: its size and the format of one observation.
 
-  A subclass written the predecessor's way names the format ``_format``:
-  ``observation_format`` is then that property, its dtypes as JAX holds
-  them (int64 a 32-bit int without ``jax_enable_x64``, as the
+  A subclass written the predecessor's way names the format ``_format``, a
+  property of the class (the predecessor declared it an abstract
+  property): ``observation_format`` is then that property, its dtypes as
+  JAX holds them (int64 a 32-bit int without ``jax_enable_x64``, as the
   predecessor's arrays were).
   """
 

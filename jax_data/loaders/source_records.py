@@ -21,15 +21,11 @@ from typing import Tuple
 import jax
 import numpy as np
 
+from jax_data.errors import RecordError  # noqa: F401 (its old home)
 from jax_data.validation import is_jax_dtype
 
 # Records a batched read asks for at once (see RecordReader.fill).
 _BLOCK = 16_384
-
-
-class RecordError(ValueError):
-  """A record of a source could not be read, or does not fit the format of
-  the first record."""
 
 
 class RecordFormat:
