@@ -329,6 +329,25 @@ def test_hdf5_datasets_and_records(tmp_path):
       assert lazy.content_digest() == in_memory.content_digest()
 
 
+def test_a_contiguous_hdf5_dataset_with_nans_is_mapped(tmp_path):
+  """Its mapping is checked against h5py's reads of three rows, byte for
+  byte: a NaN (a missing value) among them compared unequal as a value, and
+  the dataset was read through h5py, 76x slower a step, without a word."""
+  h5py = pytest.importorskip("h5py")
+  x = np.arange(40.0, dtype=np.float32).reshape(10, 4)
+  x[0, 1] = x[5, 2] = x[9, 3] = np.nan  # the rows checked
+  with h5py.File(tmp_path / "nan.h5", "w") as f:
+    f["x"] = x
+  with h5py.File(tmp_path / "nan.h5", "r") as f:
+    loader = NumpyDataLoader(copy=False, x=f["x"])
+    # pylint: disable=protected-access
+    assert isinstance(loader._arrays["x"], np.memmap)
+    mapper_fn, release_fn = jax_data.full_data_mapper(loader, 2, 3)
+    values, _ = mapper_fn(lambda batch, carry: (batch["x"], carry), None)
+    np.testing.assert_array_equal(values, x)  # NaN where x has one
+    release_fn()
+
+
 # -- failures -----------------------------------------------------------------
 
 
