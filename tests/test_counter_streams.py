@@ -837,6 +837,28 @@ def test_device_chains_without_a_seed_are_numbered_as_host_chains():
                                   host_batch(host_init(**kwargs))[1]["x"])
 
 
+def test_unseeded_device_lanes_and_full_passes_are_numbered_as_on_the_host():
+  """init_fn(seed=[None, None]) gave every lane seed 0 (the same batches in
+  both), and a full-data pipeline's chain was not counted, where the host
+  counts its ordered chains: the next unseeded chain drew another stream
+  than the host's."""
+  x = np.arange(1000)
+  drawn = {}
+  for loader_class in (jax_data.NumpyDataLoader,
+                       jax_data.DeviceNumpyDataLoader):
+    loader = loader_class(x=x)
+    init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 2, 4)
+    lanes = jax.vmap(batch_fn)(init_fn(seed=[None, 7, None]))[1]["x"]
+    jax_data.full_reference_data(loader, 2, 4)[0]()  # one ordered chain
+    jax_data.full_data_mapper(loader, 2, 4)  # and another
+    after = batch_fn(init_fn(stream="counter"))[1]["x"]
+    drawn[loader_class] = np.asarray(lanes), np.asarray(after)
+  host, device = drawn.values()
+  assert not np.array_equal(device[0][0], device[0][2])
+  for got, want in zip(device, host):
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("mode", [{}, {"shuffle": True, "in_epochs": True}])
 def test_a_sequence_of_seeds_on_the_device_draws_the_host_loaders_chains(
     mode):

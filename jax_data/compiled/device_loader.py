@@ -354,10 +354,15 @@ class RandomPipeline(pl.RandomPipeline):
         kwargs = {**kwargs, "stream": "counter"}
       # Every seed checked before any state is made, then one state for
       # all (1,024 states made one by one and stacked took 1.2 s).
-      chains = [loader.counter_chain({**kwargs, "seed": seed})
-                for seed in seeds]
+      for seed in seeds:
+        loader.counter_chain({**kwargs, "seed": 0 if seed is None else seed})
       device_streams.check_sizes(self._mb_size, loader.observation_count)
-      loader.made_chains(len(chains))
+      # Unseeded lanes take their numbers, as a host loader's chains do:
+      # each counter_chain read the same count, and all took seed 0.
+      first = loader.made_chains(len(seeds))
+      chains = [loader.counter_chain(
+          {**kwargs, "seed": first + lane if seed is None else seed})
+                for lane, seed in enumerate(seeds)]
       states = CacheState.start_chains(
           self.id, [-2 - mode for mode, _ in chains], self._mb_size, 0, None)
       return states._replace(key=jnp.asarray(
@@ -433,7 +438,11 @@ class FullChunks:
 
   def init(self, **kwargs: Any) -> CacheState:
     check_keywords("init_fn of a full-data pipeline", kwargs, ())
-    self._ref.check_open()
+    loader = self._ref.loader
+    if isinstance(loader, DeviceNumpyDataLoader):
+      # Counted as a host loader counts its ordered chains, so that the
+      # unseeded counter chains made after it take the host's numbers.
+      loader.made_chains(1)
     return CacheState.start(self.id, -1, self._mb_size)
 
   def fetch_fn(self, owner: Any, state: CacheState, chunk: jax.Array,
