@@ -169,6 +169,39 @@ def test_a_permutation_of_two_to_the_32_observations_on_the_device():
   np.testing.assert_array_equal(np.asarray(device).astype(np.int64), host)
 
 
+@pytest.mark.parametrize("n", [2**31 + 11, 2**32 - 5, 2**32])
+@pytest.mark.parametrize("shuffle, in_epochs", [(False, False), (True, False),
+                                                (True, True)])
+def test_stream_batches_on_the_device_past_int32(n, shuffle, in_epochs):
+  """Indices past 2**31 came back negative (int32), and a shuffled
+  stream's n past 2**31 - 1 raised JAX's OverflowError: uint32 now."""
+  host, mask = cs.stream_batches(7, 5, 2, 3, n, shuffle, in_epochs)
+  device, device_mask = cs.stream_batches(7, jnp.uint32(5), 2, 3, n, shuffle,
+                                          in_epochs, xp=jnp)
+  assert device.dtype == jnp.uint32
+  np.testing.assert_array_equal(np.asarray(device).astype(np.int64), host)
+  assert (mask is None) == (device_mask is None)
+  small, _ = cs.stream_batches(7, jnp.uint32(5), 2, 3, 1000, shuffle,
+                               in_epochs, xp=jnp)
+  assert small.dtype == jnp.int32  # as before, below 2**31
+
+
+def test_the_device_refuses_epochs_and_positions_it_cannot_hold():
+  """uint32 there: an array epoch of 2**33 drew epoch 0's permutation, a
+  position of 2**32 + 1 position 1's draw, in silence."""
+  offsets = jnp.arange(6, dtype=jnp.uint32)
+  with pytest.raises(ValueError, match=r"epoch must be in 0 \.\. 2\*\*32 - 1 "
+                     r"as an array with jax.numpy"):
+    cs.permute(5, np.full(6, 2**33), offsets, 1000, jnp)
+  with pytest.raises(ValueError, match=r"positions must be in 0 \.\. 2\*\*32 "
+                     r"- 1 with jax.numpy"):
+    cs.uniform(9, np.array([2**32 + 1]), 1000, jnp)
+  # A Python int epoch takes all 64 bits, on the device too.
+  np.testing.assert_array_equal(
+      cs.permute(5, 2**33, offsets, 1000, jnp),
+      cs.permute(5, 2**33, np.arange(6), 1000))
+
+
 def test_large_domains_on_the_host():
   """Indices above 2**32 (records up to 1e12 and beyond): every index in
   range, a seek to any position in O(1), epochs far apart distinct."""

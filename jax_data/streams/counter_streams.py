@@ -377,7 +377,8 @@ def permute(seed: int, epoch: Any, offsets: Any, n: int, xp: Any = np
     ValueError: concrete offsets outside ``0 .. n - 1`` (one past the
       domain cycle-walked for ever, one in ``[n, 2**b)`` gave an
       observation twice), or an epoch or a seed outside
-      ``0 .. 2**64 - 1``.
+      ``0 .. 2**64 - 1``; with ``jax.numpy``, concrete epochs in an array
+      past ``2**32 - 1`` (uint32 there).
     TypeError: offsets, or a seed, that are not integers.
   """
   bits = domain_bits(n)
@@ -385,6 +386,11 @@ def permute(seed: int, epoch: Any, offsets: Any, n: int, xp: Any = np
   _check_seed(seed)
   _check_range("offsets", offsets, n - 1, f"n - 1 (n={n})")
   _check_epoch(epoch)
+  if xp is not np and not isinstance(epoch, (int, np.integer)):
+    # Arrays of epochs are uint32 on the device: 2**33 was epoch 0.
+    _check_range("epoch", epoch, 2**32 - 1,
+                 "2**32 - 1 as an array with jax.numpy (a Python int "
+                 "takes all 64 bits)")
   if xp is np:
     offsets = np.asarray(offsets)
     if np.ndim(epoch):
@@ -505,14 +511,20 @@ def uniform(seed: Any, positions: Any, n: int, xp: Any = np) -> Any:
 
   Raises:
     ValueError: concrete positions below 0 (they wrapped round to others),
-      or a seed outside ``0 .. 2**64 - 1`` (it was another seed, modulo
-      ``2**64``).
+      or past ``2**32 - 1`` with ``jax.numpy`` (uint32 there; a pair of
+      words takes more), or a seed outside ``0 .. 2**64 - 1`` (it was
+      another seed, modulo ``2**64``).
     TypeError: positions, or a seed, that are not integers.
   """
   _check_size(n, domain_bits(n), xp)
   _check_seed(seed)
   if not isinstance(positions, tuple):
     _check_range("positions", positions, 2**63 - 1, "2**63 - 1")
+    if xp is not np:
+      # uint32 on the device: 2**32 + 1 was position 1.
+      _check_range("positions", positions, 2**32 - 1,
+                   "2**32 - 1 with jax.numpy (or give their (low, high) "
+                   "uint32 words as a tuple)")
   if xp is np:
     positions = np.asarray(positions, np.int64)
     with np.errstate(over="ignore"):
@@ -681,7 +693,8 @@ def stream_batches(seed: int, first: Any, count: int, mb_size: int, n: int,
   ``columns`` (NumPy only), only those columns of each batch.
 
   NumPy takes a Python int ``first``; ``jax.numpy`` a ``uint32`` (traced)
-  value, with ``n`` at most ``2**32`` and positions below ``2**32``.
+  value, with ``n`` at most ``2**32`` and positions below ``2**32``; its
+  indices are int32, or uint32 where ``start + n`` passes ``2**31``.
 
   Raises:
     ValueError: a seed outside ``0 .. 2**64 - 1``, a negative ``count``
@@ -705,23 +718,45 @@ def stream_batches(seed: int, first: Any, count: int, mb_size: int, n: int,
                                                                 mb_size)
   if not shuffle:
     indices = uniform(seed, first * mb_size + steps, n, xp)
-    return _shifted(indices, start, xp), None
+    return _shifted(indices, start, n, xp), None
   if not in_epochs:
     positions = first * mb_size + steps
-    epochs, offsets = positions // n, positions % n
-    return _shifted(permute(seed, epochs, offsets, n, xp), start, xp), None
+    epochs, offsets = _divmod(positions, n, xp)
+    return _shifted(permute(seed, epochs, offsets, n, xp), start, n,
+                    xp), None
   per_epoch = -(-n // mb_size)
   batches = first + (xp.arange(count, dtype=np.int64 if xp is np
                                else xp.uint32))
-  epochs, within = batches // per_epoch, batches % per_epoch
+  epochs, within = _divmod(batches, per_epoch, xp)
   positions = within[:, None] * mb_size + steps[:1]
-  valid = positions < n
+  valid = _below(positions, n, xp)
   indices = permute(seed, epochs[:, None] + 0 * positions,
                     xp.where(valid, positions, 0), n, xp)
-  return _shifted(xp.where(valid, indices, 0), start, xp), valid
+  return _shifted(xp.where(valid, indices, 0), start, n, xp), valid
 
 
-def _shifted(indices: Any, start: int, xp: Any) -> Any:
+# On the device (uint32 values), n and the batches of an epoch may pass
+# int32 (a Python int above 2**31 - 1 was parsed as one: an OverflowError)
+# and reach 2**32 (no uint32): these take them as uint32 or, at 2**32, by
+# what they are.
+def _divmod(values: Any, n: int, xp: Any) -> Tuple[Any, Any]:
+  if xp is np:
+    return values // n, values % n
+  if n == 2**32:  # every uint32 is below it
+    return xp.zeros_like(values), values
+  return values // xp.uint32(n), values % xp.uint32(n)
+
+
+def _below(values: Any, n: int, xp: Any) -> Any:
+  if xp is np:
+    return values < n
+  return xp.ones(values.shape, bool) if n == 2**32 else values < xp.uint32(n)
+
+
+def _shifted(indices: Any, start: int, n: int, xp: Any) -> Any:
   if xp is np:
     return indices + start if start else indices
-  return indices.astype(xp.int32) + start
+  if start + n <= 2**31:
+    return indices.astype(xp.int32) + start
+  # Indices past int32: uint32 (int32 gave them negative).
+  return indices.astype(xp.uint32) + xp.uint32(start)
