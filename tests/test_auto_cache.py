@@ -288,6 +288,12 @@ def test_where_auto_cannot_choose_it_is_refused_by_name(pipelines):
       "4194305 bytes takes 260 MiB, over the limit of 256 MiB per chain "
       "(jax_data.pipeline.MAX_CACHE_BYTES); use a smaller mb_size")):
     pipelines.random_reference_data(huge, "auto", 65)
+  # Just over: in bytes, where MiB read "256 MiB, over the limit of 256".
+  row = np.zeros(2**24, np.float32)  # 64 MiB and a mask byte a row
+  edge = NumpyDataLoader(copy=False, x=np.broadcast_to(row, (4, row.size)))
+  with pytest.raises(ValueError, match=re.escape(
+      "takes 268,435,460 bytes, over the limit of 256 MiB per chain")):
+    pipelines.random_reference_data(edge, "auto", 4)
 
 
 def test_an_auto_pipeline_without_chains_refuses_states_and_release_holds(

@@ -405,8 +405,8 @@ class Config:
         # A cache of one batch at least: only mb_size can make it fit.
         raise ValueError(
             f"cached_batches_count='auto': one batch of mb_size={mb_size} "
-            f"observations of {row} bytes takes {mb_size * row / 2**20:,.0f}"
-            f" MiB, over the limit of {MAX_CACHE_BYTES >> 20} MiB per chain "
+            f"observations of {row} bytes takes {_mib(mb_size * row)}, over"
+            f" the limit of {MAX_CACHE_BYTES >> 20} MiB per chain "
             "(jax_data.pipeline.MAX_CACHE_BYTES); use a smaller mb_size")
       return config
     if isinstance(cached_batches_count, str) and not full:
@@ -471,6 +471,15 @@ def row_bytes(data_loader: DataLoader) -> int:
                  jax.tree_util.tree_leaves(data_loader.observation_format))
 
 
+def _mib(size: int) -> str:
+  """``size`` bytes (over :data:`MAX_CACHE_BYTES`) in MiB, or in bytes
+  where MiB would round to the limit (4 bytes past it read "256 MiB, over
+  the limit of 256 MiB")."""
+  if round(size / 2**20) <= MAX_CACHE_BYTES >> 20:
+    return f"{size:,} bytes"
+  return f"{size / 2**20:,.0f} MiB"
+
+
 def check_cache_bytes(data_loader: DataLoader, cache_size: int,
                       mb_size: int) -> None:
   """Raises, before anything is allocated, if a cache of ``cache_size``
@@ -480,8 +489,8 @@ def check_cache_bytes(data_loader: DataLoader, cache_size: int,
   if size > MAX_CACHE_BYTES:
     raise ValueError(
         f"cached_batches_count={cache_size} batches of mb_size={mb_size} "
-        f"observations of {row} bytes make a cache of {size / 2**20:,.0f} "
-        f"MiB per chain, over the limit of {MAX_CACHE_BYTES >> 20} MiB "
+        f"observations of {row} bytes make a cache of {_mib(size)} per "
+        f"chain, over the limit of {MAX_CACHE_BYTES >> 20} MiB "
         "(jax_data.pipeline.MAX_CACHE_BYTES); use fewer cached batches")
 
 
