@@ -186,6 +186,23 @@ def test_stream_batches_on_the_device_past_int32(n, shuffle, in_epochs):
   assert small.dtype == jnp.int32  # as before, below 2**31
 
 
+@pytest.mark.parametrize("n, mb", [(2**32 - 1, 7), (2**32, 3), (1000, 7)])
+def test_stream_batches_on_the_device_masks_an_epochs_padding(n, mb):
+  """The padding of an epoch's last batch near 2**32 wrapped past it in
+  uint32 and read as valid; start + n past 2**32 is refused (the indices
+  wrapped)."""
+  last = -(-n // mb) - 1
+  host, mask = cs.stream_batches(5, last, 2, mb, n, True, True)
+  device, device_mask = jax.jit(lambda f: cs.stream_batches(
+      5, f, 2, mb, n, True, True, xp=jnp))(jnp.uint32(last))
+  np.testing.assert_array_equal(np.asarray(device_mask), mask)
+  np.testing.assert_array_equal(np.asarray(device).astype(np.int64), host)
+  assert not mask[0].all() and mask[1].all()
+  with pytest.raises(ValueError, match=r"start \+ n = "):
+    cs.stream_batches(5, jnp.uint32(0), 1, mb, n, False, False,
+                      start=2**32 - n + 1, xp=jnp)
+
+
 def test_the_device_refuses_epochs_and_positions_it_cannot_hold():
   """uint32 there: an array epoch of 2**33 drew epoch 0's permutation, a
   position of 2**32 + 1 position 1's draw, in silence."""

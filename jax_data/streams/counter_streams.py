@@ -698,7 +698,8 @@ def stream_batches(seed: int, first: Any, count: int, mb_size: int, n: int,
 
   Raises:
     ValueError: a seed outside ``0 .. 2**64 - 1``, a negative ``count``
-      or ``first`` (NumPy), or ``mb_size`` below 1.
+      or ``first`` (NumPy), ``mb_size`` below 1, or with ``jax.numpy``
+      ``start + n`` past ``2**32``.
     TypeError: a seed, ``count``, ``mb_size`` or ``first`` that is not an
       integer, or ``shuffle`` or ``in_epochs`` not True or False.
   """
@@ -714,6 +715,10 @@ def stream_batches(seed: int, first: Any, count: int, mb_size: int, n: int,
     if columns is not None:
       steps = steps[:, columns]
   else:
+    if start + n > 2**32:  # uint32 indices there
+      raise ValueError(
+          f"counter streams with jax.numpy draw indices below 2**32, got "
+          f"start={start} and n={n} (start + n = {start + n})")
     steps = xp.arange(count * mb_size, dtype=xp.uint32).reshape(count,
                                                                 mb_size)
   if not shuffle:
@@ -729,7 +734,13 @@ def stream_batches(seed: int, first: Any, count: int, mb_size: int, n: int,
                                else xp.uint32))
   epochs, within = _divmod(batches, per_epoch, xp)
   positions = within[:, None] * mb_size + steps[:1]
-  valid = _below(positions, n, xp)
+  if xp is np:
+    valid = positions < n
+  else:
+    # A batch's first position is below n; its padding may pass 2**32
+    # (n near it), where uint32 wraps: valid is told without the sum.
+    valid = steps[:1] <= xp.uint32(n - 1) - within[:, None] * xp.uint32(
+        mb_size)
   indices = permute(seed, epochs[:, None] + 0 * positions,
                     xp.where(valid, positions, 0), n, xp)
   return _shifted(xp.where(valid, indices, 0), start, n, xp), valid
@@ -745,12 +756,6 @@ def _divmod(values: Any, n: int, xp: Any) -> Tuple[Any, Any]:
   if n == 2**32:  # every uint32 is below it
     return xp.zeros_like(values), values
   return values // xp.uint32(n), values % xp.uint32(n)
-
-
-def _below(values: Any, n: int, xp: Any) -> Any:
-  if xp is np:
-    return values < n
-  return xp.ones(values.shape, bool) if n == 2**32 else values < xp.uint32(n)
 
 
 def _shifted(indices: Any, start: int, n: int, xp: Any) -> Any:
