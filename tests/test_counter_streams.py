@@ -899,7 +899,8 @@ def test_unseeded_device_lanes_and_full_passes_are_numbered_as_on_the_host():
     loader = loader_class(x=x)
     init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 2, 4)
     lanes = jax.vmap(batch_fn)(init_fn(seed=[None, 7, None]))[1]["x"]
-    jax_data.full_reference_data(loader, 2, 4)[0]()  # one ordered chain
+    full_init = jax_data.full_reference_data(loader, 2, 4)[0]
+    full_init(), full_init()  # one ordered chain, however many states
     jax_data.full_data_mapper(loader, 2, 4)  # and another
     after = batch_fn(init_fn(stream="counter"))[1]["x"]
     drawn[loader_class] = np.asarray(lanes), np.asarray(after)

@@ -435,13 +435,16 @@ class FullChunks:
     self._mb_size = mb_size
     self.id = pl.new_id()
     self.owner = np.int32(self.id)
+    self._counted = False  # see init
 
   def init(self, **kwargs: Any) -> CacheState:
     check_keywords("init_fn of a full-data pipeline", kwargs, ())
     loader = self._ref.loader
-    if isinstance(loader, DeviceNumpyDataLoader):
-      # Counted as a host loader counts its ordered chains, so that the
-      # unseeded counter chains made after it take the host's numbers.
+    if isinstance(loader, DeviceNumpyDataLoader) and not self._counted:
+      # Counted once, as a host loader registers a full-data pipeline's
+      # one ordered chain, so that the unseeded counter chains made after
+      # it take the host's numbers.
+      self._counted = True
       loader.made_chains(1)
     return CacheState.start(self.id, -1, self._mb_size)
 
