@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import zipfile
 
 import jax
@@ -497,6 +498,28 @@ def test_writers_that_save_to_one_path_at_once_each_save_whole(tmp_path):
   assert not failures
   assert os.listdir(tmp_path) == ["c.npz"]
   assert jax_data.restore_checkpoint(path, pipeline).chunk == state.chunk
+
+
+def test_temporary_files_of_saves_fit_any_name_and_killed_ones_go(tmp_path):
+  """A name of its own for every writer took 33 more characters: a file
+  name of 238 was too long for it. A writer killed while it wrote left its
+  file, which no later save replaced: those older than ten minutes go."""
+  pipeline = _pipeline()
+  state = pipeline[0](seed=0)
+  long = tmp_path / ("run-" + "a" * 240 + ".npz")
+  jax_data.save_checkpoint(long, pipeline, state)
+  assert os.listdir(tmp_path) == [long.name]
+  os.remove(long)
+  path = tmp_path / "c.npz"
+  stale = ["c.npz.0123456789ab.partial", "c.npz.partial",
+           ".jax_data.0123456789ab.partial"]
+  kept = ["c.npz.ba9876543210.partial", "c.npz.mine.partial"]
+  for name in stale + kept:
+    (tmp_path / name).write_bytes(b"half")
+    if name != kept[0]:  # a save under way elsewhere: fresh
+      os.utime(tmp_path / name, (time.time() - 700, time.time() - 700))
+  jax_data.save_checkpoint(path, pipeline, state)
+  assert sorted(os.listdir(tmp_path)) == sorted(["c.npz"] + kept)
 
 
 @pytest.mark.parametrize("seed", [2, jnp.int32(2), np.array(2)])

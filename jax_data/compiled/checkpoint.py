@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 import os
+import time
 import uuid
 import zipfile
 import zlib
@@ -433,7 +434,8 @@ def save_checkpoint(path: Union[str, bytes, os.PathLike], pipeline: Any,
   Args:
     path: File to write; written to a temporary name of its own first,
       then renamed (so several processes or threads may save to it at
-      once: the last rename wins, and each is whole).
+      once: the last rename wins, and each is whole). Temporary files
+      that killed saves of it left are removed once ten minutes old.
     pipeline: The tuple a pipeline constructor returned (or its functions
       packed into a tuple again), or its init_fn.
     state: The state to save (stacked states too).
@@ -447,10 +449,7 @@ def save_checkpoint(path: Union[str, bytes, os.PathLike], pipeline: Any,
     raise FileNotFoundError(
         f"path={path!r} is in {folder!r}, which does not exist")
   tree = pytree_of(pipeline, state, "save_checkpoint")
-  # A name of this writer's own: every process of a jax.distributed job
-  # (or several threads) may save the same state to one path, and with a
-  # shared temporary name one writer's rename took another's file away.
-  partial = f"{path}.{uuid.uuid4().hex}.partial"
+  partial = _partial_name(folder, os.path.basename(path))
   try:
     with open(partial, "xb") as f:
       np.savez(f, **tree)
@@ -460,6 +459,52 @@ def save_checkpoint(path: Union[str, bytes, os.PathLike], pipeline: Any,
     with contextlib.suppress(OSError):
       os.remove(partial)
     raise
+  _remove_stale_partials(folder, os.path.basename(path))
+
+
+# Seconds after which a temporary file of a save is taken for one that a
+# killed writer left: a save writes its file in seconds.
+_STALE_PARTIAL_SECONDS = 600.0
+_NAME_MAX = 255
+
+
+def _partial_name(folder: str, name: str) -> str:
+  """A temporary name of this writer's own beside the file ``name``:
+  every process of a jax.distributed job (or several threads) may save the
+  same state to one path, and with one temporary name for all, a writer's
+  rename took another's file away. A name too long to take the suffix gets
+  a short one of its own."""
+  token = uuid.uuid4().hex[:12]
+  partial = f"{name}.{token}.partial"
+  if len(os.fsencode(partial)) > _NAME_MAX:
+    partial = f".jax_data.{token}.partial"
+  return os.path.join(folder, partial)
+
+
+def _remove_stale_partials(folder: str, name: str) -> None:
+  """Removes the temporary files of saves of ``name`` (or of names too
+  long for a suffix) older than :data:`_STALE_PARTIAL_SECONDS`: a writer
+  killed while it wrote (preempted, out of memory) left its whole-sized
+  file, and with a name of its own no later save replaces it."""
+  def ours(entry: str) -> bool:
+    if not entry.endswith(".partial"):
+      return False
+    if entry == f"{name}.partial":  # a save of an earlier version's
+      return True
+    for prefix in (f"{name}.", ".jax_data."):
+      token = entry[len(prefix):-len(".partial")]
+      if (entry.startswith(prefix) and len(token) == 12
+          and all(c in "0123456789abcdef" for c in token)):
+        return True
+    return False
+
+  now = time.time()
+  with contextlib.suppress(OSError):
+    for entry in os.scandir(folder):
+      with contextlib.suppress(OSError):
+        if ours(entry.name) and (now - entry.stat().st_mtime
+                                 > _STALE_PARTIAL_SECONDS):
+          os.remove(entry.path)
 
 
 def restore_checkpoint(path: Union[str, bytes, os.PathLike], pipeline: Any,
