@@ -292,7 +292,8 @@ def test_where_auto_cannot_choose_it_is_refused_by_name(pipelines):
   row = np.zeros(2**24, np.float32)  # 64 MiB and a mask byte a row
   edge = NumpyDataLoader(copy=False, x=np.broadcast_to(row, (4, row.size)))
   with pytest.raises(ValueError, match=re.escape(
-      "takes 268,435,460 bytes, over the limit of 256 MiB per chain")):
+      "takes 268,435,460 bytes, over the limit of 268,435,456 bytes per "
+      "chain")):
     pipelines.random_reference_data(edge, "auto", 4)
 
 

@@ -308,16 +308,18 @@ def test_a_2d_checkpoint_restores_as_vmapped_chains():
     stacked, batch_stacked = step(stacked)
     np.testing.assert_array_equal(batch["index"], batch_stacked["index"])
     np.testing.assert_array_equal(batch["index"], batch_again["index"])
+  one = jax_data.state_to_pytree(plain, plain[0](seed=1))
   # One chain picked does not fill a chain axis of 2 devices; the
   # checkpoint's two would (the error said it held fewer chains).
   with pytest.raises(ValueError, match=re.escape(
       "lanes=[0] picks 1 of the 2 chains of the checkpoint (its lanes "
       "(2,)), but a global pipeline with chain_axis restores chains whose "
-      "number the 2 devices of the chain axis divide: pick such a number "
-      "of them")):
+      "number the 2 devices of the chain axis divide")):
     jax_data.state_from_pytree(grid, tree, lanes=[0])
+  # Every lane picked and still too few: what would fit, as without a pick.
+  with pytest.raises(ValueError, match="it holds fewer chains"):
+    jax_data.state_from_pytree(grid, one, lanes=[0])
   # A checkpoint of one chain: no pick would, so the error says what would.
-  one = jax_data.state_to_pytree(plain, plain[0](seed=1))
   with pytest.raises(ValueError, match=re.escape(
       "the checkpoint's state has lanes (), which do not fit: a global "
       "pipeline with chain_axis restores chains whose number the 2 devices "

@@ -197,11 +197,13 @@ def state_from_pytree(pipeline: Any, tree: Mapping[str, Any],
       saved = tuple(host["lanes"])
       host, arrays = _some_lanes(host, arrays, lanes)
       refused = pipeline.lanes_refused(host["lanes"][0])
-      if refused:
+      total = math.prod(saved)
+      # Where no pick of its chains would fit, restore_lanes says so.
+      if refused and any(not pipeline.lanes_refused(count)
+                         for count in range(1, total + 1)):
         raise ValueError(
-            f"lanes={lanes!r} picks {host['lanes'][0]} of the "
-            f"{math.prod(saved)} chains of the checkpoint (its lanes "
-            f"{saved}), but {refused}: pick such a number of them")
+            f"lanes={lanes!r} picks {host['lanes'][0]} of the {total} "
+            f"chains of the checkpoint (its lanes {saved}), but {refused}")
     lanes = tuple(host["lanes"])
     chain = np.full(lanes, -1, np.int32)
     if pipeline.host is None and "device_chains" in host:

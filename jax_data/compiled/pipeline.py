@@ -406,7 +406,7 @@ class Config:
         raise ValueError(
             f"cached_batches_count='auto': one batch of mb_size={mb_size} "
             f"observations of {row} bytes takes {_mib(mb_size * row)}, over"
-            f" the limit of {MAX_CACHE_BYTES >> 20} MiB per chain "
+            f" the limit of {_mib(MAX_CACHE_BYTES, mb_size * row)} per chain "
             "(jax_data.pipeline.MAX_CACHE_BYTES); use a smaller mb_size")
       return config
     if isinstance(cached_batches_count, str) and not full:
@@ -471,11 +471,12 @@ def row_bytes(data_loader: DataLoader) -> int:
                  jax.tree_util.tree_leaves(data_loader.observation_format))
 
 
-def _mib(size: int) -> str:
-  """``size`` bytes (over :data:`MAX_CACHE_BYTES`) in MiB, or in bytes
-  where MiB would round to the limit (4 bytes past it read "256 MiB, over
-  the limit of 256 MiB")."""
-  if round(size / 2**20) <= MAX_CACHE_BYTES >> 20:
+def _mib(size: int, over: Optional[int] = None) -> str:
+  """``size`` bytes in MiB, or in bytes where a size over
+  :data:`MAX_CACHE_BYTES` (``over``, by default ``size``) would round to
+  the limit in MiB (4 bytes past it read "256 MiB, over the limit of 256
+  MiB"): the limit then too."""
+  if round((size if over is None else over) / 2**20) <= MAX_CACHE_BYTES >> 20:
     return f"{size:,} bytes"
   return f"{size / 2**20:,.0f} MiB"
 
@@ -490,7 +491,7 @@ def check_cache_bytes(data_loader: DataLoader, cache_size: int,
     raise ValueError(
         f"cached_batches_count={cache_size} batches of mb_size={mb_size} "
         f"observations of {row} bytes make a cache of {_mib(size)} per "
-        f"chain, over the limit of {MAX_CACHE_BYTES >> 20} MiB "
+        f"chain, over the limit of {_mib(MAX_CACHE_BYTES, size)} "
         "(jax_data.pipeline.MAX_CACHE_BYTES); use fewer cached batches")
 
 
