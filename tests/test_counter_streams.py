@@ -897,11 +897,17 @@ def test_unseeded_device_lanes_and_full_passes_are_numbered_as_on_the_host():
   for loader_class in (jax_data.NumpyDataLoader,
                        jax_data.DeviceNumpyDataLoader):
     loader = loader_class(x=x)
-    init_fn, batch_fn, _ = jax_data.random_reference_data(loader, 2, 4)
-    lanes = jax.vmap(batch_fn)(init_fn(seed=[None, 7, None]))[1]["x"]
+    pipeline = jax_data.random_reference_data(loader, 2, 4)
+    init_fn, batch_fn, _ = pipeline
+    states = init_fn(seed=[None, 7, None])
+    lanes = jax.vmap(batch_fn)(states)[1]["x"]
     full_init = jax_data.full_reference_data(loader, 2, 4)[0]
     full_init(), full_init()  # one ordered chain, however many states
     jax_data.full_data_mapper(loader, 2, 4)  # and another
+    # Three chains restored: registered anew, and counted (the device's
+    # were not).
+    jax_data.state_from_pytree(pipeline,
+                               jax_data.state_to_pytree(pipeline, states))
     after = batch_fn(init_fn(stream="counter"))[1]["x"]
     drawn[loader_class] = np.asarray(lanes), np.asarray(after)
   host, device = drawn.values()

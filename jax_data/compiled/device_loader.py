@@ -385,6 +385,19 @@ class RandomPipeline(pl.RandomPipeline):
     key = loader.init_random_data(**kwargs)
     return CacheState.start(self.id, -1, self._mb_size, key=key)
 
+  def restore_lanes(self, saved: List[Dict[str, Any]],
+                    arrays: Dict[str, np.ndarray], lanes: Tuple[int, ...],
+                    chain: np.ndarray) -> CacheState:
+    """As :meth:`Pipeline.restore_lanes`; restored counter-based chains
+    are counted as made, as a host loader registers each restored chain,
+    so that the unseeded chains made after them take the host's numbers
+    (they took the restored chains' numbers)."""
+    state = super().restore_lanes(saved, arrays, lanes, chain)
+    loader = self._ref.loader
+    if isinstance(loader, DeviceNumpyDataLoader):
+      loader.made_chains(int((np.asarray(chain) <= -2).sum()))
+    return state
+
   def batch_fn(self, state: CacheState, information: bool = False,
                device_count: int = 1):
     """The next batch, drawn on the device, and the advanced state."""
