@@ -40,6 +40,7 @@ import numpy as np
 
 from jax_data.loaders.gather import Gatherer
 from jax_data.loaders.gather import is_run
+from jax_data.loaders.gather import same_bytes
 
 # Reads in flight when rows are not in the page cache. A disk serves random
 # reads faster the more it has queued (measured here with os.pread of 128-byte
@@ -282,10 +283,9 @@ def map_hdf5(dataset: Any) -> Optional[np.memmap]:
     return None
   count = dataset.shape[0]
   for row in sorted({0, count // 2, count - 1}):
-    # Byte for byte: NaN (a missing value) is unequal to itself as a value,
-    # and a dataset with one in these rows was read through h5py.
-    if (np.ascontiguousarray(mapped[row]).tobytes()
-        != np.ascontiguousarray(dataset[row]).tobytes()):
+    # Byte for byte: a dataset with a NaN in these rows was read through
+    # h5py.
+    if not same_bytes(mapped[row], dataset[row]):
       return None
   return mapped
 

@@ -363,6 +363,16 @@ def sample_rows(count: int) -> np.ndarray:
       rng.integers(0, count, min(count, 16))]))
 
 
+def same_bytes(a: Any, b: Any) -> bool:
+  """Whether two arrays hold the same dtype, shape and bytes: NaN (a
+  missing value) equal to itself in every dtype, where ``array_equal``
+  takes it for a value that differs (bfloat16's kind is "V", and
+  ``equal_nan`` does not apply to it)."""
+  a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+  return a.dtype == b.dtype and a.shape == b.shape and (
+      a.tobytes() == b.tobytes())
+
+
 def digest_rows(count: int, read_row: Callable[[int], Sequence[Any]],
                 dtypes: Sequence[np.dtype]) -> str:
   """A digest of the row count and of a fixed sample of rows

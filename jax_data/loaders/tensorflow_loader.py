@@ -46,6 +46,7 @@ from jax_data.loaders.chains import OrderedChain
 from jax_data.loaders.chains import RandomChain
 from jax_data.loaders.gather import Gatherer
 from jax_data.loaders.gather import digest_rows
+from jax_data.loaders.gather import same_bytes
 from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.indexed import IndexedCursor
 from jax_data.loaders.tensorflow_reads import PipelineRows
@@ -506,11 +507,8 @@ class TensorflowDataLoader(HostDataLoader):
 
 
 def _same_rows(leaves, again) -> bool:
-  """Whether two reads of a pipeline's first rows gave the same bytes: a
-  NaN equal to itself in every dtype (bfloat16's kind is "V", and
-  ``array_equal`` took its NaN for a value that differed)."""
+  """Whether two reads of a pipeline's first rows gave the same bytes
+  (:func:`~jax_data.loaders.gather.same_bytes`: a bfloat16 NaN among them
+  made the loader take the pipeline for a random one)."""
   return len(leaves) == len(again) and all(
-      np.shape(a) == np.shape(b) and np.asarray(a).dtype == np.asarray(
-          b).dtype and np.ascontiguousarray(a).tobytes()
-      == np.ascontiguousarray(b).tobytes()
-      for a, b in zip(leaves, again))
+      same_bytes(a, b) for a, b in zip(leaves, again))
