@@ -35,7 +35,8 @@ import time
 
 import jax.numpy as jnp
 
-# The loader module keeps TensorFlow quiet and off the GPUs; import it first.
+# The loader module keeps TensorFlow off the GPUs, where nothing imported
+# TensorFlow before it; import it first.
 from jax_data.tensorflow_loader import TensorflowDataLoader  # isort: skip
 # The main example, beside this script: Python puts the script's folder on
 # the module path.

@@ -1,11 +1,14 @@
 """Host loader over ``tf.data`` pipelines: :class:`TensorflowDataLoader`.
 
 Importing this module imports TensorFlow (``import jax_data`` alone does
-not). Before that import it sets, unless the user has set them already,
-``TF_CPP_MIN_LOG_LEVEL=2`` and ``TF_ENABLE_ONEDNN_OPTS=0``, which keep
-TensorFlow's C++ start-up messages off the console (oneDNN speeds up
-TensorFlow's matrix kernels, which a data pipeline rarely runs). It also
-hides the GPUs from TensorFlow, whose memory belongs to JAX.
+not). Before that import it sets ``TF_ENABLE_ONEDNN_OPTS=0`` unless the
+user has set it (oneDNN speeds up TensorFlow's matrix kernels, which a data
+pipeline rarely runs, and announces itself at start-up). TensorFlow's C++
+log level is JAX's: importing JAX sets ``TF_CPP_MIN_LOG_LEVEL=1`` unless it
+is set, which hides TensorFlow's informational messages but not its
+warnings (a pipeline that raises logs one); set it to 2 before starting
+Python to hide those too. The module also hides the GPUs from TensorFlow,
+whose memory belongs to JAX.
 
 Random chains stream the pipeline through a shuffle buffer computed in NumPy
 (:class:`jax_data.streams.sampling.BufferShuffle`); ordered chains read it in
@@ -32,6 +35,8 @@ from typing import Optional
 from typing import Tuple
 
 # Only effective before TensorFlow is first imported; a user's choice wins.
+# (JAX, imported by jax_data before this, has set TF_CPP_MIN_LOG_LEVEL=1
+# where it was unset: the level below applies only where it was removed.)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
