@@ -308,9 +308,7 @@ def format_time(seconds: float, unit: str) -> str:
   below 1000, whole numbers above."""
   scale = {"us": 1e6, "ms": 1e3, "s": 1.0}[unit]
   label = {"us": "µs", "ms": "ms", "s": "s"}[unit]
-  value = seconds * scale
-  text = f"{value:,.0f}" if value >= 1000 else f"{value:.3g}"
-  return f"{text} {label}"
+  return f"{_significant(seconds * scale)} {label}"
 
 
 def format_timing(timing: Timing | None, unit: str) -> str:
@@ -327,8 +325,14 @@ def format_ratio(ratio: float | None) -> str:
 def format_bytes(count: float) -> str:
   for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
     if abs(count) >= size:
-      return f"{count / size:.3g} {unit}"
+      return f"{_significant(count / size)} {unit}"
   return f"{int(count)} B"
+
+
+def _significant(value: float) -> str:
+  """Three significant digits, whole numbers from 1,000 on (".3g" alone
+  wrote 999.7 and 1,020 as "1e+03" and "1.02e+03")."""
+  return f"{value:,.0f}" if abs(value) >= 999.5 else f"{value:.3g}"
 
 
 def format_count(n: int) -> str:

@@ -195,7 +195,7 @@ def _per_pass(fn: Callable, theta) -> float:
 
 
 def run(config: Config, repeats: int) -> Section:
-  """Times the four contenders at every N.
+  """Times the six contenders at every N.
 
   Args:
     config: Sizes.

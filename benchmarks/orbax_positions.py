@@ -2,7 +2,7 @@
 
 C vmapped chains (``random_reference_data`` over a NumPy loader of 1e5 rows
 of 32 floats, cache 100, mb 64, counter streams, shuffled in epochs) are
-advanced a few steps, then saved with ``jax_data.DataSave`` in a
+advanced one step, then saved with ``jax_data.DataSave`` in a
 ``CheckpointManager`` step beside parameters of 1 MiB, and restored with
 ``jax_data.DataRestore`` into a fresh pipeline (registering C chains). The
 table shows the median of ``--repeats`` runs: the synchronous save, the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import shutil
 import statistics
 import tempfile
 import time
@@ -80,6 +81,7 @@ def measure(chains: int, repeats: int) -> list[str]:
     restored.append(time.perf_counter() - start)
     fresh[2]()
     size = _data_bytes(directory, 2 * repeat + 1)
+    shutil.rmtree(directory, ignore_errors=True)
   med = statistics.median
   return [f"{chains:,}", f"{med(sync) * 1e3:.0f} ms",
           f"{med(returned) * 1e3:.0f} ms", f"{med(written) * 1e3:.0f} ms",

@@ -26,8 +26,12 @@ _METHOD = """\
   sides of a ratio ran under the same load. Before each measurement the
   process waits until its threads are idle, so that work a contender left
   running (a tf.data iterator refilling its prefetch buffer) is not timed
-  as the next one's. The machine is shared: single measurements vary by
-  tens of percent, ratios less.
+  as the next one's; then the contender is called once untimed, and the
+  call after it is timed, back to back, as a sampler's loop calls (since
+  2026-11-30: on this page's machines a call after 50 ms of idle is
+  slower, most for the loops that read data; case (g) reports that call
+  too). The machine is shared: single measurements vary by tens of
+  percent, ratios less.
 - Slow contenders (jax-sgmc, the Python loop) run fewer steps where noted,
   chosen by a pilot run so that a measurement still takes about a second;
   the time per step is what is compared."""

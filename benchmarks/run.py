@@ -3,8 +3,8 @@ jax-sgmc 0.1.5 and a Python loop, in one process.
 
 Usage (from the repository root)::
 
-  python benchmarks/run.py                 # full run, 5 to 10 minutes
-  python benchmarks/run.py --smoke         # CI: small sizes, under a minute
+  python benchmarks/run.py                 # full run: an hour or more
+  python benchmarks/run.py --smoke         # CI: small sizes, one or two minutes
   python benchmarks/run.py --write docs/benchmarks.md
   python benchmarks/run.py --smoke --only sgld full
 

@@ -287,8 +287,9 @@ def _jax_sgmc(data: dict[str, np.ndarray], theta, key, config: Config,
 
 
 def _contenders(n: int, config: Config) -> tuple[list[Contender], Callable]:
-  """The four contenders at N=n, warmed up, and a function releasing the
-  pipelines."""
+  """The contenders at N=n (those of the module's docstring that run in
+  this process; ``common.measure`` warms them up), and a function releasing
+  the pipelines."""
   data = logistic_data(n, config.features)
   step_size = 0.01 / n
   theta = jnp.zeros(config.features, jnp.float32)
@@ -337,7 +338,7 @@ def _contenders(n: int, config: Config) -> tuple[list[Contender], Callable]:
 
 
 def run(config: Config, repeats: int) -> Section:
-  """Times the four contenders at every N.
+  """Times the contenders at every N.
 
   The contenders of all N are timed round-robin together, so that the
   ratios across N (the growth of jax_data's time with N) are paired too.

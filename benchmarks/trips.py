@@ -1,4 +1,4 @@
-"""Follows four requests through jax_data call by call (architecture check).
+"""Follows requests through jax_data call by call (architecture check).
 
 For each trip (serving a chunk, a group of chains' refresh, registering a
 chain, restoring a chain, building a pipeline, and a new pipeline's first
