@@ -229,6 +229,27 @@ def test_restore_into_other_data_of_the_same_size_is_refused():
   assert got[0].tolist() == expected[0].tolist()
 
 
+@pytest.mark.parametrize("chain", [5, 0, -10, 2**31 - 1])
+def test_a_device_loaders_state_names_a_kind_of_stream(chain):
+  """A device loader's state of another chain value than its kinds (-1 to
+  -4) drew one kind's batches, and was saved into a checkpoint that no
+  restore took."""
+  init_fn, batch_fn, _ = pipeline = jax_data.random_reference_data(
+      jax_data.DeviceNumpyDataLoader(x=np.arange(10.0)), 1, 3)
+  state = init_fn()
+  edited = state._replace(chain=jnp.int32(chain))
+  with pytest.raises(ValueError, match=f"batch_fn got a state with "
+                     f"chain={chain}, where a device loader's state names "
+                     "its kind of stream, -1 to -4"):
+    batch_fn(edited)
+  with pytest.raises(ValueError, match=f"state_to_pytree got a state with "
+                     f"chain={chain}"):
+    jax_data.state_to_pytree(pipeline, edited)
+  states = init_fn(seed=range(3))
+  jax_data.state_from_pytree(pipeline, jax_data.state_to_pytree(
+      pipeline, jax.jit(jax.vmap(batch_fn))(states)[0]))
+
+
 @pytest.mark.parametrize("kind", ["random", "full"])
 def test_a_device_loaders_checkpoint_is_refused_by_other_data(kind):
   """As for host loaders: the checkpoint of a device loader's pipeline is
@@ -566,6 +587,34 @@ def test_counters_out_of_range_are_refused(field, value, match):
     with pytest.raises(ValueError, match=f"state_to_pytree got a state with "
                        f"{field}={value}"):
       jax_data.state_to_pytree(pipeline, edited)
+
+
+@pytest.mark.parametrize("field,value,error,match", [
+    ("chunk", np.float32(1.7), TypeError, "chunk has shape .. and dtype "
+     "float32, expected .. and int32"),
+    ("position", np.float32(0.9), TypeError, "position .* dtype float32"),
+    ("key", np.array([-1, 2**40]), TypeError, "key .* dtype int32, "
+     r"expected \(2,\) and uint32"),
+    ("chunk", np.int64(2**40), ValueError, "chunk is 1099511627776, "
+     "outside int32's"),
+    ("key", np.array([1, 2**40], np.uint64), ValueError,
+     "key is .*outside uint32's"),
+    ("chain", "0", TypeError, "chain has shape .. and dtype <U1"),
+    ("chain", np.float32(np.nan), TypeError, "chain .* dtype float32"),
+])
+def test_counters_of_another_type_are_not_saved(field, value, error, match):
+  """A counter of a state set by hand to a float or a 64-bit value is
+  refused by name, as batch_fn refuses the state; it was truncated or
+  wrapped into the checkpoint (chunk 1.7 restored as 1)."""
+  pipeline = _pipeline()
+  state = pipeline[0](seed=1)
+  edited = state._replace(**{field: value})
+  with pytest.raises(error, match="state_to_pytree got a state whose "
+                     + match):
+    jax_data.state_to_pytree(pipeline, edited)
+  with pytest.raises((TypeError, ValueError), match=f"{field}|a field"):
+    pipeline[1](edited)
+  assert jax_data.state_to_pytree(pipeline, state)["chunk"] == 0
 
 
 def test_a_traced_state_is_not_saved():

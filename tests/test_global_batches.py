@@ -55,6 +55,32 @@ def _solo(loader, steps=STEPS, **kwargs):
   return np.stack(batches), np.stack(masks)
 
 
+@pytest.mark.parametrize("field,value,match", [
+    ("position", 5, r"position=\[5\], which must be in 0 .. 2"),
+    ("position", -3, r"position=\[-3\]"),
+    ("chunk", -4, r"chunk=\[-4\]"),
+    ("chain", 99, "chain 99, which this pipeline's init_fn did not create"),
+])
+def test_a_state_edited_by_hand_is_refused_as_without_a_mesh(field, value,
+                                                             match):
+  """A mesh pipeline checked only the state's pipeline: a position past
+  the cache moved the chain to another chunk, and a chunk or chain out of
+  range failed inside the host callback."""
+  pipeline = jax_data.random_reference_data(
+      NumpyDataLoader(**_data()), CACHE, MB, mesh=_mesh(), batch_axis="data")
+  init_fn, batch_fn, release_fn = pipeline
+  state = init_fn(seed=0)
+  edited = state._replace(**{field: np.full_like(
+      np.asarray(getattr(state, field)), value)})
+  with pytest.raises(ValueError, match="batch_fn got a state .*" + match):
+    batch_fn(edited)
+  with pytest.raises(ValueError, match="state_to_pytree got a state .*"
+                     + match):
+    jax_data.state_to_pytree(pipeline, edited)
+  assert jax.jit(batch_fn)(state)[0].chunk.tolist() == 0
+  release_fn()
+
+
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(m)[5:] or
                          "draws")
 def test_global_batch_equals_the_batch_without_a_mesh(pipelines, mode):

@@ -26,7 +26,6 @@ from jax.custom_batching import custom_vmap
 from jax_data.compiled import bridge
 from jax_data.compiled import pass_loop
 from jax_data.compiled import pipeline as pl
-from jax_data.compiled import states
 from jax_data.errors import PipelineReleasedError
 from jax_data.loaders.gather import digest_rows
 from jax_data.loaders.gather import sample_rows
@@ -302,6 +301,21 @@ def kind_draw(count: int, batch_size: int) -> Callable[..., List[Any]]:
   return draw
 
 
+def _check_kinds(chain: Any, where: str) -> None:
+  """Raises if a known ``chain`` field of a device loader's state (of
+  stacked states too) is not a kind of stream, -1 (``init_random_data``'s
+  key) to -4 (a counter-based stream's modes); traced fields pass."""
+  try:
+    kinds = np.asarray(chain)
+  except jax.errors.TracerArrayConversionError:
+    return
+  if kinds.size and (kinds.min() < -4 or kinds.max() > -1):
+    raise ValueError(
+        f"{where} got a state with chain={kinds.tolist()}, where a device "
+        "loader's state names its kind of stream, -1 to -4: use the states "
+        "of this pipeline's init_fn, batch_fn or restore_checkpoint")
+
+
 class LoaderRef:
   """Holds a device loader until the pipeline is released."""
 
@@ -398,10 +412,24 @@ class RandomPipeline(pl.RandomPipeline):
       loader.made_chains(int((np.asarray(chain) <= -2).sum()))
     return state
 
+  def check_state(self, state: Any, where: str) -> CacheState:
+    """As :meth:`Pipeline.check_state`, and a known ``chain`` field must
+    name a kind of stream (-1 to -4): another value drew some kind's
+    batches, and its checkpoint could not be restored."""
+    state = super().check_state(state, where)
+    _check_kinds(state.chain, where)
+    return state
+
+  def saved_lanes(self, state: Any, where: str = "state_to_pytree"):
+    """See :meth:`Pipeline.saved_lanes`; ``chain`` a kind of stream."""
+    lanes, arrays = super().saved_lanes(state, where)
+    _check_kinds(arrays["chain"], where)
+    return lanes, arrays
+
   def batch_fn(self, state: CacheState, information: bool = False,
                device_count: int = 1):
     """The next batch, drawn on the device, and the advanced state."""
-    state = states.check_state(state, self.template, "batch_fn")
+    state = self.check_state(state, "batch_fn")
     information = pl.Call.checked(information, device_count).information
     loader = self._ref.loader
     if isinstance(loader, DeviceNumpyDataLoader):

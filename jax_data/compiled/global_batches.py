@@ -32,7 +32,6 @@ from typing import Optional
 from typing import Tuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
@@ -275,19 +274,33 @@ class GlobalPipeline(pl.RandomPipeline):
       shape = np.shape(g)
       leads.add(shape[:1] if chained else ())
       if (shape[1:] if chained else shape) != np.shape(w) or (
-          jnp.result_type(g) != jnp.result_type(w)):
+          states.dtype_of(g) != states.dtype_of(w)):
         lead = "a leading chain axis and " if chained else ""
         raise TypeError(
             f"state does not belong to this pipeline: a field has shape "
-            f"{shape} and dtype {jnp.result_type(g)}, expected {lead}shape "
-            f"{np.shape(w)} and {jnp.result_type(w)}")
+            f"{shape} and dtype {states.dtype_of(g)}, expected {lead}shape "
+            f"{np.shape(w)} and {states.dtype_of(w)}")
     if len(leads) > 1:
       raise TypeError(
           "the fields of a state of several chains must share their leading "
           f"(chain) axis, got leading axes {sorted(leads)}")
+    states.check_fits(state, self.template, where)
     if not isinstance(state.pipeline, jax.core.Tracer):
       values, held = _local(state.pipeline)
       states.check_identity(values[held], self.id, where)
+    # As a pipeline without a mesh checks them: a position past the cache
+    # moved the chain to another chunk, a chain or chunk out of range
+    # failed only inside the host callback.
+    counters = ("chunk", "position", "cached_chunk")
+    if not any(isinstance(getattr(state, name), jax.core.Tracer)
+               for name in counters):
+      held = {name: _local(getattr(state, name)) for name in counters}
+      states.check_counters(state._replace(**{
+          name: values[where_held] for name, (values, where_held)
+          in held.items()}), self.template.mask.shape[0], where)
+    if not isinstance(state.chain, jax.core.Tracer):
+      values, held = _local(state.chain)
+      states.check_chains(values[held], self.host, where)
     return state
 
   def scan_batches(self, f: Callable[..., Any], init: Any,

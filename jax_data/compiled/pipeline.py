@@ -121,6 +121,7 @@ class Pipeline(collections.abc.Sequence):
     lanes = np.shape(state.chain)
     if np.shape(state.key)[len(lanes):] != np.shape(self.template.key):
       raise TypeError("state does not belong to this pipeline")
+    states.check_counter_fields(state, self.template, lanes, where)
     states.check_identity(state.pipeline, self.id, where)
     states.check_counters(state, np.shape(self.template.mask)[0], where)
     return lanes, {f: np.asarray(getattr(state, f))

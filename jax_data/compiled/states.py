@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 from typing import Protocol
 from typing import Sequence
+from typing import Tuple
 
 import jax
 import jax.numpy as jnp
@@ -53,14 +54,68 @@ def check_state(state: Any, expected: CacheState, where: str) -> CacheState:
         "init_fn one integer seed")
   for g, w in pairs:
     # Inside vmap/pmap a state has its unbatched shapes again.
-    if np.shape(g) != np.shape(w) or jnp.result_type(g) != jnp.result_type(w):
+    if np.shape(g) != np.shape(w) or dtype_of(g) != dtype_of(w):
       raise TypeError(
           f"state does not belong to this pipeline: a field has shape "
-          f"{np.shape(g)} and dtype {jnp.result_type(g)}, expected "
-          f"{np.shape(w)} and {jnp.result_type(w)}")
+          f"{np.shape(g)} and dtype {dtype_of(g)}, expected "
+          f"{np.shape(w)} and {dtype_of(w)}")
+  check_fits(state, expected, where)
   check_identity(state.pipeline, int(expected.pipeline), where)
   check_counters(state, np.shape(expected.mask)[0], where)
   return state
+
+
+def dtype_of(leaf: Any) -> np.dtype:
+  """A state field's dtype as JAX would take it, or NumPy's for what JAX
+  takes for none (a string, None: a field set by hand), for messages."""
+  try:
+    return jnp.result_type(leaf)
+  except (TypeError, ValueError):
+    return np.asarray(leaf).dtype
+
+
+#: The fields a checkpoint saves or names (the cache's are refetched).
+COUNTERS = ("pipeline", "chain", "chunk", "position", "cached_chunk", "key")
+
+
+def check_counter_fields(state: CacheState, expected: CacheState,
+                         lanes: Tuple[int, ...], where: str) -> None:
+  """Raises if a field of :data:`COUNTERS` is not of ``expected``'s dtype,
+  and its shape, after leading ``lanes``: a checkpoint of a float or int64
+  counter set by hand truncated or wrapped it, where ``batch_fn`` refuses
+  the state."""
+  for name in COUNTERS:
+    got, want = getattr(state, name), getattr(expected, name)
+    shape = lanes + np.shape(want)
+    if np.shape(got) != shape or dtype_of(got) != dtype_of(want):
+      raise TypeError(
+          f"{where} got a state whose {name} has shape {np.shape(got)} and "
+          f"dtype {dtype_of(got)}, expected {shape} and {dtype_of(want)}: "
+          "use the states of this pipeline's init_fn, batch_fn or "
+          "restore_checkpoint")
+  check_fits(state, expected, where)
+
+
+def check_fits(state: CacheState, expected: CacheState, where: str) -> None:
+  """Raises if a field of :data:`COUNTERS` given as a NumPy (or Python)
+  integer of another dtype than ``expected``'s (64 bits, which JAX takes
+  as 32 without x64) holds a value that dtype cannot: JAX would wrap it
+  (a chunk of 2**32 + 3 served chunk 3). JAX arrays, of the dtype
+  already, are not read."""
+  for name in COUNTERS:
+    got, want = getattr(state, name), np.dtype(dtype_of(getattr(
+        expected, name)))
+    if isinstance(got, (jax.Array, jax.core.Tracer)):
+      continue
+    values = np.asarray(got)
+    if values.dtype == want or values.dtype.kind not in "iu":
+      continue
+    fits = np.iinfo(want)
+    if values.size and (values.min() < fits.min or values.max() > fits.max):
+      raise ValueError(
+          f"{where} got a state whose {name} is {values.tolist()}, outside "
+          f"{want}'s {fits.min} .. {fits.max}: use the states of this "
+          "pipeline's init_fn, batch_fn or restore_checkpoint")
 
 
 def check_identity(field: Any, pipeline: int, where: str) -> None:
@@ -139,11 +194,13 @@ def check_counters(state: CacheState, cache_size: int, where: str) -> None:
   except jax.errors.TracerArrayConversionError:
     return
   top = max(cache_size, 1) - 1
-  for name, value, low, high in (("chunk", chunk, 0, None),
+  # An int64 counter past int32 (set by hand) wrapped when JAX took it.
+  most = np.iinfo(np.int32).max
+  for name, value, low, high in (("chunk", chunk, 0, most),
                                  ("position", position, 0, top),
-                                 ("cached_chunk", cached, -1, None)):
-    if (value < low).any() or (high is not None and (value > high).any()):
-      bound = f"at least {low}" if high is None else f"in {low} .. {high}"
+                                 ("cached_chunk", cached, -1, most)):
+    if (value < low).any() or (value > high).any():
+      bound = f"in {low} .. {high}"
       raise ValueError(
           f"{where} got a state with {name}={value.tolist()}, which must be "
           f"{bound}; use the states of this pipeline's init_fn, batch_fn or "
