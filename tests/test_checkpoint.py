@@ -617,6 +617,19 @@ def test_counters_of_another_type_are_not_saved(field, value, error, match):
   assert jax_data.state_to_pytree(pipeline, state)["chunk"] == 0
 
 
+@pytest.mark.parametrize("path, message", [
+    ("", "path must be a file name, got path=''$"),
+    ("a\0b", re.escape("path must be a file name, got path='a\\x00b', "
+                        "with a null byte")),
+])
+def test_a_path_that_names_no_file_is_refused_before_saving(path, message):
+  """"" failed after the state was serialised, naming a temporary file;
+  a null byte gave os's bare ValueError."""
+  pipeline = _pipeline()
+  with pytest.raises(ValueError, match=message):
+    jax_data.save_checkpoint(path, pipeline, pipeline[0](seed=1))
+
+
 def test_a_traced_state_is_not_saved():
   """Inside jit a state's counters are unknown: said so, not NumPy's
   TracerArrayConversionError."""

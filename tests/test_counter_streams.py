@@ -94,12 +94,35 @@ def test_bad_seeds_and_batch_arguments_are_named():
       (dict(shuffle="no"), (TypeError, "shuffle must be True or False, got "
                                        "shuffle='no'")),
       (dict(in_epochs=1), (TypeError, "in_epochs must be True or False, "
-                                      "got in_epochs=1"))):
+                                      "got in_epochs=1")),
+      # These failed deep inside, or gave negative or float indices.
+      (dict(n=1.5), (TypeError, "n must be an integer, got n=1.5")),
+      (dict(n=True), (TypeError, "n must be an integer, got n=True")),
+      (dict(start=-3), (ValueError, "start must be at least 0, got "
+                                    "start=-3")),
+      (dict(start=1.5), (TypeError, "start must be an integer")),
+      (dict(first=2**62), (ValueError, "positions past 2**63 - 1 (int64), "
+                                       f"got first={2**62}")),
+      (dict(columns=5), (TypeError, "columns must be a slice")),
+      (dict(first=jnp.uint32(0), xp=jnp, columns=slice(0, 1)),
+       (TypeError, "with NumPy only"))):
     arguments = {**dict(seed=3, first=0, count=2, mb_size=3, n=1000,
                         shuffle=True, in_epochs=False), **bad}
     with pytest.raises(message[0], match=re.escape(message[1])):
       cs.stream_batches(**arguments)
   assert cs.stream_batches(3, 0, 0, 3, 1000, True, False)[0].shape == (0, 3)
+  for call, message in (
+      (lambda: cs.permute(0, 0, np.arange(1), 1.5), "n must be an integer"),
+      (lambda: cs.uniform(0, np.arange(3), 10.0), "n must be an integer"),
+      (lambda: cs.permute(0, np.array([0, 1]), np.arange(3), 10),
+       r"epoch and offsets must broadcast together, got epoch of shape "
+       r"\(2,\) and offsets of shape \(3,\)"),
+      (lambda: cs.uniform((1, 2, 3), np.arange(3), 10),
+       r"seed given as a tuple must be the seeds' \(low, high\) uint32"),
+      # A tuple of positions skipped the range check and read as words.
+      (lambda: cs.uniform(0, (-1, -2), 10), "positions given as a tuple")):
+    with pytest.raises((TypeError, ValueError), match=message):
+      call()
   seeds = np.array([0, 2**64 - 1], np.uint64)
   np.testing.assert_array_equal(
       cs.uniform(counter_chains.uint32_words(seeds), np.array([5, 5]), 1000),
@@ -1103,3 +1126,29 @@ def test_no_batches_and_batches_larger_than_the_data():
     assert indices.shape == (2, 0, 4)
   with pytest.raises(ValueError, match="mb_size=64 .* count of 17"):
     device_streams.device_batch(jnp.zeros(2, jnp.uint32), 0, 64, 17, 1)
+
+
+@pytest.mark.parametrize("arguments,error,message", [
+    (dict(mb_size=0), ValueError, "mb_size must be at least 1"),
+    (dict(mb_size=1.5), TypeError, "mb_size must be an integer"),
+    (dict(n="10"), TypeError, "n must be an integer, got n='10'"),
+    (dict(mode=True), TypeError, "mode must be an integer, got mode=True"),
+    (dict(mode=3), ValueError, "mode must be between 0 and 2"),
+    (dict(seed=jnp.array([7, 0, 9], jnp.uint32)), TypeError,
+     r"seed must be the seed's two uint32 words .* shape \(3,\)"),
+    (dict(seed=jnp.array([7.9, 0.0])), TypeError, "dtype float32"),
+    (dict(batch=1.5), TypeError, "batch must be one integer"),
+    (dict(batch=2**31), ValueError, "batch must be between 0 and "
+     "2147483647"),
+])
+def test_device_batch_names_a_bad_argument(arguments, error, message):
+  """Empty batches came out of mb_size=0, a third seed word and a float
+  batch were dropped silently, and the rest failed deep inside JAX."""
+  given = {**dict(seed=jnp.zeros(2, jnp.uint32), batch=0, mb_size=3, n=10,
+                  mode=0), **arguments}
+  with pytest.raises(error, match=message):
+    device_streams.device_batch(**given)
+  indices, _ = device_streams.device_batch(
+      jnp.zeros(2, jnp.uint32), np.int64(3), 3, 10, np.int64(2))
+  assert indices.tolist() == cs.stream_batches(
+      0, 3, 1, 3, 10, True, True)[0][0].tolist()

@@ -225,3 +225,14 @@ def test_bad_split_passes_are_named():
     jax_data.full_data_mapper(jax_data.TensorflowDataLoader(
         tf.data.Dataset.from_tensor_slices({"x": np.arange(10.0)}),
         in_memory=True), 1, 2, mesh=_mesh(), batch_axis="data")
+
+
+def test_a_carry_jax_takes_for_no_array_is_named():
+  """As the pass without a mesh names it; it failed inside JAX."""
+  mapper_fn, release_fn = jax_data.full_data_mapper(
+      NumpyDataLoader(x=np.arange(10.0)), 2, 2, mesh=_mesh(2),
+      batch_axis="data")
+  with pytest.raises(TypeError, match="carry must be an array or a number, "
+                     "got 's' of type str"):
+    mapper_fn(lambda batch, carry: (batch["x"], carry), "s")
+  release_fn()

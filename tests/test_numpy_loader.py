@@ -551,3 +551,35 @@ def test_a_loader_kept_after_release_keeps_no_threads():
     while _gather_threads() > before and time.monotonic() < deadline:
       time.sleep(0.01)
     assert _gather_threads() <= before
+
+
+def test_a_traced_array_is_named():
+  """NumPy's TracerArrayConversionError did not name the array."""
+  with pytest.raises(TypeError, match="array 'x' must be concrete, got a "
+                     "traced array"):
+    jax.jit(lambda a: jax_data.NumpyDataLoader(x=a) and a)(jnp.arange(3.0))
+
+
+@pytest.mark.parametrize("key", [None, "abc", np.zeros(2, np.float32),
+                                 np.zeros(3, np.uint32)])
+def test_get_random_data_names_a_key_that_is_none(key):
+  """JAX's errors (unexpected PRNG key type, data type 'abc') did not say
+  what the argument should be."""
+  loader = jax_data.DeviceNumpyDataLoader(x=np.arange(10.0))
+  with pytest.raises(TypeError, match="state must be a PRNG key"):
+    loader.get_random_data(key, 3)
+  raw = jax.random.key_data(jax.random.key(0))
+  _, (batch, _) = jax.jit(lambda k: loader.get_random_data(k, 3))(raw)
+  assert batch["x"].shape == (3,)
+
+
+def test_the_predecessors_registration_keeps_the_cache_limit():
+  """register_random_pipeline took a cache random_reference_data refuses;
+  get_batches then failed to allocate 11 GiB, or took the memory."""
+  loader = jax_data.NumpyDataLoader(x=np.arange(10.0))
+  with pytest.raises(ValueError, match="cache_size=1000000000 batches of "
+                     "mb_size=3 make a chunk of 15,000,000,000 bytes, over "
+                     "the limit of 268,435,456"):
+    loader.register_random_pipeline(10**9, 3)
+  chain = loader.register_random_pipeline(5, 3)
+  assert loader.get_batches(chain)[0]["x"].shape == (5, 3)

@@ -689,3 +689,15 @@ def test_reverse_mode_with_respect_to_the_carry(kind):
     np.testing.assert_allclose(jax.jit(jax.grad(loss))(0.3, state), want,
                                rtol=1e-5)
   release_fn()
+
+
+@pytest.mark.parametrize("xs, message", [
+    (np.array([object()] * 2), "xs must be an array or a number, got array"),
+    (["a", "b"], r"xs\[0\] must be an array or a number, got 'a'"),
+])
+def test_xs_that_jax_takes_for_no_array_are_named(pipeline, xs, message):
+  """As init is: they failed inside JAX's dtype rules."""
+  init_fn, batch_fn, _ = pipeline
+  with pytest.raises(TypeError, match=message):
+    jax_data.scan(lambda c, bx: (c, None), 0.0, init_fn(seed=0),
+                  batch_fn=batch_fn, xs=xs)

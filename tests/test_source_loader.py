@@ -1456,3 +1456,23 @@ def test_records_in_the_other_byte_order_are_named():
   with pytest.raises(TypeError, match=r"record 0 has \['x'\] of dtype >f4, "
                      "in the other byte order.*transform="):
     SourceDataLoader(records, workers=0)
+
+
+class _NegativeLength:
+  def __len__(self):
+    return -1
+
+  def __getitem__(self, index):
+    return np.zeros(2)
+
+
+@pytest.mark.parametrize("source, message", [
+    (np.array(3.0), "len\\(source\\) failed for source=array\\(3.\\) of type "
+     "ndarray: TypeError"),
+    (_NegativeLength(), "len\\(source\\) failed .* ValueError: __len__"),
+])
+def test_a_source_without_a_length_is_named(source, message):
+  """Python's own error did not name the argument."""
+  with pytest.raises(TypeError, match="source must have a length, "
+                     + message):
+    jax_data.SourceDataLoader(source)

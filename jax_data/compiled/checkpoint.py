@@ -538,10 +538,14 @@ def _file_name(path: Any) -> str:
   """``path`` as a str, if it is a file name (a str, bytes or
   os.PathLike)."""
   try:
-    return os.fsdecode(path)
+    name = os.fsdecode(path)
   except TypeError:
     raise TypeError("path must be a file name (a str, bytes or "
                     f"os.PathLike), got path={path!r}") from None
+  if not name or "\0" in name:
+    raise ValueError("path must be a file name, got path="
+                     f"{path!r}" + (", with a null byte" if name else ""))
+  return name
 
 
 def read_tree(f: BinaryIO, path: str) -> Dict[str, np.ndarray]:

@@ -160,7 +160,17 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
     # The batch's shape: a concrete int, as for init_fn's mb_size.
     batch_size = check_int("batch_size", batch_size, minimum=1,
                            maximum=MAX_AXIS)
-    if is_typed(state) or np.shape(state) != (2,):
+    try:
+      typed = is_typed(state)
+    except TypeError:
+      typed = None
+    if typed is None or (not typed and (not isinstance(
+        state, (jax.Array, np.ndarray)) or np.shape(state) not in ((2,), (4,))
+        or not jnp.issubdtype(state.dtype, jnp.unsignedinteger))):
+      raise TypeError(
+          "state must be a PRNG key (a chain's key data, as init_random_data "
+          f"returns it, or a typed key), got state={state!r:.200}")
+    if typed or np.shape(state) != (2,):
       # A key as the caller's JAX makes them: typed, or the raw data of
       # another default impl (rbg's has 4 words).
       key, split = jax.random.split(state)

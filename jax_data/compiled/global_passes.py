@@ -36,6 +36,7 @@ from jax_data.loaders.chains import OrderedChain
 from jax_data.loaders.loader import DataLoader
 from jax_data.streams.sampling import ObservationRange
 from jax_data.validation import check_bool
+from jax_data.validation import check_jax_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +146,7 @@ class GlobalMapperPipeline(pl.Pipeline):
             "masking=True needs a batched fun (batched=True): vectorise fun "
             "and take the mask as its second argument")
       fun = vectorised(fun)
+    check_jax_values("carry", carry)
     self.check_open()
     traced = self._trace(fun, carry, call.masking)
     run = self._passes.get((traced.key, call.masking), lambda: jax.jit(

@@ -36,6 +36,7 @@ from jax_data.compiled import bridge as bridge_lib
 from jax_data.compiled import states
 from jax_data.compiled.bridge import Bridge
 from jax_data.lifetime import LIVE_HOSTS
+from jax_data.loaders.chains import MAX_CACHE_BYTES
 from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.loader import DataLoader
 from jax_data.loaders.loader import DeviceDataLoader
@@ -459,10 +460,6 @@ def check_sizes(data_loader: DataLoader, cache_size: Any, mb_size: Any,
                       cache_name="cached_batches_count")
 
 
-#: The most bytes a pipeline's device cache may take per chain (batches,
-#: their masks): larger caches buy no speed, and a mistyped size would
-#: exhaust memory before anything runs.
-MAX_CACHE_BYTES = 256 << 20
 
 
 def row_bytes(data_loader: DataLoader) -> int:

@@ -140,6 +140,7 @@ def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
     raise TypeError(f"f must be callable, got f={f!r}")
   information = check_bool("information", information)
   device_count = check_int("device_count", device_count, minimum=1)
+  check_jax_values("xs", xs)
   length = _check_length(xs, length)
   check_jax_values("init", init)
   state = pipeline.check_state(state, "scan")

@@ -211,6 +211,13 @@ class LeafFormat:
   dtype: np.dtype
 
 
+#: The most bytes a pipeline's device cache may take per chain (batches,
+#: their masks), and so a chunk: larger caches buy no speed, and a
+#: mistyped size would exhaust memory before anything runs
+#: (``jax_data.pipeline.MAX_CACHE_BYTES``).
+MAX_CACHE_BYTES = 256 << 20
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkLayout:
   """The arrays of one chunk: leaves with leading ``(cache_size, mb_size)``.

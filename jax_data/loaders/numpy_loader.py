@@ -66,6 +66,11 @@ def _as_host_array(name: str, value: Any, copy: bool) -> np.ndarray:
     # are read by slices per chunk.
     mapped = map_hdf5(value)
     array = value if mapped is None else mapped
+  elif isinstance(value, jax.core.Tracer):
+    raise TypeError(
+        f"array {name!r} must be concrete, got a traced array (inside "
+        "jax.jit, vmap or scan): make the loader outside, of the arrays "
+        "themselves")
   elif isinstance(value, jax.Array):
     array = np.asarray(value)
   else:

@@ -193,7 +193,14 @@ class SourceDataLoader(HostDataLoader):
     # truncated meanwhile kills the process with SIGBUS).
     self._file_bytes = (file_bytes_needed(source)
                         if isinstance(source, np.memmap) else None)
-    self._count = check_int("len(source)", len(source), minimum=0)
+    try:
+      length = len(source)
+    except (TypeError, ValueError) as e:  # a 0-d array; __len__() < 0
+      raise TypeError(
+          f"source must have a length, len(source) failed for "
+          f"source={source!r:.200} of type {type(source).__name__}: "
+          f"{type(e).__name__}: {e}") from None
+    self._count = check_int("len(source)", length, minimum=0)
     if self._count == 0:
       raise ValueError(f"source {source!r} is empty (len(source) == 0)")
     self._workers = default_workers() if workers is None else check_int(

@@ -381,11 +381,20 @@ def permute(seed: int, epoch: Any, offsets: Any, n: int, xp: Any = np
       past ``2**32 - 1`` (uint32 there).
     TypeError: offsets, or a seed, that are not integers.
   """
+  n = _check_n(n)
   bits = domain_bits(n)
   _check_size(n, bits, xp)
   _check_seed(seed)
   _check_range("offsets", offsets, n - 1, f"n - 1 (n={n})")
   _check_epoch(epoch)
+  if np.ndim(epoch):
+    try:
+      np.broadcast_shapes(np.shape(epoch), np.shape(offsets))
+    except ValueError:
+      raise ValueError(
+          f"epoch and offsets must broadcast together, got epoch of shape "
+          f"{np.shape(epoch)} and offsets of shape {np.shape(offsets)}"
+          ) from None
   if xp is not np and not isinstance(epoch, (int, np.integer)):
     # Arrays of epochs are uint32 on the device: 2**33 was epoch 0.
     _check_range("epoch", epoch, 2**32 - 1,
@@ -516,8 +525,14 @@ def uniform(seed: Any, positions: Any, n: int, xp: Any = np) -> Any:
       another seed, modulo ``2**64``).
     TypeError: positions, or a seed, that are not integers.
   """
+  n = _check_n(n)
   _check_size(n, domain_bits(n), xp)
   _check_seed(seed)
+  if isinstance(positions, tuple) and xp is np:
+    raise TypeError(
+        "positions given as a tuple are their (low, high) uint32 words, "
+        "which only jax.numpy takes; NumPy takes int64 positions: give a "
+        f"list or an array, got positions={positions!r:.200}")
   if not isinstance(positions, tuple):
     _check_range("positions", positions, 2**63 - 1, "2**63 - 1")
     if xp is not np:
@@ -654,10 +669,23 @@ def _check_seed(seed: Any) -> None:
   nor seeds' ``uint32`` words (a pair of arrays, or an array of the two
   words, as the chains hold them): -1 was seed ``2**64 - 1``, ``2**64 + 7``
   seed 7, and a float or a string failed deep inside."""
-  if isinstance(seed, tuple) or np.ndim(seed) > 0 and hasattr(seed,
-                                                              "dtype"):
+  if isinstance(seed, tuple):
+    if len(seed) != 2 or not all(
+        hasattr(word, "dtype") and np.dtype(word.dtype).kind == "u"
+        for word in seed):
+      raise TypeError(
+          "seed given as a tuple must be the seeds' (low, high) uint32 "
+          f"words, two arrays, got seed={seed!r:.200}")
+    return
+  if np.ndim(seed) > 0 and hasattr(seed, "dtype"):
     return
   check_int("seed", seed, minimum=0, maximum=2**64 - 1)
+
+
+def _check_n(n: Any) -> int:
+  """``n`` as an int, or raises naming it: a float or a string failed
+  deep inside, and True was taken for 1."""
+  return check_int("n", n)
 
 
 def _check_epoch(epoch: Any) -> None:
@@ -704,12 +732,25 @@ def stream_batches(seed: int, first: Any, count: int, mb_size: int, n: int,
       integer, or ``shuffle`` or ``in_epochs`` not True or False.
   """
   _check_seed(seed)
+  n = _check_n(n)
   count = check_int("count", count, minimum=0)
   mb_size = check_int("mb_size", mb_size, minimum=1)
   shuffle = check_bool("shuffle", shuffle)
   in_epochs = check_bool("in_epochs", in_epochs)
+  start = check_int("start", start, minimum=0)
+  if columns is not None and (xp is not np
+                              or not isinstance(columns, slice)):
+    raise TypeError(
+        "columns must be a slice of each batch's columns, with NumPy only "
+        f"(xp=numpy), got columns={columns!r}" + (
+            "" if xp is np else f" with xp={getattr(xp, '__name__', xp)}"))
   if xp is np:
     first = check_int("first", first, minimum=0)
+    if (first + count) * mb_size > 2**63 - 1:
+      raise ValueError(
+          f"batches first .. first + count - 1 of mb_size observations "
+          f"have positions past 2**63 - 1 (int64), got first={first}, "
+          f"count={count} and mb_size={mb_size}")
     steps = np.arange(count * mb_size, dtype=np.int64).reshape(count,
                                                                mb_size)
     if columns is not None:

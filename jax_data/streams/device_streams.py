@@ -11,8 +11,11 @@ from __future__ import annotations
 from typing import Any
 from typing import Tuple
 
+import numpy as np
+
 from jax_data.streams.counter_streams import permute
 from jax_data.streams.counter_streams import uniform
+from jax_data.validation import check_int
 
 #: Modes of :func:`device_batch`, in the order of its ``mode`` argument.
 DEVICE_MODES = ("independent", "shuffle", "epochs")
@@ -27,7 +30,10 @@ def sizes_fit(mb_size: int, n: int) -> bool:
 def check_sizes(mb_size: int, n: int) -> None:
   """Raises ValueError, naming both, unless :func:`sizes_fit` and a batch
   is at most the observations (a shuffled batch then crosses at most one
-  epoch's end, and an offset past ``n`` would cycle-walk for ever)."""
+  epoch's end, and an offset past ``n`` would cycle-walk for ever); a
+  size that is not an integer raises TypeError."""
+  mb_size = check_int("mb_size", mb_size, minimum=1)
+  n = check_int("n", n, minimum=1)
   if mb_size > n:
     raise ValueError(
         f"counter streams on the device draw batches of at most the "
@@ -55,13 +61,24 @@ def device_batch(seed: Any, batch: Any, mb_size: int, n: int, mode: int
     mode: Index into :data:`DEVICE_MODES` (a Python int: only that
       mode's stream is computed).
   """
+  import jax
   import jax.numpy as jnp
 
-  if not (isinstance(mode, int) and 0 <= mode < len(DEVICE_MODES)):
-    raise ValueError(
-        f"mode must be an int index into DEVICE_MODES {DEVICE_MODES}, got "
-        f"mode={mode!r}")
+  # An index into DEVICE_MODES.
+  mode = check_int("mode", mode, minimum=0, maximum=len(DEVICE_MODES) - 1)
   check_sizes(mb_size, n)
+  if np.shape(seed) != (2,) or jnp.result_type(seed) != jnp.uint32:
+    raise TypeError(
+        "seed must be the seed's two uint32 words (low, high), got seed of "
+        f"shape {np.shape(seed)} and dtype {jnp.result_type(seed)}")
+  if np.shape(batch) != () or not jnp.issubdtype(jnp.result_type(batch),
+                                                 jnp.integer):
+    raise TypeError(
+        "batch must be one integer (int32 or uint32 where traced), got "
+        f"batch of shape {np.shape(batch)} and dtype "
+        f"{jnp.result_type(batch)}")
+  if not isinstance(batch, jax.core.Tracer):
+    check_int("batch", batch, minimum=0, maximum=2**31 - 1)
   batch = jnp.asarray(batch).astype(jnp.uint32)
   steps = jnp.arange(mb_size, dtype=jnp.uint32)
   everything = jnp.ones(mb_size, bool)
