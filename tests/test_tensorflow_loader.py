@@ -324,6 +324,17 @@ def test_bad_loader_arguments_are_named(kwargs, error, match):
     TensorflowDataLoader(**kwargs)
 
 
+def test_a_shuffle_buffer_larger_than_memory_is_refused():
+  """It was taken, and the first batch failed to allocate 8 TiB inside the
+  host callback; a buffer of more than the pipeline's observations holds
+  only those, and is taken."""
+  with pytest.raises(ValueError, match=f"shuffle_cache={2**40} observations "
+                     "of .* bytes take .* bytes per random chain, more than "
+                     "this machine's"):
+    TensorflowDataLoader(_pipeline(10).repeat(), 2**40)
+  assert TensorflowDataLoader(_pipeline(10), 2**40).observation_count == 10
+
+
 def test_tuple_elements_are_an_error():
   pipeline = tf.data.Dataset.from_tensor_slices((np.arange(3), np.arange(3)))
   with pytest.raises(TypeError, match="must yield dicts"):

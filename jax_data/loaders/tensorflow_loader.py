@@ -359,6 +359,8 @@ class TensorflowDataLoader(HostDataLoader):
     self._shared_lock = threading.Lock()
     self._reading = Reading(self.chunk_layout(1, 1).leaves, repr(self),
                             self._count, stated)
+    _check_buffer_fits(self._shuffle_cache, self._count,
+                       self.chunk_layout(1, 1).nbytes)
     if in_memory:
       self._arrays, self._reading = _read_all(self._pipeline, self._reading)
       self._count = self._reading.count
@@ -509,6 +511,26 @@ class TensorflowDataLoader(HostDataLoader):
         self._digest = "formats " + hashlib.sha256(
             formats).hexdigest()[:32] + count
     return self._digest
+
+
+def _check_buffer_fits(shuffle_cache: int, count: Optional[int],
+                       row_bytes: int) -> None:
+  """Raises, naming ``shuffle_cache``, if a random chain's shuffle buffer
+  (at most the pipeline's ``count`` observations) would take more than the
+  machine's memory: it failed with a MemoryError at the first batch,
+  inside the host callback (2**40 observations: 8 TiB)."""
+  held = shuffle_cache if count is None else min(shuffle_cache, count)
+  try:
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (AttributeError, OSError, ValueError):  # no sysconf: unchecked
+    return
+  # Each buffered observation's row, and its place in the buffer.
+  needed = held * (row_bytes + 8)
+  if needed > memory:
+    raise ValueError(
+        f"shuffle_cache={shuffle_cache} observations of {row_bytes} bytes "
+        f"take {needed:,} bytes per random chain, more than this machine's "
+        f"{memory:,} bytes of memory; use a smaller shuffle_cache")
 
 
 def _same_rows(leaves, again) -> bool:
