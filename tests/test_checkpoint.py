@@ -289,11 +289,13 @@ def test_data_digest_reads_a_fixed_sample_of_rows(tmp_path):
       self.rows.add(row)
       return self.array[row]
 
-  for n in (1, 10, 10_000, 1_000_000):
+  for n in (1, 10, 32, 33, 37, 10_000, 1_000_000):
     leaf = Counting(np.arange(n))
     digest = jax_data.gather.digest_rows(
         n, lambda row, leaf=leaf: [leaf[row]], [np.dtype(np.int32)])
-    assert len(leaf.rows) <= 32 and len(digest) == 32
+    # Every row up to 32, else 32 distinct ones (the sample of version 1
+    # repeated rows: 23 of 37, 24 of 32).
+    assert len(leaf.rows) == min(n, 32) and len(digest) == 32
   # A memmap is not read whole, and its digest is that of the same data
   # in memory.
   path = tmp_path / "x.npy"
@@ -305,6 +307,49 @@ def test_data_digest_reads_a_fixed_sample_of_rows(tmp_path):
   changed[0, 0] = -1.0  # row 0 is always in the sample
   assert NumpyDataLoader(x=changed).content_digest() != (
       in_memory.content_digest())
+
+
+@pytest.mark.parametrize("kind", ["numpy", "device", "source", "tf",
+                                  "tf in memory"])
+def test_every_row_of_small_data_counts_and_older_checkpoints_restore(kind):
+  """A checkpoint was restored onto data whose row 1 (of 32, or of the
+  first 32 observations of a tf.data pipeline) had changed: the digest's
+  sample left it out. A checkpoint saved with that digest (version 1)
+  still restores onto the same data, and is refused by other data."""
+  import tensorflow as tf
+
+  def pipeline(x):
+    loader = {
+        "numpy": lambda: NumpyDataLoader(x=x),
+        "device": lambda: jax_data.DeviceNumpyDataLoader(x=x),
+        "source": lambda: jax_data.SourceDataLoader([{"x": v} for v in x]),
+        "tf": lambda: jax_data.TensorflowDataLoader(
+            tf.data.Dataset.from_tensor_slices({"x": x})),
+        "tf in memory": lambda: jax_data.TensorflowDataLoader(
+            tf.data.Dataset.from_tensor_slices({"x": x}), in_memory=True),
+    }[kind]()
+    return loader, jax_data.random_reference_data(loader, 2, 3)
+
+  n = 37 if kind.startswith("tf") else 32
+  x = np.arange(n, dtype=np.float32)
+  loader, saved_by = pipeline(x)
+  state = saved_by[0](seed=4, **({"stream": "counter"} if kind == "device"
+                                 else {}))
+  tree = jax_data.state_to_pytree(saved_by, state)
+  for row in range(32):
+    changed = x.copy()
+    changed[row] = 999.0
+    with pytest.raises(jax_data.CheckpointError, match="data is"):
+      jax_data.state_from_pytree(pipeline(changed)[1], tree)
+  host = json.loads(np.asarray(tree["host"], np.uint8).tobytes().decode())
+  (earlier,) = loader.earlier_digests()
+  assert earlier != host["fingerprint"]["data"]
+  host["fingerprint"]["data"] = earlier
+  older = {**tree, "host": np.frombuffer(json.dumps(host).encode(),
+                                         np.uint8)}
+  jax_data.state_from_pytree(pipeline(x.copy())[1], older)
+  with pytest.raises(jax_data.CheckpointError, match="data is"):
+    jax_data.state_from_pytree(pipeline(x + 1)[1], older)
 
 
 def test_a_failed_restore_leaves_no_chain_registered():

@@ -310,6 +310,12 @@ def _read_tree(tree: Any, pipeline: pl.Pipeline
   if pipeline.host is None and isinstance(saved, dict) and (
       saved.get("data") is None):
     here = {**here, "data": None}  # a device loader's, saved without one
+  if (isinstance(saved, dict) and saved.get("data") != here.get("data")
+      and saved.get("data") is not None
+      and saved.get("data") in pipeline.earlier_data_digests()):
+    # Saved by an earlier version, whose digest sampled fewer rows: the
+    # data match by that digest.
+    here = {**here, "data": saved["data"]}
   x64 = bool(jax.config.jax_enable_x64)
   if saved != here and host.get("x64", x64) != x64:
     raise CheckpointError(

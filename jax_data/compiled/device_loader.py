@@ -27,6 +27,7 @@ from jax_data.compiled import bridge
 from jax_data.compiled import pass_loop
 from jax_data.compiled import pipeline as pl
 from jax_data.errors import PipelineReleasedError
+from jax_data.loaders.gather import DIGEST_VERSION
 from jax_data.loaders.gather import digest_rows
 from jax_data.loaders.gather import sample_rows
 from jax_data.loaders.loader import DataLoader
@@ -83,15 +84,22 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
     ``NumpyDataLoader.content_digest``: a checkpoint is refused by the
     pipelines of other data of the same size."""
     if self._digest is None:
-      rows = sample_rows(self._count)
-      # The sample's rows copied to the host at once, one leaf each.
-      taken = [np.asarray(jnp.take(a, jnp.asarray(rows), axis=0))
-               for a in self._arrays.values()]
-      where = {int(row): i for i, row in enumerate(rows)}
-      self._digest = digest_rows(
-          self._count, lambda row: [t[where[row]] for t in taken],
-          [f.dtype for f in self._format.values()])
+      self._digest = self._digest_of(DIGEST_VERSION)
     return self._digest
+
+  def earlier_digests(self) -> Tuple[str, ...]:
+    """See ``HostDataLoader.earlier_digests``."""
+    return (self._digest_of(1),)
+
+  def _digest_of(self, version: int) -> str:
+    rows = sample_rows(self._count, version)
+    # The sample's rows copied to the host at once, one leaf each.
+    taken = [np.asarray(jnp.take(a, jnp.asarray(rows), axis=0))
+             for a in self._arrays.values()]
+    where = {int(row): i for i, row in enumerate(rows)}
+    return digest_rows(
+        self._count, lambda row: [t[where[row]] for t in taken],
+        [f.dtype for f in self._format.values()], version)
 
   def init_random_data(self, **kwargs: Any) -> jax.Array:
     """A chain's PRNG key data: keyword ``key`` (default ``key(0)``), a
@@ -457,6 +465,9 @@ class RandomPipeline(pl.RandomPipeline):
   def data_digest(self) -> Optional[str]:
     return _digest_of(self._ref.loader)
 
+  def earlier_data_digests(self) -> Tuple[str, ...]:
+    return _earlier_of(self._ref.loader)
+
   def release_fn(self) -> None:
     """Drops the pipeline's reference to the loader."""
     self._ref.release()
@@ -525,6 +536,10 @@ class FullChunks:
     """The loader's ``content_digest``, if it has one."""
     return _digest_of(self._ref.loader)
 
+  def earlier_data_digests(self) -> Tuple[str, ...]:
+    """The loader's ``earlier_digests``, if it has them."""
+    return _earlier_of(self._ref.loader)
+
   def release(self) -> None:
     self._ref.release()
 
@@ -532,3 +547,8 @@ class FullChunks:
 def _digest_of(loader: DataLoader) -> Optional[str]:
   digest = getattr(loader, "content_digest", None)
   return None if digest is None else digest()
+
+
+def _earlier_of(loader: DataLoader) -> Tuple[str, ...]:
+  earlier = getattr(loader, "earlier_digests", None)
+  return () if earlier is None else tuple(earlier())

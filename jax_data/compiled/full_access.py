@@ -358,6 +358,11 @@ class FullPipeline(pl.Pipeline):
       return self._chunks.data_digest()
     return super().data_digest()
 
+  def earlier_data_digests(self) -> Tuple[str, ...]:
+    if self.host is None:
+      return self._chunks.earlier_data_digests()
+    return super().earlier_data_digests()
+
   def trace(self, fun: Callable, data_state: CacheState, carry: PyTree,
             masking: bool, information: bool = False, device_count: int = 1
             ) -> Traced:

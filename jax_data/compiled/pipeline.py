@@ -105,6 +105,14 @@ class Pipeline(collections.abc.Sequence):
     """The digest of the loader's data (``content_digest``), or None."""
     return None if self.host is None else self.host.loader.content_digest()
 
+  def earlier_data_digests(self) -> Tuple[str, ...]:
+    """The digests earlier versions of jax_data computed for the loader's
+    data (``earlier_digests``), which their checkpoints carry."""
+    if self.host is None:
+      return ()
+    earlier = getattr(self.host.loader, "earlier_digests", None)
+    return () if earlier is None else tuple(earlier())
+
   def saved_lanes(self, state: Any, where: str = "state_to_pytree"
                   ) -> Tuple[Tuple[int, ...], Dict[str, np.ndarray]]:
     """What a checkpoint saves of ``state``: its lane shape (``()``, or the

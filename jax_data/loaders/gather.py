@@ -354,13 +354,30 @@ class BufferPool:
       return buffer
 
 
-def sample_rows(count: int) -> np.ndarray:
-  """The rows :func:`digest_rows` reads of ``count``: 16 evenly spaced and
-  16 drawn with a seed fixed by the count."""
+#: The sample :func:`digest_rows` reads (see :func:`sample_rows`).
+DIGEST_VERSION = 2
+#: Rows in a digest's sample: every row of data of this many or fewer.
+SAMPLED_ROWS = 32
+
+
+def sample_rows(count: int, version: int = DIGEST_VERSION) -> np.ndarray:
+  """The rows :func:`digest_rows` reads of ``count``, sorted: every row up
+  to :data:`SAMPLED_ROWS`, else that many distinct rows, half evenly spaced
+  and half drawn with a seed fixed by the count. Version 1 (jax_data's
+  checkpoints before 2026-12-01) took 16 evenly spaced and 16 drawn rows
+  that could coincide: 23-28 distinct ones, and rows 1, 3, 7, ... of 32
+  never counted."""
   rng = np.random.default_rng(count)
-  return np.unique(np.concatenate([
-      np.linspace(0, count - 1, min(count, 16)).astype(np.int64),
-      rng.integers(0, count, min(count, 16))]))
+  evenly = np.linspace(0, count - 1, min(count, 16)).astype(np.int64)
+  if version == 1:
+    return np.unique(np.concatenate([evenly,
+                                     rng.integers(0, count, min(count, 16))]))
+  if count <= SAMPLED_ROWS:
+    return np.arange(count, dtype=np.int64)
+  rows = set(evenly.tolist())
+  while len(rows) < SAMPLED_ROWS:
+    rows.update(rng.integers(0, count, SAMPLED_ROWS - len(rows)).tolist())
+  return np.array(sorted(rows), np.int64)
 
 
 def same_bytes(a: Any, b: Any) -> bool:
@@ -374,17 +391,18 @@ def same_bytes(a: Any, b: Any) -> bool:
 
 
 def digest_rows(count: int, read_row: Callable[[int], Sequence[Any]],
-                dtypes: Sequence[np.dtype]) -> str:
+                dtypes: Sequence[np.dtype], version: int = DIGEST_VERSION
+                ) -> str:
   """A digest of the row count and of a fixed sample of rows
-  (:func:`sample_rows`): O(1) in the number of rows, so memmaps and sources
-  are not read whole.
+  (:func:`sample_rows` of ``version``): O(1) in the number of rows, so
+  memmaps and sources are not read whole.
 
   ``read_row(i)`` returns the leaves of row ``i``; each is taken in the
   loader's dtype (``dtypes``), so the same data gives the same digest
   however it is held.
   """
   digest = hashlib.sha256(f"rows={count}".encode())
-  for row in sample_rows(count):
+  for row in sample_rows(count, version):
     for leaf, dtype in zip(read_row(int(row)), dtypes):
       value = np.ascontiguousarray(leaf, dtype=dtype)
       # ml_dtypes' types are "<V1" or "<V2" in .str (int4 and float8 alike):

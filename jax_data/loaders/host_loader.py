@@ -205,6 +205,12 @@ class HostDataLoader(DataLoader):
     that a checkpoint is not restored into other data; None if unknown."""
     return None
 
+  def earlier_digests(self) -> Tuple[str, ...]:
+    """The digests earlier versions of jax_data computed for the data
+    (a sample of fewer rows): checkpoints they saved carry those, and
+    restore where one matches. None by default."""
+    return ()
+
   def check_spec(self, spec: ChainSpec) -> None:
     """Raises if this loader cannot serve ``spec`` (called before the chain
     is numbered); the default accepts every spec."""

@@ -24,6 +24,7 @@ from jax_data.loaders.file_rows import check_mapped_file
 from jax_data.loaders.file_rows import file_bytes_needed
 from jax_data.loaders.file_rows import map_hdf5
 from jax_data.loaders.file_rows import read_sliced_rows
+from jax_data.loaders.gather import DIGEST_VERSION
 from jax_data.loaders.gather import Gatherer
 from jax_data.loaders.gather import digest_rows
 from jax_data.loaders.gather import is_run
@@ -248,12 +249,18 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
 
   def content_digest(self) -> str:
     if self._digest is None:
-      self._check_files()
-      dtypes = [leaf.dtype for leaf in self.chunk_layout(1, 1).leaves]
-      self._digest = digest_rows(
-          self._count, lambda row: [leaf[row] for leaf in self._leaves],
-          dtypes)
+      self._digest = self._digest_of(DIGEST_VERSION)
     return self._digest
+
+  def earlier_digests(self) -> Tuple[str, ...]:
+    return (self._digest_of(1),)
+
+  def _digest_of(self, version: int) -> str:
+    self._check_files()
+    dtypes = [leaf.dtype for leaf in self.chunk_layout(1, 1).leaves]
+    return digest_rows(
+        self._count, lambda row: [leaf[row] for leaf in self._leaves],
+        dtypes, version)
 
   def _check_files(self) -> None:
     """Raises if a memmap's file is now shorter than the bytes the array

@@ -32,6 +32,7 @@ from jax_data.loaders.chains import ChainSpec
 from jax_data.loaders.chains import ChunkLayout
 from jax_data.loaders.file_rows import check_mapped_file
 from jax_data.loaders.file_rows import file_bytes_needed
+from jax_data.loaders.gather import DIGEST_VERSION
 from jax_data.loaders.gather import digest_rows
 from jax_data.loaders.gather import usable_cores
 from jax_data.loaders.host_loader import HostDataLoader
@@ -324,14 +325,21 @@ class SourceDataLoader(HostDataLoader):
     return _SourceCursor(spec, layout, self, self._pool.closed)
 
   def content_digest(self) -> str:
-    """A digest of the record count and a fixed sample of 32 records."""
+    """A digest of the record count and a fixed sample of 32 records
+    (every record of 32 or fewer)."""
     if self._digest is None:
-      self._check_file()
-      self._digest = digest_rows(
-          self._count, lambda row: self._reader.leaves(
-              row, self._reader.records(np.array([row]))[0]),
-          self._first.dtypes)
+      self._digest = self._digest_of(DIGEST_VERSION)
     return self._digest
+
+  def earlier_digests(self) -> Tuple[str, ...]:
+    return (self._digest_of(1),)
+
+  def _digest_of(self, version: int) -> str:
+    self._check_file()
+    return digest_rows(
+        self._count, lambda row: self._reader.leaves(
+            row, self._reader.records(np.array([row]))[0]),
+        self._first.dtypes, version)
 
 
 #: Rows of repeated indices copied at a time from where their records were

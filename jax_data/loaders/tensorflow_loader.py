@@ -49,6 +49,7 @@ from jax_data.loaders.chains import ChainSpec
 from jax_data.loaders.chains import ChunkLayout
 from jax_data.loaders.chains import OrderedChain
 from jax_data.loaders.chains import RandomChain
+from jax_data.loaders.gather import DIGEST_VERSION
 from jax_data.loaders.gather import Gatherer
 from jax_data.loaders.gather import digest_rows
 from jax_data.loaders.gather import same_bytes
@@ -492,25 +493,32 @@ class TensorflowDataLoader(HostDataLoader):
     such a pipeline then restore into a new loader over it, and are
     refused for data of other formats or count, not of other values."""
     if self._digest is None:
-      count = f"/{'unknown' if self._count is None else self._count}"
-      read = lambda: self._reading.next_rows(
-          in_order(self._pipeline.take(32).batch(32)))
-      if self._arrays is not None:
-        first = min(self._count, 32)
-        leaves = [array[:first] for array in self._arrays]
-      else:
-        leaves = read()
-        first = len(leaves[0])
-      if _same_rows(leaves, read()):
-        dtypes = [fmt.dtype for fmt in self._reading.formats]
-        self._digest = digest_rows(
-            first, lambda row: [leaf[row] for leaf in leaves],
-            dtypes) + count
-      else:
-        formats = repr(self.observation_format).encode()
-        self._digest = "formats " + hashlib.sha256(
-            formats).hexdigest()[:32] + count
+      self._digest = self._digests((DIGEST_VERSION,))[0]
     return self._digest
+
+  def earlier_digests(self) -> Tuple[str, ...]:
+    """The digest of jax_data's checkpoints before 2026-12-01, whose
+    sample left out 8 of the first 32 observations."""
+    return self._digests((1,))
+
+  def _digests(self, versions: Tuple[int, ...]) -> Tuple[str, ...]:
+    count = f"/{'unknown' if self._count is None else self._count}"
+    read = lambda: self._reading.next_rows(
+        in_order(self._pipeline.take(32).batch(32)))
+    if self._arrays is not None:
+      first = min(self._count, 32)
+      leaves = [array[:first] for array in self._arrays]
+    else:
+      leaves = read()
+      first = len(leaves[0])
+    if not _same_rows(leaves, read()):
+      formats = repr(self.observation_format).encode()
+      return ("formats " + hashlib.sha256(formats).hexdigest()[:32]
+              + count,) * len(versions)
+    dtypes = [fmt.dtype for fmt in self._reading.formats]
+    return tuple(digest_rows(first, lambda row: [leaf[row] for leaf in leaves],
+                             dtypes, version) + count
+                 for version in versions)
 
 
 def _check_buffer_fits(shuffle_cache: int, count: Optional[int],
