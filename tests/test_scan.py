@@ -244,28 +244,6 @@ def test_ys_of_python_numbers_stay_weakly_typed(pipeline, length, chains):
   assert (got_ys[0] * jnp.bfloat16(2)).dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("length", [3, 13])
-@pytest.mark.parametrize("chains", [None, 2])
-def test_a_weak_carry_the_step_makes_strong_keeps_its_ys_weak(
-    pipeline, length, chains):
-  """init 0.0 (a weak float32) that the step turns into a float32: lax.scan
-  leaves it as it is, so a y computed from the carry the step is given
-  stays weak; the chunked loops made init strong first."""
-  init_fn, batch_fn, _ = pipeline
-  step = lambda total, batch: (total + jnp.sum(batch["x"].astype(
-      jnp.float32)), total * 2.0)
-  run = lambda s: jax_data.scan(step, 0.0, s, batch_fn=batch_fn,
-                                length=length)
-  want = lambda s: _loop(batch_fn, step, 0.0, s, None, length)
-  if chains is not None:
-    run, want = jax.vmap(run), jax.vmap(want)
-  state = init_fn(seed=range(chains) if chains else 1)
-  got, wanted = jax.jit(run)(state), jax.jit(want)(state)
-  assert wanted[1].weak_type and got[1].weak_type
-  _same_run(got, wanted)
-  assert (got[1] * jnp.bfloat16(2)).dtype == jnp.bfloat16
-
-
 @pytest.mark.parametrize("init, returned, message", [
     (np.float32(0), lambda t: jnp.int32(1), "init is float32.*int32"),
     (np.zeros(2, np.float32), lambda t: jnp.zeros(3), r"float32\[2\].*\[3\]"),

@@ -242,8 +242,7 @@ def promoted_carry(init: PyTree, returned: PyTree, fun: str = "f",
   """``init`` with its weakly typed leaves (Python numbers) in the dtypes
   ``f`` returns for them, as ``lax.scan`` promotes them (``0`` for a sum
   of float32 batches, or ``0.0`` for one of float32 batches under x64);
-  a weak leaf of the dtype ``f`` returns stays weak, as there; ``init``
-  itself if none changes. ``fun`` and ``given_as`` name the
+  ``init`` itself if none changes. ``fun`` and ``given_as`` name the
   function and the argument ``init`` was given as (the full-data passes'
   ``fun`` and ``carry``).
 
@@ -269,9 +268,9 @@ def promoted_carry(init: PyTree, returned: PyTree, fun: str = "f",
           f"{fun} returned "
           f"{jax.typeof(jnp.zeros(format.shape, format.dtype)).str_short()}"
           " for it")
-    if given.weak_type and given.dtype != format.dtype:
-      # as lax.scan's _promote_weak_typed_inputs, which leaves a weak leaf
-      # of the dtype f returns as it is (a y computed from it stays weak)
+    if given.weak_type and not (given.dtype == format.dtype
+                                and getattr(format, "weak_type", False)):
+      # as lax.scan's _promote_weak_typed_input
       dtype = (jnp.promote_types(given.dtype, format.dtype)
                if getattr(format, "weak_type", False) else format.dtype)
       leaf, changed = lax.convert_element_type(leaf, dtype), True
