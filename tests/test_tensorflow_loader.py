@@ -333,6 +333,10 @@ def test_a_shuffle_buffer_larger_than_memory_is_refused():
                      "this machine's"):
     TensorflowDataLoader(_pipeline(10).repeat(), 2**40)
   assert TensorflowDataLoader(_pipeline(10), 2**40).observation_count == 10
+  # A pipeline of unknown length read into memory: counted first.
+  unknown = _pipeline(10).filter(lambda element: True)
+  assert TensorflowDataLoader(unknown, 2**40,
+                              in_memory=True).observation_count == 10
 
 
 def test_tuple_elements_are_an_error():

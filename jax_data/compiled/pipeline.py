@@ -468,8 +468,6 @@ def check_sizes(data_loader: DataLoader, cache_size: Any, mb_size: Any,
                       cache_name="cached_batches_count")
 
 
-
-
 def row_bytes(data_loader: DataLoader) -> int:
   """The bytes a cache holds per observation: its leaves and its mask."""
   return 1 + sum(int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype)

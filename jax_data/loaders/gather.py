@@ -365,7 +365,7 @@ def sample_rows(count: int, version: int = DIGEST_VERSION) -> np.ndarray:
   to :data:`SAMPLED_ROWS`, else that many distinct rows, half evenly spaced
   and half drawn with a seed fixed by the count. Version 1 (jax_data's
   checkpoints before 2026-12-01) took 16 evenly spaced and 16 drawn rows
-  that could coincide: 23-28 distinct ones, and rows 1, 3, 7, ... of 32
+  that could coincide: 17-32 distinct ones, and rows 1, 3, 7, ... of 32
   never counted."""
   rng = np.random.default_rng(count)
   evenly = np.linspace(0, count - 1, min(count, 16)).astype(np.int64)

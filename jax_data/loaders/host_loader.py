@@ -208,7 +208,7 @@ class HostDataLoader(DataLoader):
   def earlier_digests(self) -> Tuple[str, ...]:
     """The digests earlier versions of jax_data computed for the data
     (a sample of fewer rows): checkpoints they saved carry those, and
-    restore where one matches. None by default."""
+    restore where one matches. None by default (an empty tuple)."""
     return ()
 
   def check_spec(self, spec: ChainSpec) -> None:

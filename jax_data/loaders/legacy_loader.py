@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_data.loaders.chains import MAX_CACHE_BYTES
 from jax_data.loaders.chains import UNPORTABLE
 from jax_data.loaders.chains import UNSAVED
 from jax_data.loaders.chains import ChainCursor
@@ -346,14 +345,7 @@ class PredecessorAdapter:
     cache_size, mb_size = check_sizes(cache_size, mb_size,
                                       spec.observations.count)
     layout = loader.chunk_layout(cache_size, mb_size)
-    if layout.nbytes > MAX_CACHE_BYTES:
-      # As random_reference_data refuses it: get_batches would fail to
-      # allocate the chunk, or take the machine's memory.
-      raise ValueError(
-          f"cache_size={cache_size} batches of mb_size={mb_size} make a "
-          f"chunk of {layout.nbytes:,} bytes, over the limit of "
-          f"{MAX_CACHE_BYTES:,} (jax_data.pipeline.MAX_CACHE_BYTES); use "
-          "fewer batches")
+
     number, spec, cursor = loader.number_chain(
         spec, layout, lambda _, spec: loader.open_chain(spec, layout))
     self.adopt(number, OwnChain(cursor, layout, spec))

@@ -360,14 +360,15 @@ class TensorflowDataLoader(HostDataLoader):
     self._shared_lock = threading.Lock()
     self._reading = Reading(self.chunk_layout(1, 1).leaves, repr(self),
                             self._count, stated)
-    _check_buffer_fits(self._shuffle_cache, self._count,
-                       self.chunk_layout(1, 1).nbytes)
     if in_memory:
       self._arrays, self._reading = _read_all(self._pipeline, self._reading)
       self._count = self._reading.count
       self._reading = dataclasses.replace(self._reading, name=repr(self))
       self.random_keywords = type(self).random_keywords + (
           "shuffle", "in_epochs", "stream")
+    # After an in-memory read, which counts a pipeline of unknown length.
+    _check_buffer_fits(self._shuffle_cache, self._count,
+                       self.chunk_layout(1, 1).nbytes)
 
   def __repr__(self) -> str:
     keys = ", ".join(self._format)
