@@ -466,7 +466,7 @@ class RandomPipeline(pl.RandomPipeline):
     return _digest_of(self._ref.loader)
 
   def earlier_data_digests(self) -> Tuple[str, ...]:
-    return _earlier_of(self._ref.loader)
+    return pl.earlier_digests_of(self._ref.loader)
 
   def release_fn(self) -> None:
     """Drops the pipeline's reference to the loader."""
@@ -538,7 +538,7 @@ class FullChunks:
 
   def earlier_data_digests(self) -> Tuple[str, ...]:
     """The loader's ``earlier_digests``, if it has them."""
-    return _earlier_of(self._ref.loader)
+    return pl.earlier_digests_of(self._ref.loader)
 
   def release(self) -> None:
     self._ref.release()
@@ -548,7 +548,3 @@ def _digest_of(loader: DataLoader) -> Optional[str]:
   digest = getattr(loader, "content_digest", None)
   return None if digest is None else digest()
 
-
-def _earlier_of(loader: DataLoader) -> Tuple[str, ...]:
-  earlier = getattr(loader, "earlier_digests", None)
-  return () if earlier is None else tuple(earlier())

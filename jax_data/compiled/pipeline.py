@@ -108,10 +108,7 @@ class Pipeline(collections.abc.Sequence):
   def earlier_data_digests(self) -> Tuple[str, ...]:
     """The digests earlier versions of jax_data computed for the loader's
     data (``earlier_digests``), which their checkpoints carry."""
-    if self.host is None:
-      return ()
-    earlier = getattr(self.host.loader, "earlier_digests", None)
-    return () if earlier is None else tuple(earlier())
+    return () if self.host is None else earlier_digests_of(self.host.loader)
 
   def saved_lanes(self, state: Any, where: str = "state_to_pytree"
                   ) -> Tuple[Tuple[int, ...], Dict[str, np.ndarray]]:
@@ -466,6 +463,13 @@ def check_sizes(data_loader: DataLoader, cache_size: Any, mb_size: Any,
     observation_count = data_loader.observation_count
   return _check_sizes(cache_size, mb_size, observation_count,
                       cache_name="cached_batches_count")
+
+
+def earlier_digests_of(loader: DataLoader) -> Tuple[str, ...]:
+  """``loader.earlier_digests()``, or none where a loader has no such
+  method (a device loader, a user's loader of its own)."""
+  earlier = getattr(loader, "earlier_digests", None)
+  return () if earlier is None else tuple(earlier())
 
 
 def row_bytes(data_loader: DataLoader) -> int:

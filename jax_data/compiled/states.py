@@ -194,13 +194,12 @@ def check_counters(state: CacheState, cache_size: int, where: str) -> None:
   except jax.errors.TracerArrayConversionError:
     return
   top = max(cache_size, 1) - 1
-  # An int64 counter past int32 (set by hand) wrapped when JAX took it.
-  most = np.iinfo(np.int32).max
-  for name, value, low, high in (("chunk", chunk, 0, most),
+  # (A 64-bit NumPy counter past int32 is refused by check_fits.)
+  for name, value, low, high in (("chunk", chunk, 0, None),
                                  ("position", position, 0, top),
-                                 ("cached_chunk", cached, -1, most)):
-    if (value < low).any() or (value > high).any():
-      bound = f"in {low} .. {high}"
+                                 ("cached_chunk", cached, -1, None)):
+    if (value < low).any() or (high is not None and (value > high).any()):
+      bound = f"at least {low}" if high is None else f"in {low} .. {high}"
       raise ValueError(
           f"{where} got a state with {name}={value.tolist()}, which must be "
           f"{bound}; use the states of this pipeline's init_fn, batch_fn or "
