@@ -20,6 +20,14 @@ from jax_data.compiled import pipeline as pl
 N, MB, WIDE = 600, 16, 4096
 
 
+@pytest.fixture(autouse=True)
+def _cores_of_large_l2(monkeypatch):
+  """The figures below are those of a machine whose cores hold 8 MiB of L2
+  (a CPU budget of 16 MiB) whatever this one's are: the choice by the L2
+  has tests of its own (test_the_budget_follows_the_cores_l2)."""
+  monkeypatch.setattr(pl, "usable_l2_bytes", lambda: pl.AUTO_L2_BYTES)
+
+
 def _wide():
   rows = np.arange(N * WIDE, dtype=np.float32).reshape(N, WIDE)
   return NumpyDataLoader(x=rows)
@@ -55,6 +63,69 @@ def test_the_rule_fills_the_budget_between_one_and_a_hundred_batches():
                             "cpu") == 13
   assert pl.auto_cache_size(NumpyDataLoader(x=np.arange(10**6)), 4, 1,
                             "cpu") == pl.AUTO_MAX_BATCHES
+
+
+def _cache_tree(root, cores):
+  """A sysfs tree of ``cores``: per core, ``(level, type, size, shared)``
+  for each cache."""
+  for core, caches in enumerate(cores):
+    for i, fields in enumerate(caches):
+      folder = root / f"cpu{core}" / "cache" / f"index{i}"
+      folder.mkdir(parents=True)
+      for name, value in zip(("level", "type", "size", "shared_cpu_list"),
+                             fields):
+        (folder / name).write_text(value + "\n")
+  return str(root)
+
+
+def test_the_cores_l2_is_read_once_per_cache(tmp_path, monkeypatch):
+  """Each usable core's L2 counts once, a cache shared by cores once in
+  all; instruction caches and other levels do not count; a tree that
+  cannot be read gives None."""
+  from jax_data.loaders import gather
+  monkeypatch.setattr(gather.os, "sched_getaffinity", lambda pid: {0, 1})
+  own = [[("1", "Data", "32K", str(c)), ("1", "Instruction", "32K", str(c)),
+          ("2", "Unified", "1024K", str(c)), ("3", "Unified", "32768K",
+                                             "0-1")] for c in (0, 1)]
+  assert gather.usable_l2_bytes(_cache_tree(tmp_path / "own", own)) == (
+      2 << 20)
+  shared = [[("2", "Unified", "4M", "0-1"), ("2", "Instruction", "1M",
+                                             "0-1")]] * 2
+  assert gather.usable_l2_bytes(_cache_tree(tmp_path / "shared",
+                                            shared)) == 4 << 20
+  none = [[("1", "Data", "48K", "0")], [("1", "Data", "48K", "1")]]
+  assert gather.usable_l2_bytes(_cache_tree(tmp_path / "none", none)) is None
+  bad = [[("2", "Unified", "lots", "0")], [("2", "Unified", "1M", "1")]]
+  assert gather.usable_l2_bytes(_cache_tree(tmp_path / "bad", bad)) is None
+  assert gather.usable_l2_bytes(str(tmp_path / "absent")) is None
+
+
+@pytest.mark.parametrize("l2, budget", [
+    (None, pl.AUTO_CPU_BYTES), (pl.AUTO_L2_BYTES, pl.AUTO_CPU_BYTES),
+    (pl.AUTO_L2_BYTES - 1, pl.AUTO_CPU_LARGE_BYTES),
+    (1 << 20, pl.AUTO_CPU_LARGE_BYTES)])
+def test_the_budget_follows_the_cores_l2(l2, budget, monkeypatch, pipelines):
+  """On a CPU "auto" keeps all caches within 16 MiB where the usable
+  cores hold 8 MiB of L2 or more (or it cannot be read), within 256 MiB
+  where they hold less; off a CPU within 256 MiB whatever the L2. The
+  pipeline's first chains get the size of that budget."""
+  monkeypatch.setattr(pl, "usable_l2_bytes", lambda: l2)
+  assert pl.auto_budget("cpu") == budget
+  assert pl.auto_budget("gpu") == pl.AUTO_DEVICE_BYTES
+  assert pl.auto_budget("cpu", l2_bytes=l2) == budget
+  loader = NumpyDataLoader(x=np.zeros((100_000, 33), np.float32))
+  row = pl.row_bytes(loader)
+  for chains in (1, 16, 256, 1024):
+    want = max(1, min(budget // (chains * 64 * row), pl.AUTO_MAX_BATCHES))
+    assert pl.auto_cache_size(loader, 64, chains, "cpu") == want
+    assert pl.auto_cache_size(loader, 64, chains, "cpu",
+                              budget=budget) == want
+  if jax.default_backend() == "cpu":
+    init_fn, _, release_fn = pipelines.random_reference_data(
+        _wide(), "auto", MB)
+    want = min(38, budget // (3 * MB * (4 * WIDE + 1)))
+    assert init_fn(seed=range(3)).mask.shape == (3, want, MB)
+    release_fn()
 
 
 @pytest.mark.parametrize("chains", [1, 3, 12])

@@ -37,6 +37,7 @@ from jax_data.compiled import states
 from jax_data.compiled.bridge import Bridge
 from jax_data.lifetime import LIVE_HOSTS
 from jax_data.loaders.chains import MAX_CACHE_BYTES
+from jax_data.loaders.gather import usable_l2_bytes
 from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.loader import DataLoader
 from jax_data.loaders.loader import DeviceDataLoader
@@ -507,10 +508,24 @@ def check_cache_bytes(data_loader: DataLoader, cache_size: int,
 #: :func:`auto_cache_size` when the pipeline's first chains are made.
 AUTO = "auto"
 #: The bytes that all chains' caches of ``cached_batches_count="auto"``
-#: hold together on a CPU device, where the caches and the host's reads
-#: share the cores' memory caches: on two cores, 8.7-21.8 MB ran fastest
-#: from 16 to 1,024 chains (docs/user_guide.rst).
+#: hold together on a CPU device whose usable cores hold at least
+#: :data:`AUTO_L2_BYTES` of level-2 cache, where the caches and the host's
+#: reads share the cores' memory caches: on two cores with 4 MiB of L2
+#: each, 8.7-21.8 MB ran fastest from 16 to 1,024 chains
+#: (docs/user_guide.rst).
 AUTO_CPU_BYTES = 16 << 20
+#: The least level-2 cache of the usable cores together for which "auto"
+#: keeps all caches within :data:`AUTO_CPU_BYTES` on a CPU; with less,
+#: within :data:`AUTO_CPU_LARGE_BYTES`. Small caches ran fastest on two
+#: cores of 4 MiB of L2 each (8 MiB together); on two of 1 MiB each, caches
+#: of 64 batches or more ran 256 and 1,024 chains 15-35 % faster than 16
+#: MiB's 7 and 1 (docs/benchmarks.md). Where the L2 cannot be read,
+#: :data:`AUTO_CPU_BYTES`.
+AUTO_L2_BYTES = 8 << 20
+#: The bytes of all caches of "auto" on a CPU of less L2 than
+#: :data:`AUTO_L2_BYTES`: what a refresh of 124 batches of 256 chains of
+#: case (g) takes (2.2 MB a batch of all chains), where 64-200 ran fastest.
+AUTO_CPU_LARGE_BYTES = 256 << 20
 #: The same on other devices (not measured there): it bounds the device
 #: memory that the caches take beside the sampler's.
 AUTO_DEVICE_BYTES = 256 << 20
@@ -537,12 +552,35 @@ AUTO_APART_BATCHES = 100
 AUTO_SLOW_BATCHES = 100
 
 
+def auto_budget(platform: str, l2_bytes: Optional[int] = None) -> int:
+  """The bytes that all chains' caches of ``cached_batches_count="auto"``
+  hold together on a device of ``platform``: :data:`AUTO_DEVICE_BYTES` off
+  a CPU; on a CPU :data:`AUTO_CPU_BYTES`, or :data:`AUTO_CPU_LARGE_BYTES`
+  where the usable cores hold less than :data:`AUTO_L2_BYTES` of level-2
+  cache together (``l2_bytes``; default: this machine's, where it can be
+  read).
+
+  >>> auto_budget("cpu", l2_bytes=8 << 20) == AUTO_CPU_BYTES
+  True
+  >>> auto_budget("cpu", l2_bytes=2 << 20) == AUTO_CPU_LARGE_BYTES
+  True
+  """
+  if platform != "cpu":
+    return AUTO_DEVICE_BYTES
+  if l2_bytes is None:
+    l2_bytes = usable_l2_bytes()
+  if l2_bytes is not None and l2_bytes < AUTO_L2_BYTES:
+    return AUTO_CPU_LARGE_BYTES
+  return AUTO_CPU_BYTES
+
+
 def auto_cache_size(data_loader: DataLoader, mb_size: int, chain_count: int,
-                    platform: str, together: bool = True) -> int:
+                    platform: str, together: bool = True,
+                    budget: Optional[int] = None) -> int:
   """The batches per cache that ``cached_batches_count="auto"`` chooses for
   ``chain_count`` chains on a device of ``platform`` (``"cpu"``, ...): as
-  many as keep all chains' caches within :data:`AUTO_CPU_BYTES` on a CPU
-  device (:data:`AUTO_DEVICE_BYTES` elsewhere), between 1 and
+  many as keep all chains' caches within ``budget`` bytes (default:
+  :func:`auto_budget` of the platform on this machine), between 1 and
   :data:`AUTO_MAX_BATCHES`, and no more than a pass over the data holds
   (where its length is known) or :data:`MAX_CACHE_BYTES` allows. Chains
   that do not refresh ``together`` (all of counter-based streams, drawn
@@ -553,13 +591,19 @@ def auto_cache_size(data_loader: DataLoader, mb_size: int, chain_count: int,
   >>> import numpy as np
   >>> from jax_data import NumpyDataLoader
   >>> loader = NumpyDataLoader(x=np.zeros((100_000, 33), np.float32))
-  >>> [auto_cache_size(loader, 64, c, "cpu") for c in (1, 16, 256, 1024)]
+  >>> [auto_cache_size(loader, 64, c, "cpu", budget=AUTO_CPU_BYTES)
+  ...  for c in (1, 16, 256, 1024)]
   [1000, 123, 7, 1]
-  >>> auto_cache_size(loader, 64, 1024, "cpu", together=False)
+  >>> [auto_cache_size(loader, 64, c, "cpu", budget=AUTO_CPU_LARGE_BYTES)
+  ...  for c in (1, 16, 256, 1024)]
+  [1000, 1000, 123, 30]
+  >>> auto_cache_size(loader, 64, 1024, "cpu", together=False,
+  ...                 budget=AUTO_CPU_BYTES)
   100
   """
   batch = mb_size * row_bytes(data_loader)
-  budget = AUTO_CPU_BYTES if platform == "cpu" else AUTO_DEVICE_BYTES
+  if budget is None:
+    budget = auto_budget(platform)
   size = min(budget // (max(chain_count, 1) * batch), AUTO_MAX_BATCHES)
   most = MAX_CACHE_BYTES // batch
   count = data_loader.observation_count

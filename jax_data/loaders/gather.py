@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import hashlib
 import itertools
 import os
@@ -43,6 +44,54 @@ def usable_cores() -> int:
     return max(1, len(os.sched_getaffinity(0)))
   except AttributeError:  # not Linux
     return os.cpu_count() or 1
+
+
+def _read(folder: str, name: str) -> str:
+  with open(os.path.join(folder, name)) as f:
+    return f.read().strip()
+
+
+def _cache_bytes(size: str) -> int:
+  """Bytes of a sysfs cache size: ``"1024K"``, ``"2M"``, ``"512"``."""
+  size = size.strip().upper()
+  scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+  return int(size[:-1] if scale > 1 else size) * scale
+
+
+@functools.lru_cache(maxsize=None)  # read once: a call per init_fn
+def usable_l2_bytes(root: str = "/sys/devices/system/cpu") -> Optional[int]:
+  """The bytes of level-2 cache that the cores this process may run on hold
+  together, each cache counted once (a cache shared by several cores as
+  one), as Linux describes them under ``root``; None where they cannot be
+  read (another system, a container without sysfs). Read once per
+  ``root``.
+
+  >>> usable_l2_bytes("/no/such/directory") is None
+  True
+  """
+  try:
+    cores = sorted(os.sched_getaffinity(0))
+  except AttributeError:  # not Linux
+    return None
+  caches: Dict[str, int] = {}
+  try:
+    for core in cores:
+      folder = os.path.join(root, f"cpu{core}", "cache")
+      for entry in sorted(os.listdir(folder)):
+        if not entry.startswith("index"):
+          continue
+        cache = os.path.join(folder, entry)
+        if (_read(cache, "level") != "2"
+            or _read(cache, "type") == "Instruction"):
+          continue
+        try:
+          shared = _read(cache, "shared_cpu_list")
+        except OSError:
+          shared = str(core)
+        caches[shared] = _cache_bytes(_read(cache, "size"))
+  except (OSError, ValueError):
+    return None
+  return sum(caches.values()) or None
 
 
 # Parts per thread of a split gather or copy: the threads take them in
