@@ -1054,13 +1054,15 @@ def test_a_record_that_ends_its_worker_is_blamed_on_its_own_read():
 
   thread = threading.Thread(target=second_half)
   thread.start()
-  for _ in range(3):
-    with pytest.raises(Exception, match=r"record 13 ended the worker "):
-      whole(lambda b, c: (b["x"], c), None)
-  thread.join(120)
+  try:
+    for _ in range(3):
+      with pytest.raises(Exception, match=r"record 13 ended the worker "):
+        whole(lambda b, c: (b["x"], c), None)
+  finally:  # nothing left reading into the tests that follow
+    thread.join(120)
+    release_whole()
+    release_half()
   assert not errors, errors
-  release_whole()
-  release_half()
 
 
 def test_worker_processes_ignore_ctrl_c():

@@ -258,6 +258,10 @@ def _read_alone(pool: concurrent.futures.Executor, records: np.ndarray,
   return done, None
 
 
+_TERMINATING = threading.Lock()
+_TERMINATED: "weakref.WeakSet[concurrent.futures.Executor]" = weakref.WeakSet()
+
+
 def terminate(pool: concurrent.futures.Executor) -> None:
   """Shuts a process pool down without waiting, and ends its workers, so
   that none stuck in a source outlives it (and holds up the interpreter's
@@ -272,6 +276,18 @@ def terminate(pool: concurrent.futures.Executor) -> None:
   # after: shutdown waits for a submit that is starting a worker, which
   # lands in the dict. Futures are not cancelled (see wait): those left
   # fail with BrokenProcessPool.
+  # Once per pool: reads of several threads may each find the same pool
+  # broken, or the watch of wait end it while they do. Two threads closing
+  # the results' pipe below at once can both close its descriptor (a
+  # Connection forgets its handle only after it closed it), the second time
+  # a number the first close freed and something else may hold by then. A
+  # CI run met a pool's wake-up pipe closed under it (BrokenPipeError in
+  # shutdown, "Bad file descriptor" in its manager thread) in a test where
+  # two reads meet one broken pool, and then that test process crashed.
+  with _TERMINATING:
+    if pool in _TERMINATED:
+      return
+    _TERMINATED.add(pool)
   processes = getattr(pool, "_processes", None)
   results = getattr(pool, "_result_queue", None)
   pool.shutdown(wait=False)
