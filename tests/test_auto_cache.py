@@ -21,11 +21,12 @@ N, MB, WIDE = 600, 16, 4096
 
 
 @pytest.fixture(autouse=True)
-def _cores_of_large_l2(monkeypatch):
-  """The figures below are those of a machine whose cores hold 8 MiB of L2
-  (a CPU budget of 16 MiB) whatever this one's are: the choice by the L2
-  has tests of its own (test_the_budget_follows_the_cores_l2)."""
-  monkeypatch.setattr(pl, "usable_l2_bytes", lambda: pl.AUTO_L2_BYTES)
+def _cores_of_large_l3(monkeypatch):
+  """The figures below are those of a machine whose cores share 64 MiB of
+  L3 (a CPU budget of 16 MiB) whatever this one's are: the choice by the
+  L3 has tests of its own (test_the_budget_follows_the_cores_l3)."""
+  monkeypatch.setattr(pl, "usable_cache_bytes",
+                      lambda level: pl.AUTO_L3_BYTES if level == 3 else None)
 
 
 def _wide():
@@ -78,41 +79,47 @@ def _cache_tree(root, cores):
   return str(root)
 
 
-def test_the_cores_l2_is_read_once_per_cache(tmp_path, monkeypatch):
-  """Each usable core's L2 counts once, a cache shared by cores once in
-  all; instruction caches and other levels do not count; a tree that
-  cannot be read gives None."""
+def test_a_cache_level_is_read_once_per_cache(tmp_path, monkeypatch):
+  """Each usable core's cache of a level counts once, a cache shared by
+  cores once in all; instruction caches and other levels do not count; a
+  tree that cannot be read, or has no cache of that level, gives None."""
   from jax_data.loaders import gather
   monkeypatch.setattr(gather.os, "sched_getaffinity", lambda pid: {0, 1})
   own = [[("1", "Data", "32K", str(c)), ("1", "Instruction", "32K", str(c)),
           ("2", "Unified", "1024K", str(c)), ("3", "Unified", "32768K",
                                              "0-1")] for c in (0, 1)]
-  assert gather.usable_l2_bytes(_cache_tree(tmp_path / "own", own)) == (
-      2 << 20)
+  tree = _cache_tree(tmp_path / "own", own)
+  assert gather.usable_cache_bytes(2, tree) == 2 << 20
+  assert gather.usable_cache_bytes(3, tree) == 32 << 20
+  assert gather.usable_cache_bytes(1, tree) == 64 << 10
   shared = [[("2", "Unified", "4M", "0-1"), ("2", "Instruction", "1M",
                                              "0-1")]] * 2
-  assert gather.usable_l2_bytes(_cache_tree(tmp_path / "shared",
-                                            shared)) == 4 << 20
+  assert gather.usable_cache_bytes(2, _cache_tree(tmp_path / "shared",
+                                                  shared)) == 4 << 20
   none = [[("1", "Data", "48K", "0")], [("1", "Data", "48K", "1")]]
-  assert gather.usable_l2_bytes(_cache_tree(tmp_path / "none", none)) is None
-  bad = [[("2", "Unified", "lots", "0")], [("2", "Unified", "1M", "1")]]
-  assert gather.usable_l2_bytes(_cache_tree(tmp_path / "bad", bad)) is None
-  assert gather.usable_l2_bytes(str(tmp_path / "absent")) is None
+  assert gather.usable_cache_bytes(3, _cache_tree(tmp_path / "none",
+                                                  none)) is None
+  bad = [[("3", "Unified", "lots", "0")], [("3", "Unified", "1M", "1")]]
+  assert gather.usable_cache_bytes(3, _cache_tree(tmp_path / "bad",
+                                                  bad)) is None
+  assert gather.usable_cache_bytes(3, str(tmp_path / "absent")) is None
 
 
-@pytest.mark.parametrize("l2, budget", [
-    (None, pl.AUTO_CPU_BYTES), (pl.AUTO_L2_BYTES, pl.AUTO_CPU_BYTES),
-    (pl.AUTO_L2_BYTES - 1, pl.AUTO_CPU_LARGE_BYTES),
-    (1 << 20, pl.AUTO_CPU_LARGE_BYTES)])
-def test_the_budget_follows_the_cores_l2(l2, budget, monkeypatch, pipelines):
+@pytest.mark.parametrize("l3, budget", [
+    (None, pl.AUTO_CPU_BYTES), (pl.AUTO_L3_BYTES, pl.AUTO_CPU_BYTES),
+    (480 << 20, pl.AUTO_CPU_BYTES),
+    (pl.AUTO_L3_BYTES - 1, pl.AUTO_CPU_LARGE_BYTES),
+    (32 << 20, pl.AUTO_CPU_LARGE_BYTES)])
+def test_the_budget_follows_the_cores_l3(l3, budget, monkeypatch, pipelines):
   """On a CPU "auto" keeps all caches within 16 MiB where the usable
-  cores hold 8 MiB of L2 or more (or it cannot be read), within 256 MiB
-  where they hold less; off a CPU within 256 MiB whatever the L2. The
+  cores share 64 MiB of L3 or more (or it cannot be read), within 256 MiB
+  where they share less; off a CPU within 256 MiB whatever the L3. The
   pipeline's first chains get the size of that budget."""
-  monkeypatch.setattr(pl, "usable_l2_bytes", lambda: l2)
+  monkeypatch.setattr(pl, "usable_cache_bytes",
+                      lambda level: l3 if level == 3 else None)
   assert pl.auto_budget("cpu") == budget
   assert pl.auto_budget("gpu") == pl.AUTO_DEVICE_BYTES
-  assert pl.auto_budget("cpu", l2_bytes=l2) == budget
+  assert pl.auto_budget("cpu", l3_bytes=l3) == budget
   loader = NumpyDataLoader(x=np.zeros((100_000, 33), np.float32))
   row = pl.row_bytes(loader)
   for chains in (1, 16, 256, 1024):

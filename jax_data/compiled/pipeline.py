@@ -37,7 +37,7 @@ from jax_data.compiled import states
 from jax_data.compiled.bridge import Bridge
 from jax_data.lifetime import LIVE_HOSTS
 from jax_data.loaders.chains import MAX_CACHE_BYTES
-from jax_data.loaders.gather import usable_l2_bytes
+from jax_data.loaders.gather import usable_cache_bytes
 from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.loader import DataLoader
 from jax_data.loaders.loader import DeviceDataLoader
@@ -508,22 +508,25 @@ def check_cache_bytes(data_loader: DataLoader, cache_size: int,
 #: :func:`auto_cache_size` when the pipeline's first chains are made.
 AUTO = "auto"
 #: The bytes that all chains' caches of ``cached_batches_count="auto"``
-#: hold together on a CPU device whose usable cores hold at least
-#: :data:`AUTO_L2_BYTES` of level-2 cache, where the caches and the host's
-#: reads share the cores' memory caches: on two cores with 4 MiB of L2
-#: each, 8.7-21.8 MB ran fastest from 16 to 1,024 chains
-#: (docs/user_guide.rst).
+#: hold together on a CPU device whose usable cores share at least
+#: :data:`AUTO_L3_BYTES` of level-3 cache, where the caches, the chunk read
+#: ahead and the rows they come from can stay in it between the host's
+#: write and XLA's read: on an Intel Xeon virtual machine (2 cores, 2 MiB
+#: of L2 each, 480 MiB of L3 as Linux reports it) 16-32 MiB ran fastest
+#: from 16 to 1,024 chains, 64 MiB and more 1.1-1.5x slower
+#: (docs/benchmarks.md).
 AUTO_CPU_BYTES = 16 << 20
-#: The least level-2 cache of the usable cores together for which "auto"
+#: The least level-3 cache of the usable cores together for which "auto"
 #: keeps all caches within :data:`AUTO_CPU_BYTES` on a CPU; with less,
-#: within :data:`AUTO_CPU_LARGE_BYTES`. Small caches ran fastest on two
-#: cores of 4 MiB of L2 each (8 MiB together); on two of 1 MiB each, caches
-#: of 64 batches or more ran 256 and 1,024 chains 15-35 % faster than 16
-#: MiB's 7 and 1 (docs/benchmarks.md). Where the L2 cannot be read,
-#: :data:`AUTO_CPU_BYTES`.
-AUTO_L2_BYTES = 8 << 20
-#: The bytes of all caches of "auto" on a CPU of less L2 than
-#: :data:`AUTO_L2_BYTES`: what a refresh of 124 batches of 256 chains of
+#: within :data:`AUTO_CPU_LARGE_BYTES`. On an AMD EPYC virtual machine of
+#: 32 MiB of L3 (2 cores), which small caches do not stay in either, a
+#: refresh's fixed part weighed more: 256 MiB's choices ran 256 and 1,024
+#: chains 15-35 % faster than 16 MiB's (docs/benchmarks.md). Between those
+#: two machines' 32 and 480 MiB the threshold is not measured. Where the
+#: L3 cannot be read, :data:`AUTO_CPU_BYTES`.
+AUTO_L3_BYTES = 64 << 20
+#: The bytes of all caches of "auto" on a CPU of less L3 than
+#: :data:`AUTO_L3_BYTES`: what a refresh of 124 batches of 256 chains of
 #: case (g) takes (2.2 MB a batch of all chains), where 64-200 ran fastest.
 AUTO_CPU_LARGE_BYTES = 256 << 20
 #: The same on other devices (not measured there): it bounds the device
@@ -552,24 +555,24 @@ AUTO_APART_BATCHES = 100
 AUTO_SLOW_BATCHES = 100
 
 
-def auto_budget(platform: str, l2_bytes: Optional[int] = None) -> int:
+def auto_budget(platform: str, l3_bytes: Optional[int] = None) -> int:
   """The bytes that all chains' caches of ``cached_batches_count="auto"``
   hold together on a device of ``platform``: :data:`AUTO_DEVICE_BYTES` off
   a CPU; on a CPU :data:`AUTO_CPU_BYTES`, or :data:`AUTO_CPU_LARGE_BYTES`
-  where the usable cores hold less than :data:`AUTO_L2_BYTES` of level-2
-  cache together (``l2_bytes``; default: this machine's, where it can be
+  where the usable cores share less than :data:`AUTO_L3_BYTES` of level-3
+  cache together (``l3_bytes``; default: this machine's, where it can be
   read).
 
-  >>> auto_budget("cpu", l2_bytes=8 << 20) == AUTO_CPU_BYTES
+  >>> auto_budget("cpu", l3_bytes=480 << 20) == AUTO_CPU_BYTES
   True
-  >>> auto_budget("cpu", l2_bytes=2 << 20) == AUTO_CPU_LARGE_BYTES
+  >>> auto_budget("cpu", l3_bytes=32 << 20) == AUTO_CPU_LARGE_BYTES
   True
   """
   if platform != "cpu":
     return AUTO_DEVICE_BYTES
-  if l2_bytes is None:
-    l2_bytes = usable_l2_bytes()
-  if l2_bytes is not None and l2_bytes < AUTO_L2_BYTES:
+  if l3_bytes is None:
+    l3_bytes = usable_cache_bytes(3)
+  if l3_bytes is not None and l3_bytes < AUTO_L3_BYTES:
     return AUTO_CPU_LARGE_BYTES
   return AUTO_CPU_BYTES
 

@@ -72,8 +72,8 @@ def random_reference_data(data_loader: DataLoader,
       cache), or ``"auto"``: chosen when the first chains are made, for
       their number (``init_fn(seed=range(C))``: C; one seed: one), so that
       all their caches hold about 16 MiB together on a CPU device whose
-      cores hold 8 MiB of L2 or more (256 MiB on others, and on CPUs of
-      less L2: :func:`~jax_data.compiled.pipeline.auto_budget`), 1 to
+      cores share 64 MiB of L3 or more (256 MiB on others, and on CPUs of
+      less L3: :func:`~jax_data.compiled.pipeline.auto_budget`), 1 to
       1,000 batches each (at least 100, where they fit,
       for chains that are not of counter-based streams, whose refreshes
       pay a fixed part per chain)

@@ -59,14 +59,15 @@ def _cache_bytes(size: str) -> int:
 
 
 @functools.lru_cache(maxsize=None)  # read once: a call per init_fn
-def usable_l2_bytes(root: str = "/sys/devices/system/cpu") -> Optional[int]:
-  """The bytes of level-2 cache that the cores this process may run on hold
-  together, each cache counted once (a cache shared by several cores as
-  one), as Linux describes them under ``root``; None where they cannot be
-  read (another system, a container without sysfs). Read once per
-  ``root``.
+def usable_cache_bytes(level: int = 3, root: str = "/sys/devices/system/cpu"
+                       ) -> Optional[int]:
+  """The bytes of data cache of ``level`` that the cores this process may
+  run on hold together, each cache counted once (a cache shared by several
+  cores as one), as Linux describes them under ``root``; None where they
+  cannot be read (another system, a container without sysfs) or there is
+  none of that level. Read once per ``level`` and ``root``.
 
-  >>> usable_l2_bytes("/no/such/directory") is None
+  >>> usable_cache_bytes(3, "/no/such/directory") is None
   True
   """
   try:
@@ -81,7 +82,7 @@ def usable_l2_bytes(root: str = "/sys/devices/system/cpu") -> Optional[int]:
         if not entry.startswith("index"):
           continue
         cache = os.path.join(folder, entry)
-        if (_read(cache, "level") != "2"
+        if (_read(cache, "level") != str(level)
             or _read(cache, "type") == "Instruction"):
           continue
         try:
