@@ -272,10 +272,6 @@ def terminate(pool: concurrent.futures.Executor) -> None:
   to be answered or to fail with BrokenProcessPool (then read again, see
   :meth:`WorkerPool.read`). Emulated on 3.11, a read of a thread running
   at the interpreter's exit then waited for ever (1 run in 7)."""
-  # The pool's dict, taken before shutdown, which forgets it, and read
-  # after: shutdown waits for a submit that is starting a worker, which
-  # lands in the dict. Futures are not cancelled (see wait): those left
-  # fail with BrokenProcessPool.
   # Once per pool: reads of several threads may each find the same pool
   # broken, or the watch of wait end it while they do. Two threads closing
   # the results' pipe below at once can both close its descriptor (a
@@ -288,6 +284,10 @@ def terminate(pool: concurrent.futures.Executor) -> None:
     if pool in _TERMINATED:
       return
     _TERMINATED.add(pool)
+  # The pool's dict, taken before shutdown, which forgets it, and read
+  # after: shutdown waits for a submit that is starting a worker, which
+  # lands in the dict. Futures are not cancelled (see wait): those left
+  # fail with BrokenProcessPool.
   processes = getattr(pool, "_processes", None)
   results = getattr(pool, "_result_queue", None)
   pool.shutdown(wait=False)
