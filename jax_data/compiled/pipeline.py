@@ -511,10 +511,10 @@ AUTO = "auto"
 #: hold together on a CPU device whose usable cores share at least
 #: :data:`AUTO_L3_BYTES` of level-3 cache, where the caches, the chunk read
 #: ahead and the rows they come from can stay in it between the host's
-#: write and XLA's read: on an Intel Xeon virtual machine (2 cores, 2 MiB
-#: of L2 each, 480 MiB of L3 as Linux reports it) 16-32 MiB ran fastest
-#: from 16 to 1,024 chains, 64 MiB and more 1.1-1.5x slower
-#: (docs/benchmarks.md).
+#: write and XLA's read (the likely reason, not measured apart): on an
+#: Intel Xeon virtual machine (2 cores, 2 MiB of L2 each, 480 MiB of L3 as
+#: Linux reports it) 16-32 MiB ran fastest from 16 to 1,024 chains, 64 MiB
+#: and more 1.1-1.5x slower (docs/benchmarks.md).
 AUTO_CPU_BYTES = 16 << 20
 #: The least level-3 cache of the usable cores together for which "auto"
 #: keeps all caches within :data:`AUTO_CPU_BYTES` on a CPU; with less,
