@@ -737,6 +737,37 @@ def test_an_ended_pool_fails_its_blocks_as_broken_never_cancelled(
              for future in futures)
 
 
+def test_threads_that_end_one_pool_at_once_end_it_once():
+  """Reads of several threads that meet one broken pool each end it: its
+  results' pipe is closed once. Closed twice at once, the second close
+  freed a descriptor number that something else held by then (a CI run:
+  BrokenPipeError in shutdown, then the test process crashed)."""
+  pool = concurrent.futures.ProcessPoolExecutor(
+      1, mp_context=multiprocessing.get_context("spawn"))
+  pool.submit(time.sleep, 0).result(timeout=60)  # a worker started
+  writer = pool._result_queue._writer  # pylint: disable=protected-access
+  closes = []
+  close = writer.close
+  def counted():
+    closes.append(threading.get_ident())
+    time.sleep(0.01)  # the window in which a second close found the handle
+    close()
+  writer.close = counted
+  ready = threading.Barrier(8)
+  def end():
+    ready.wait(timeout=60)
+    source_workers.terminate(pool)
+  threads = [threading.Thread(target=end) for _ in range(8)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(60)
+  assert not any(thread.is_alive() for thread in threads)
+  assert len(closes) == 1
+  source_workers.terminate(pool)  # and never again
+  assert len(closes) == 1
+
+
 def test_a_block_the_pool_could_not_send_is_read_again():
   """Workers ended while the pool's feeder thread sends a block to them
   fail it with BrokenPipeError, not BrokenProcessPool (once in a CI run of
