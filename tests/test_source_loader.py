@@ -29,6 +29,10 @@ from jax_data import NumpyDataLoader
 from jax_data import SourceDataLoader
 from jax_data.host_loader import StoreLimits
 from jax_data.loaders import source_workers
+from tests.records import Gated
+from tests.records import HalfWritten
+from tests.records import Numbered
+from tests.records import decode
 
 N = 23
 MODES = [dict(), dict(shuffle=True), dict(shuffle=True, in_epochs=True)]
@@ -50,14 +54,6 @@ def _png(image):
 def _encode(image, label):
   """A record as bytes: a PNG image and its label."""
   return pickle.dumps({"png": _png(image), "label": int(label)})
-
-
-def decode(record):
-  """The transform of encoded records (module level: it pickles)."""
-  from PIL import Image
-  data = pickle.loads(record)
-  return {"image": np.asarray(Image.open(io.BytesIO(data["png"]))),
-          "label": np.int64(data["label"])}
 
 
 def _stacked(loader):
@@ -690,24 +686,6 @@ def test_checkpoints_continue_exactly_also_in_a_fresh_process(tmp_path,
 # -- worker processes that die, Ctrl-C, __main__; release mid-read ----------
 
 
-class Numbered:
-  """Record i is {"x": float32(i)}; ``die_at`` ends the process reading it
-  (os._exit) while the file ``once`` does not exist (None: every time)."""
-
-  def __init__(self, n=30, die_at=None, once=None):
-    self.n, self.die_at, self.once = n, die_at, once
-
-  def __len__(self):
-    return self.n
-
-  def __getitem__(self, i):
-    if i == self.die_at and not (self.once and os.path.exists(self.once)):
-      if self.once:
-        open(self.once, "w").close()
-      os._exit(3)
-    return {"x": np.float32(i)}
-
-
 def _mapped(loader):
   """Every record, in order, through a full-data pass."""
   mapper_fn, release_fn = jax_data.full_data_mapper(loader, 2, 4)
@@ -715,6 +693,7 @@ def _mapped(loader):
     return np.asarray(mapper_fn(lambda b, c: (b["x"], c), None)[0]).tolist()
   finally:
     release_fn()
+
 
 
 def test_an_ended_pool_fails_its_blocks_as_broken_never_cancelled(
@@ -838,25 +817,6 @@ def test_a_worker_process_that_dies_once_is_replaced(tmp_path):
   assert _mapped(loader) == list(range(30))
 
 
-class HalfWritten(Numbered):
-  """Record ``die_at`` ends the process reading it while it writes its
-  result (half a message left in the results' pipe, as a worker killed
-  for memory mid-write leaves it), while the file ``once`` does not exist
-  (None: every time)."""
-
-  def __getitem__(self, i):
-    if i == self.die_at and not (self.once and os.path.exists(self.once)):
-      if self.once:
-        open(self.once, "w").close()
-      frame = sys._getframe()  # pylint: disable=protected-access
-      while "result_queue" not in frame.f_locals:  # the pool's worker loop
-        frame = frame.f_back
-      writer = frame.f_locals["result_queue"]._writer  # pylint: disable=protected-access
-      writer._send(struct.pack("!i", 1 << 20) + b"half")  # pylint: disable=protected-access
-      os._exit(3)
-    return super().__getitem__(i)
-
-
 @pytest.mark.parametrize("once", [True, False])
 def test_a_worker_that_died_writing_a_result_does_not_stall_reads(
     tmp_path, once):
@@ -897,24 +857,11 @@ def test_a_record_that_always_ends_its_worker_is_named():
                  ) == list(range(30))
 
 
-class Sleepy(Numbered):
-  """Records sleep ``delay`` seconds once the file ``after`` exists."""
-
-  def __init__(self, after, delay, n=40):
-    super().__init__(n)
-    self.after, self.delay = after, delay
-
-  def __getitem__(self, i):
-    if os.path.exists(self.after):
-      time.sleep(self.delay)
-    return super().__getitem__(i)
-
-
 _EXIT_WHILE_READING = textwrap.dedent("""
     import sys, time
     import jax
     import jax_data
-    from tests.test_source_loader import Sleepy
+    from tests.records import Sleepy
 
     if __name__ == "__main__":
       flag = sys.argv[1]
@@ -955,7 +902,7 @@ _EXIT_WITH_A_RUN_IN_A_THREAD = textwrap.dedent("""
     import jax, numpy as np
     from jax import lax
     import jax_data
-    from tests.test_source_loader import Numbered
+    from tests.records import Numbered
 
     if __name__ == "__main__":
       processes = sys.argv[1] == "processes"
@@ -1012,7 +959,7 @@ _KILLED_PARENT = textwrap.dedent("""
     import os, time
     import jax
     import jax_data
-    from tests.test_source_loader import Numbered
+    from tests.records import Numbered
 
     if __name__ == "__main__":
       loader = jax_data.SourceDataLoader(Numbered(40), workers=2,
@@ -1190,33 +1137,6 @@ def test_a_source_workers_cannot_unpickle_is_explained(tmp_path, how,
   assert "ERROR" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
   error = done.stdout[done.stdout.index("ERROR"):]
   assert re.search(message, error, re.S), error
-
-
-class Gated:
-  """Records after the first wait for ``gate`` (a threading.Event, or a
-  file for worker processes); ``entered`` notes each record started (a
-  list, or a folder in which a worker process writes a file named by the
-  record, holding its pid)."""
-
-  def __init__(self, gate, entered):
-    self.gate, self.entered = gate, entered
-
-  def __len__(self):
-    return 50
-
-  def __getitem__(self, i):
-    if i:
-      if isinstance(self.entered, list):
-        self.entered.append(i)
-        self.gate.wait(60)
-      else:
-        path = os.path.join(self.entered, str(i))
-        with open(path + ".tmp", "w") as f:
-          f.write(str(os.getpid()))
-        os.replace(path + ".tmp", path)  # seen whole, or not at all
-        while not os.path.exists(self.gate):
-          time.sleep(0.01)
-    return {"x": np.float32(i)}
 
 
 def _release_while_reading(loader, entered):
