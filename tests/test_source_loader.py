@@ -29,6 +29,7 @@ from jax_data import NumpyDataLoader
 from jax_data import SourceDataLoader
 from jax_data.host_loader import StoreLimits
 from jax_data.loaders import source_workers
+from tests import scripts
 from tests.records import Gated
 from tests.records import HalfWritten
 from tests.records import Numbered
@@ -694,6 +695,37 @@ def _mapped(loader):
   finally:
     release_fn()
 
+
+_EXIT_AFTER_A_RELEASE = textwrap.dedent("""
+    import concurrent.futures.process
+    import jax_data
+    from jax_data.loaders import source_workers
+    from tests.records import Numbered
+
+    loader = jax_data.SourceDataLoader(Numbered(40), workers=2,
+                                       processes=True)
+    mapper_fn, release_fn = jax_data.full_data_mapper(loader, 2, 4)
+    mapper_fn(lambda b, c: (b["x"], c), None)
+    # The pools' manager threads, whose wake-up pipes Python's exit writes to.
+    threads = list(concurrent.futures.process._threads_wakeups)
+    release_fn()  # shuts the pool down, and exits at once:
+    source_workers._end_pools_at_exit()  # the exit's first hook
+    running = sum(thread.is_alive() for thread in threads)
+    print(f"pools={len(threads)} running={running}")
+    print("main thread done", flush=True)
+    """)
+
+
+def test_exit_after_a_release_waits_for_the_pools_shutdown():
+  """A script that releases its pipeline and ends at once: Python's exit
+  wakes each pool's manager thread through a pipe which that thread, shut
+  down just before, may be closing ("OSError: Bad file descriptor" at
+  exit, 4 runs in 59). jax_data's exit hook, which runs first, waits for
+  the threads of the pools it shut down, so none is running then."""
+  done = scripts.run(_EXIT_AFTER_A_RELEASE)
+  scripts.assert_ended_cleanly(done)
+  assert re.search(r"pools=[1-9]\d* running=0", done.stdout), done.stdout
+  assert "Exception ignored" not in done.stderr, done.stderr[-3000:]
 
 
 def test_an_ended_pool_fails_its_blocks_as_broken_never_cancelled(

@@ -48,6 +48,19 @@ USE_THREADS = "or use processes=False (worker threads)"
 # before concurrent.futures joins them (see _end_pools_at_exit).
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
 _EXITING = threading.Event()
+# The manager threads of the pools shut down (see shut_down), and how long
+# the exit waits for them at most.
+_MANAGERS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+_EXIT_JOIN_SECONDS = 5.0
+
+
+def shut_down(pool: concurrent.futures.Executor, **kwargs: Any) -> None:
+  """``pool.shutdown(wait=False, **kwargs)``, its manager thread noted
+  first for the interpreter's exit to wait for (shutdown forgets it)."""
+  thread = getattr(pool, "_executor_manager_thread", None)
+  if thread is not None:
+    _MANAGERS.add(thread)
+  pool.shutdown(wait=False, **kwargs)
 
 
 def _end_pools_at_exit() -> None:
@@ -59,6 +72,18 @@ def _end_pools_at_exit() -> None:
   _EXITING.set()
   for pool in list(_LIVE_POOLS):
     pool.end()
+  # Then concurrent.futures' own hook wakes each pool's manager thread by
+  # writing to its wake-up pipe, unlocked, while the thread of a pool shut
+  # down just before (a pipeline released, a pool ended) may be closing
+  # that pipe: the write then went to a closed descriptor ("OSError: Bad
+  # file descriptor" at exit, 4 runs in 59 of a script that released its
+  # pipeline and ended; 0 in 40 since), or to whatever had reused its
+  # number. The threads of pools shut down end within moments (closing
+  # the pipe marks it closed, and the hook skips it): waited for.
+  deadline = time.monotonic() + _EXIT_JOIN_SECONDS
+  for thread in list(_MANAGERS):
+    if thread is not threading.current_thread():
+      thread.join(max(0.0, deadline - time.monotonic()))
 
 
 _register = getattr(threading, "_register_atexit", None)
@@ -290,7 +315,7 @@ def terminate(pool: concurrent.futures.Executor) -> None:
   # fail with BrokenProcessPool.
   processes = getattr(pool, "_processes", None)
   results = getattr(pool, "_result_queue", None)
-  pool.shutdown(wait=False)
+  shut_down(pool)
   for process in list((processes or {}).values()):
     process.terminate()
   # A worker ended while it wrote a result leaves half a message in the
@@ -525,7 +550,7 @@ class WorkerPool:
       if pool is not None:
         self._pool = None
     if pool is not None:
-      pool.shutdown(wait=False, cancel_futures=True)
+      shut_down(pool, cancel_futures=True)
 
   def read(self, unique: np.ndarray, first: np.ndarray,
            out: Sequence[np.ndarray],
