@@ -93,6 +93,21 @@ class Gated:
     return {"x": np.float32(i)}
 
 
+class JaxImported(Numbered):
+  """Record i is {"x": float32(i), "jax": 1 if the process reading it has
+  imported JAX, else 0}; ``nested`` puts x one level down
+  ({"x": {"v": ...}}), which only JAX takes apart."""
+
+  def __init__(self, n=30, nested=False):
+    super().__init__(n)
+    self.nested = nested
+
+  def __getitem__(self, i):
+    x = super().__getitem__(i)["x"]
+    return {"x": {"v": x} if self.nested else x,
+            "jax": np.int8("jax" in sys.modules)}
+
+
 def decode(record):
   """The transform of encoded records (module level: it pickles)."""
   from PIL import Image

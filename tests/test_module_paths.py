@@ -57,3 +57,29 @@ def test_objects_pickle_under_the_new_paths_and_load_by_the_old():
       b"jax_data.loaders.host_loader", b"jax_data.host_loader")
   assert b"jax_data.host_loader" in old
   assert pickle.loads(old) == limits
+
+
+def test_the_package_imports_jax_only_for_a_name_that_needs_it():
+  """``import jax_data`` and the worker processes' module import no JAX (a
+  SourceDataLoader's worker imports jax_data.loaders.source_workers, and
+  with it the package); the public names load on first use and are then
+  the package's own; dir() lists them all."""
+  script = """
+import sys
+import jax_data
+from jax_data.loaders import source_records, source_workers
+assert "jax" not in sys.modules, "imported JAX"
+assert set(jax_data.__all__) <= set(dir(jax_data))
+scan = jax_data.scan
+assert "jax" in sys.modules and scan.__module__ == "jax_data.compiled.scan"
+assert vars(jax_data)["scan"] is scan
+for name in jax_data.__all__:  # TensorFlow and Orbax: optional
+  if name not in ("TensorflowDataLoader", "DataCheckpointHandler",
+                  "DataRestore", "DataSave"):
+    assert getattr(jax_data, name) is vars(jax_data)[name], name
+print("ok")
+"""
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                        text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.strip() == "ok"

@@ -1,8 +1,11 @@
 """Property-based tests over observation counts, batch and cache sizes,
 seeds."""
 
+import collections
 import math
+import pickle
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given
@@ -11,6 +14,7 @@ from hypothesis import strategies as st
 
 import jax_data
 from jax_data import NumpyDataLoader
+from jax_data.loaders import source_records
 
 # Derandomized: the same examples in every CI run, no flaky failures.
 PROPERTY = settings(deadline=None, derandomize=True, max_examples=40)
@@ -113,3 +117,77 @@ def test_checkpoint_at_every_step_then_restore(params, mode):
     _, (again, again_info) = fresh[1](restored, information=True)
     assert again["x"].tolist() == batch["x"].tolist()
     assert again_info.mask.tolist() == info.mask.tolist()
+
+
+# Records as a source may give them: arrays, numbers, None and containers,
+# nested; a record and the first record are drawn alike, so that many
+# share the first's structure.
+_LEAVES = st.sampled_from([np.zeros(2, np.float32), np.float32(1),
+                           np.int64(2), 3, 4.5, True, None, "text"])
+_KEYS = st.sampled_from(["a", "b", "c"])
+
+
+def _nodes(children):
+  return st.one_of(
+      st.dictionaries(_KEYS, children, max_size=3),
+      st.lists(children, max_size=3),
+      st.lists(children, max_size=3).map(tuple),
+      st.dictionaries(_KEYS, children, max_size=3).map(
+          lambda d: collections.OrderedDict(sorted(d.items()))))
+
+
+_RECORDS = st.recursive(_LEAVES, _nodes, max_leaves=6)
+
+
+@settings(deadline=None, derandomize=True, max_examples=400)
+@given(_RECORDS, _RECORDS)
+def test_records_taken_apart_without_jax_as_jax_does(first, record):
+  """A worker process takes apart the records that share the first's
+  container and keys, and whose leaves are arrays and numbers, without
+  JAX (RecordFormat.plain_leaves): always into JAX's leaves in JAX's
+  order, and never a record JAX sees as another structure. A record
+  whose dict was built in another key order is still the same record.
+  After a pickle (as a worker receives it) the format is the same."""
+  paths, leaves, treedef = source_records.flatten_record(first)
+  if not leaves:
+    return  # the loader refuses such a first record
+  try:
+    arrays = [np.asarray(leaf) for leaf in leaves]
+  except Exception:  # pylint: disable=broad-except
+    return
+  first_format = source_records.RecordFormat(treedef, paths, arrays)
+  received = pickle.loads(pickle.dumps(first_format))
+  assert received.treedef == treedef
+  if isinstance(record, dict):
+    record = dict(reversed(list(record.items())))
+  for fmt in (first_format, received):
+    plain = fmt.plain_leaves(record)
+    want, structure = jax.tree_util.tree_flatten(record)
+    if plain is not None:
+      assert structure == treedef
+      assert len(plain) == len(want)
+      assert all(p is w for p, w in zip(plain, want))
+    elif structure == treedef and fmt.stackable and all(
+        isinstance(leaf, (np.ndarray, np.generic, int, float))
+        for leaf in want):
+      raise AssertionError(f"{record!r} was given to JAX: it need not be")
+
+
+@pytest.mark.parametrize("record", [
+    {"x": np.zeros(3, np.float32), "y": np.int32(1)},
+    (np.zeros(3), 2.0), [np.zeros(3)], np.zeros((2, 2)), np.float32(3)])
+def test_a_records_format_pickles_without_jax(record):
+  """The format of a record that is an array or number, or a dict, tuple
+  or list of them, reaches a worker process without a JAX treedef (whose
+  unpickling imports JAX), and makes the same treedef there."""
+  paths, leaves, treedef = source_records.flatten_record(record)
+  fmt = source_records.RecordFormat(treedef, paths,
+                                    [np.asarray(leaf) for leaf in leaves])
+  pickled = pickle.dumps(fmt)
+  assert b"jax." not in pickled.replace(b"jax_data.", b"")
+  assert pickle.loads(pickled).treedef == treedef
+  nested = {"x": {"v": np.zeros(2)}}
+  paths, leaves, treedef = source_records.flatten_record(nested)
+  fmt = source_records.RecordFormat(treedef, paths,
+                                    [np.asarray(leaf) for leaf in leaves])
+  assert pickle.loads(pickle.dumps(fmt)).treedef == treedef

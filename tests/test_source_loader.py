@@ -696,6 +696,37 @@ def _mapped(loader):
     release_fn()
 
 
+_WORKERS_WITHOUT_JAX = textwrap.dedent("""
+    import numpy as np
+    import jax_data
+    from tests.records import JaxImported
+
+    for nested in (False, True):
+      loader = jax_data.SourceDataLoader(JaxImported(40, nested), workers=2,
+                                         processes=True)
+      mapper_fn, release_fn = jax_data.full_data_mapper(loader, 2, 4)
+      x = (lambda b: b["x"]["v"]) if nested else (lambda b: b["x"])
+      (flags, xs), _ = mapper_fn(lambda b, c: ((b["jax"], x(b)), c), None)
+      release_fn()
+      print(f"nested={nested} jax={sorted(set(np.asarray(flags).tolist()))} "
+            f"records={np.asarray(xs).tolist() == list(range(40))}")
+    print("main thread done", flush=True)
+    """)
+
+
+def test_worker_processes_read_plain_records_without_jax():
+  """A worker process imports JAX (seconds and ~150 MiB each) only for
+  records it cannot take apart without it: records that are a dict of
+  arrays and numbers are read and checked with NumPy alone, nested ones
+  with JAX, the same records either way. (Run from `python -c`, whose
+  workers run no main module again: a script's would, with its imports.)
+  """
+  done = scripts.run(_WORKERS_WITHOUT_JAX)
+  scripts.assert_ended_cleanly(done)
+  assert "nested=False jax=[0] records=True" in done.stdout, done.stdout
+  assert "nested=True jax=[1] records=True" in done.stdout, done.stdout
+
+
 _EXIT_AFTER_A_RELEASE = textwrap.dedent("""
     import concurrent.futures.process
     import jax_data

@@ -161,8 +161,9 @@ class SourceDataLoader(HostDataLoader):
       replaced and its records read again; workers ignore Ctrl-C (SIGINT),
       which the parent process handles. More worker processes than usable
       cores get a warning: they read no faster, and each costs the memory
-      of a Python process that imports JAX (about 225 MiB of RSS each on
-      2 cores, docs/sources.rst).
+      of a Python process (about 30 MiB of RSS with NumPy and a source
+      whose module and records need no JAX, 180-225 MiB where the script
+      or the source imports JAX: docs/sources.rst).
 
   Raises:
     TypeError: ``source`` lacks ``len`` or indexing, ``transform`` is not

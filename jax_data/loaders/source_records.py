@@ -6,6 +6,13 @@ What :class:`~jax_data.SourceDataLoader` and its worker processes share: a
 ``__getitems__``), applies the transform, checks each against the
 :class:`RecordFormat` of the first record (a record that differs is named
 by a :class:`RecordError`) and writes their leaves into rows of a chunk.
+
+A worker process reads records without importing JAX (seconds and ~150
+MiB a worker): records that are one array or number, or a dict, tuple or
+list of them, are taken apart here as ``jax.tree_util`` would take them
+apart; JAX is imported only for other records (nested, ``None`` leaves,
+registered nodes) and for the first record's format, which the parent
+finds.
 """
 
 from __future__ import annotations
@@ -18,37 +25,83 @@ from typing import Optional
 from typing import Sequence
 from typing import Tuple
 
-import jax
 import numpy as np
 
 from jax_data.errors import RecordError  # noqa: F401 (its old home)
-from jax_data.validation import is_jax_dtype
 
 # Records a batched read asks for at once (see RecordReader.fill).
 _BLOCK = 16_384
 
+# Types that are leaves to jax.tree_util whatever is registered (it cannot
+# register a node type twice, and these are arrays and numbers): a record
+# of them, or a dict, tuple or list of them, is taken apart without JAX.
+_LEAVES = (np.ndarray, np.generic, bool, int, float, complex)
+
 
 class RecordFormat:
-  """The structure, key paths, shapes and dtypes of the first record."""
+  """The structure, key paths, shapes and dtypes of the first record.
+
+  Pickled for worker processes without its JAX treedef where the
+  container and keys describe the structure (``stackable``): a worker then
+  never needs JAX for it, and :attr:`treedef` is made again on first use.
+  """
 
   def __init__(self, treedef, paths: List[str], leaves: List[np.ndarray]):
-    self.treedef = treedef
+    self._treedef = treedef
     self.paths = paths
     self.shapes = [leaf.shape for leaf in leaves]
     self.dtypes = [leaf.dtype for leaf in leaves]
     # Records that are one array, or a dict, tuple or list of arrays: their
     # container and keys (positions), so that a batch of them is stacked
-    # leaf by leaf in C.
+    # leaf by leaf in C. (A None child is a node of no leaves: not one.)
     node = treedef.node_data()
     self.container: Optional[type] = None
     self.keys: Tuple[Any, ...] = ()
-    self.stackable = treedef.num_nodes == 1 or (
+    self.stackable = treedef.num_nodes == treedef.num_leaves == 1 or (
         node is not None and node[0] in (dict, tuple, list)
-        and all(child.num_nodes == 1 for child in treedef.children()))
+        and all(child.num_nodes == 1 and child.num_leaves == 1
+                for child in treedef.children()))
     if treedef.num_nodes > 1 and self.stackable:
       self.container = node[0]
       self.keys = (tuple(node[1]) if node[0] is dict
                    else tuple(range(treedef.num_leaves)))
+
+  @property
+  def treedef(self) -> Any:
+    """The first record's JAX treedef."""
+    if self._treedef is None:  # unpickled: stackable, so one level
+      import jax  # pylint: disable=import-outside-toplevel
+      if self.container is None:
+        skeleton: Any = 0
+      elif self.container is dict:
+        skeleton = {key: 0 for key in self.keys}
+      else:
+        skeleton = self.container(0 for _ in self.keys)
+      self._treedef = jax.tree_util.tree_structure(skeleton)
+    return self._treedef
+
+  def __getstate__(self) -> dict:
+    state = dict(self.__dict__)
+    if self.stackable:
+      state["_treedef"] = None
+    return state
+
+  def plain_leaves(self, record: Any) -> Optional[List[Any]]:
+    """The leaves of ``record`` in ``jax.tree_util``'s order, found without
+    JAX, if it has the first record's container and keys and its leaves
+    are arrays or numbers; else None (ask JAX)."""
+    if not self.stackable:
+      return None
+    if self.container is None:
+      return [record] if isinstance(record, _LEAVES) else None
+    if type(record) is not self.container or len(record) != len(self.keys):
+      return None
+    try:
+      leaves = [record[key] for key in self.keys]
+    except KeyError:
+      return None
+    return leaves if all(isinstance(leaf, _LEAVES) for leaf in leaves) else (
+        None)
 
   def columns(self, records: List[Any]) -> Optional[List[List[Any]]]:
     """The records' leaves, one list per leaf, if every record has the
@@ -111,6 +164,7 @@ class RecordFormat:
 
 def flatten_record(record: Any) -> Tuple[List[str], List[Any], Any]:
   """Key paths, leaves and treedef of a record."""
+  import jax  # pylint: disable=import-outside-toplevel
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(record)
   paths = [jax.tree_util.keystr(path) or "record" for path, _ in with_paths]
   return paths, [leaf for _, leaf in with_paths], treedef
@@ -185,6 +239,8 @@ class RecordReader:
 
   def check_first(self, paths: List[str], leaves: List[Any]
                    ) -> List[np.ndarray]:
+    # pylint: disable-next=import-outside-toplevel
+    from jax_data.validation import is_jax_dtype  # imports JAX
     arrays = []
     for path, leaf in zip(paths, leaves):
       array = self.array(0, path, leaf)
@@ -207,6 +263,24 @@ class RecordReader:
     """The leaves of record ``index``, checked against the first record
     (key paths are computed only for a message)."""
     first = self.first
+    leaves = first.plain_leaves(record)
+    if leaves is None:
+      leaves = self.tree_leaves(index, record)
+    arrays = []
+    for leaf, shape, dtype, path in zip(leaves, first.shapes, first.dtypes,
+                                        first.paths):
+      array = leaf if type(leaf) is np.ndarray else self.array(index, path,
+                                                               leaf)
+      if array.shape != shape or array.dtype != dtype:
+        self.wrong_leaf(index, record)
+      arrays.append(array)
+    return arrays
+
+  def tree_leaves(self, index: int, record: Any) -> List[Any]:
+    """The leaves of record ``index`` as ``jax.tree_util`` finds them; a
+    record of another structure than the first's is named."""
+    import jax  # pylint: disable=import-outside-toplevel
+    first = self.first
     leaves, treedef = jax.tree_util.tree_flatten(record)
     if treedef != first.treedef:
       paths, _, _ = flatten_record(record)
@@ -220,15 +294,7 @@ class RecordReader:
           f"record {index} has {what[0]}, but record 0 has {what[1]}: "
           "records must share one format; record 0 is "
           f"{first.describe()}")
-    arrays = []
-    for leaf, shape, dtype, path in zip(leaves, first.shapes, first.dtypes,
-                                        first.paths):
-      array = leaf if type(leaf) is np.ndarray else self.array(index, path,
-                                                               leaf)
-      if array.shape != shape or array.dtype != dtype:
-        self.wrong_leaf(index, record)
-      arrays.append(array)
-    return arrays
+    return leaves
 
   def wrong_leaf(self, index: int, record: Any) -> None:
     """Raises the error that names a leaf of another shape or dtype."""
