@@ -191,3 +191,26 @@ def test_a_records_format_pickles_without_jax(record):
   fmt = source_records.RecordFormat(treedef, paths,
                                     [np.asarray(leaf) for leaf in leaves])
   assert pickle.loads(pickle.dumps(fmt)).treedef == treedef
+
+
+class _Boxed(np.ndarray):
+  """An array subclass registered as a pytree node (one child: the array
+  viewed as a plain one)."""
+
+
+jax.tree_util.register_pytree_node(
+    _Boxed, lambda b: ((b.view(np.ndarray),), None),
+    lambda _, children: children[0].view(_Boxed))
+
+
+def test_a_subclass_registered_as_a_node_goes_to_jax():
+  """A record's leaf whose type subclasses an array but is a pytree node
+  is taken apart by JAX, not taken as a leaf."""
+  first = {"x": np.zeros(2)}
+  paths, leaves, treedef = source_records.flatten_record(first)
+  fmt = source_records.RecordFormat(treedef, paths, leaves)
+  boxed = {"x": np.ones(2).view(_Boxed)}
+  assert fmt.plain_leaves(boxed) is None
+  reader = source_records.RecordReader([first, boxed], None, "test")
+  with pytest.raises(source_records.RecordError, match="record 1 has"):
+    reader.leaves(1, boxed)  # one level deeper than record 0's x

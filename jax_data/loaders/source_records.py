@@ -32,10 +32,16 @@ from jax_data.errors import RecordError  # noqa: F401 (its old home)
 # Records a batched read asks for at once (see RecordReader.fill).
 _BLOCK = 16_384
 
-# Types that are leaves to jax.tree_util whatever is registered (it cannot
-# register a node type twice, and these are arrays and numbers): a record
-# of them, or a dict, tuple or list of them, is taken apart without JAX.
-_LEAVES = (np.ndarray, np.generic, bool, int, float, complex)
+# What jax.tree_util takes as a leaf whatever a program registers: NumPy
+# arrays (memmaps too) and Python numbers by their exact type (a subclass
+# may be a registered pytree node: JAX takes it apart), and NumPy's and
+# ml_dtypes' scalars. A record of them, or a dict, tuple or list of them,
+# is taken apart without JAX.
+_LEAF_TYPES = frozenset((np.ndarray, np.memmap, bool, int, float, complex))
+
+
+def _is_leaf(value: Any) -> bool:
+  return type(value) in _LEAF_TYPES or isinstance(value, np.generic)
 
 
 class RecordFormat:
@@ -93,15 +99,14 @@ class RecordFormat:
     if not self.stackable:
       return None
     if self.container is None:
-      return [record] if isinstance(record, _LEAVES) else None
+      return [record] if _is_leaf(record) else None
     if type(record) is not self.container or len(record) != len(self.keys):
       return None
     try:
       leaves = [record[key] for key in self.keys]
     except KeyError:
       return None
-    return leaves if all(isinstance(leaf, _LEAVES) for leaf in leaves) else (
-        None)
+    return leaves if all(_is_leaf(leaf) for leaf in leaves) else None
 
   def columns(self, records: List[Any]) -> Optional[List[List[Any]]]:
     """The records' leaves, one list per leaf, if every record has the
