@@ -162,8 +162,8 @@ class SourceDataLoader(HostDataLoader):
       which the parent process handles. More worker processes than usable
       cores get a warning: they read no faster, and each costs the memory
       of a Python process (about 30 MiB of RSS with NumPy and a source
-      whose module and records need no JAX, 180-225 MiB where the script
-      or the source imports JAX: docs/sources.rst).
+      whose module and records need no JAX, about 160 MiB where the
+      script or the source imports JAX: docs/sources.rst).
 
   Raises:
     TypeError: ``source`` lacks ``len`` or indexing, ``transform`` is not
