@@ -47,6 +47,9 @@ USE_THREADS = "or use processes=False (worker threads)"
 # The loaders' pools of worker processes, ended at the interpreter's exit
 # before concurrent.futures joins them (see _end_pools_at_exit).
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+# Held to add to _LIVE_POOLS and _MANAGERS: the exit reads them while
+# other threads may still add (a set that grows while it is listed raises).
+_AT_EXIT_LOCK = threading.Lock()
 _EXITING = threading.Event()
 # The manager threads of the pools shut down (see shut_down), and how long
 # the exit waits for them at most.
@@ -59,7 +62,8 @@ def shut_down(pool: concurrent.futures.Executor, **kwargs: Any) -> None:
   first for the interpreter's exit to wait for (shutdown forgets it)."""
   thread = getattr(pool, "_executor_manager_thread", None)
   if thread is not None:
-    _MANAGERS.add(thread)
+    with _AT_EXIT_LOCK:
+      _MANAGERS.add(thread)
   pool.shutdown(wait=False, **kwargs)
 
 
@@ -70,7 +74,9 @@ def _end_pools_at_exit() -> None:
   still reading a record (or stuck in one) held up the exit; registered
   after it, this runs first."""
   _EXITING.set()
-  for pool in list(_LIVE_POOLS):
+  with _AT_EXIT_LOCK:
+    pools = list(_LIVE_POOLS)
+  for pool in pools:
     pool.end()
   # Then concurrent.futures' own hook wakes each pool's manager thread by
   # writing to its wake-up pipe, unlocked, while the thread of a pool shut
@@ -81,7 +87,9 @@ def _end_pools_at_exit() -> None:
   # number. The threads of pools shut down end within moments (closing
   # the pipe marks it closed, and the hook skips it): waited for.
   deadline = time.monotonic() + _EXIT_JOIN_SECONDS
-  for thread in list(_MANAGERS):
+  with _AT_EXIT_LOCK:
+    threads = list(_MANAGERS)
+  for thread in threads:
     if thread is not threading.current_thread():
       thread.join(max(0.0, deadline - time.monotonic()))
 
@@ -516,7 +524,8 @@ class WorkerPool:
     self._own: set = set()  # pools of one read's own (see read)
     self._open = 0
     if self.processes:
-      _LIVE_POOLS.add(self)
+      with _AT_EXIT_LOCK:
+        _LIVE_POOLS.add(self)
 
   def end(self) -> None:
     """Ends the worker processes at once (the interpreter exits); reads
