@@ -50,8 +50,8 @@ __all__ = [
 # Where each public name lives. None is imported with the package: a worker
 # process of SourceDataLoader(processes=True) imports
 # jax_data.loaders.source_workers, and so this file, and need not import
-# JAX (seconds and ~150 MiB a worker) to read records. A name is imported
-# on first use and then kept here, so later uses are plain lookups.
+# JAX (over a second and ~160 MiB a worker) to read records. A name is
+# imported on first use and then kept here, so later uses are plain lookups.
 _PUBLIC = {
     "restore_checkpoint": "jax_data.compiled.checkpoint",
     "save_checkpoint": "jax_data.compiled.checkpoint",

@@ -715,7 +715,7 @@ _WORKERS_WITHOUT_JAX = textwrap.dedent("""
 
 
 def test_worker_processes_read_plain_records_without_jax():
-  """A worker process imports JAX (seconds and ~150 MiB each) only for
+  """A worker process imports JAX (over a second and ~160 MiB each) only for
   records it cannot take apart without it: records that are a dict of
   arrays and numbers are read and checked with NumPy alone, nested ones
   with JAX, the same records either way. (Run from `python -c`, whose

@@ -7,8 +7,8 @@ What :class:`~jax_data.SourceDataLoader` and its worker processes share: a
 :class:`RecordFormat` of the first record (a record that differs is named
 by a :class:`RecordError`) and writes their leaves into rows of a chunk.
 
-A worker process reads records without importing JAX (seconds and ~150
-MiB a worker): records that are one array or number, or a dict, tuple or
+A worker process reads records without importing JAX (over a second and
+~160 MiB a worker): records that are one array or number, or a dict, tuple or
 list of them, are taken apart here as ``jax.tree_util`` would take them
 apart; JAX is imported only for other records (nested, ``None`` leaves,
 registered nodes) and for the first record's format, which the parent
