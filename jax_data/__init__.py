@@ -16,13 +16,13 @@ __version__ = "0.1.0"
 
 _install_old_paths()  # jax_data.sampling etc.: see jax_data.module_paths
 
+# The public names but those of optional dependencies (_OPTIONAL below):
+# `from jax_data import *` neither imports TensorFlow or Orbax nor fails
+# without them.
 __all__ = [
     "CacheState",
     "CheckpointError",
-    "DataCheckpointHandler",
     "DataLoader",
-    "DataRestore",
-    "DataSave",
     "DeviceDataLoader",
     "DeviceNumpyDataLoader",
     "HostDataLoader",
@@ -35,7 +35,6 @@ __all__ = [
     "RandomBatch",
     "RecordError",
     "SourceDataLoader",
-    "TensorflowDataLoader",
     "full_data_mapper",
     "full_reference_data",
     "process_shard",
@@ -80,14 +79,17 @@ _PUBLIC = {
 }
 
 _ORBAX = ("DataCheckpointHandler", "DataRestore", "DataSave")
+# Public too, loaded on first use with TensorFlow or Orbax; not in __all__.
+_OPTIONAL = ("TensorflowDataLoader",) + _ORBAX
 
 
 def __dir__() -> List[str]:
-  return sorted(set(globals()) | set(__all__))
+  return sorted(set(globals()) | set(__all__) | set(_OPTIONAL))
 
 
 # Type checkers see the lazily loaded names as they are, and an unknown
-# name as an error (a module __getattr__ would make every name Any).
+# name as an error (a module __getattr__ would make every name Any); "as"
+# re-exports the optional names, which __all__ leaves out.
 if TYPE_CHECKING:
   from jax_data.compiled.checkpoint import restore_checkpoint
   from jax_data.compiled.checkpoint import save_checkpoint
@@ -97,9 +99,11 @@ if TYPE_CHECKING:
   from jax_data.compiled.distributed import process_shard
   from jax_data.compiled.full_access import full_data_mapper
   from jax_data.compiled.full_access import full_reference_data
-  from jax_data.compiled.orbax_checkpoint import DataCheckpointHandler
-  from jax_data.compiled.orbax_checkpoint import DataRestore
-  from jax_data.compiled.orbax_checkpoint import DataSave
+  from jax_data.compiled.orbax_checkpoint import (
+    DataCheckpointHandler as DataCheckpointHandler,
+  )
+  from jax_data.compiled.orbax_checkpoint import DataRestore as DataRestore
+  from jax_data.compiled.orbax_checkpoint import DataSave as DataSave
   from jax_data.compiled.random_access import random_reference_data
   from jax_data.compiled.scan import scan
   from jax_data.errors import CheckpointError
@@ -111,7 +115,9 @@ if TYPE_CHECKING:
   from jax_data.loaders.loader import DeviceDataLoader
   from jax_data.loaders.numpy_loader import NumpyDataLoader
   from jax_data.loaders.source_loader import SourceDataLoader
-  from jax_data.loaders.tensorflow_loader import TensorflowDataLoader
+  from jax_data.loaders.tensorflow_loader import (
+    TensorflowDataLoader as TensorflowDataLoader,
+  )
   from jax_data.types import CacheState
   from jax_data.types import MiniBatch
   from jax_data.types import MiniBatchInformation

@@ -83,3 +83,30 @@ print("ok")
                         text=True, timeout=300, check=False)
   assert done.returncode == 0, done.stderr[-2000:]
   assert done.stdout.strip() == "ok"
+
+
+def test_a_star_import_needs_neither_tensorflow_nor_orbax():
+  """``from jax_data import *`` gives the public names but those of
+  optional dependencies, without TensorFlow and Orbax installed (here:
+  made unimportable); those names still say what to install."""
+  script = """
+import sys
+sys.modules["tensorflow"] = None  # as if not installed
+sys.modules["orbax"] = sys.modules["orbax.checkpoint"] = None
+from jax_data import *
+assert scan.__name__ == "scan" and NumpyDataLoader.__name__ == "NumpyDataLoader"
+import jax_data
+for name in ("TensorflowDataLoader", "DataSave"):
+  assert name in dir(jax_data) and name not in jax_data.__all__
+  try:
+    getattr(jax_data, name)
+  except ImportError as e:
+    assert "pip install" in str(e), e
+  else:
+    raise AssertionError(name + " loaded")
+print("ok")
+"""
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                        text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.strip() == "ok"
