@@ -40,6 +40,7 @@ from jax_data.compiled import pipeline as pl
 from jax_data.compiled.states import WRAPPED
 from jax_data.errors import CheckpointError
 from jax_data.streams import counter_streams as cs
+from jax_data.streams import device_streams
 from jax_data.streams.device_streams import DEVICE_MODES
 from jax_data.types import CacheState
 from jax_data.validation import check_int
@@ -205,10 +206,12 @@ def state_from_pytree(pipeline: Any, tree: Mapping[str, Any],
             f"lanes={lanes!r} picks {host['lanes'][0]} of the {total} "
             f"chains of the checkpoint (its lanes {saved}), but {refused}")
     lanes = tuple(host["lanes"])
-    chain = np.full(lanes, -1, np.int32)
+    # A device loader's chains without device_chains (saved before it)
+    # are jax.random ones; a host fills in its own chains.
+    chain = np.full(lanes, device_streams.RANDOM_KIND, np.int32)
     if pipeline.host is None and "device_chains" in host:
       chain = _device_chains(host["device_chains"], lanes)
-    if pipeline.host is None and (chain == -1).any():
+    if pipeline.host is None and (chain == device_streams.RANDOM_KIND).any():
       _check_random_settings(host)
     return pipeline.restore_lanes(host["chains"], arrays, lanes, chain)
 
@@ -359,10 +362,11 @@ def _device_chains(saved: Any, lanes: Tuple[int, ...]) -> np.ndarray:
   """The kinds of a device-resident pipeline's chains (checked)."""
   codes = np.asarray(saved)
   if (codes.shape != (math.prod(lanes),) or codes.dtype.kind != "i"
-      or ((codes > -1) | (codes < -4)).any()):
+      or not device_streams.are_kinds(codes)):
     raise CheckpointError(
-        f"the checkpoint's device_chains are {saved!r}, expected one of -1 "
-        f"to -4 per lane of {lanes}")
+        f"the checkpoint's device_chains are {saved!r}, expected one of "
+        f"{device_streams.RANDOM_KIND} to {device_streams.LOWEST_KIND} per "
+        f"lane of {lanes}")
   return codes.astype(np.int32).reshape(lanes)
 
 

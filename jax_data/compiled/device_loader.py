@@ -322,16 +322,19 @@ def kind_draw(count: int, batch_size: int) -> Callable[..., List[Any]]:
 def _check_kinds(chain: Any, where: str) -> None:
   """Raises if a known ``chain`` field of a device loader's state (of
   stacked states too) is not a kind of stream, -1 (``init_random_data``'s
-  key) to -4 (a counter-based stream's modes); traced fields pass."""
+  key) to -4 (a counter-based stream's modes: ``device_streams``'
+  ``RANDOM_KIND`` to ``LOWEST_KIND``); traced fields pass."""
   try:
     kinds = np.asarray(chain)
   except jax.errors.TracerArrayConversionError:
     return
-  if kinds.size and (kinds.min() < -4 or kinds.max() > -1):
+  if not device_streams.are_kinds(kinds):
     raise ValueError(
         f"{where} got a state with chain={kinds.tolist()}, where a device "
-        "loader's state names its kind of stream, -1 to -4: use the states "
-        "of this pipeline's init_fn, batch_fn or restore_checkpoint")
+        "loader's state names its kind of stream, "
+        f"{device_streams.RANDOM_KIND} to {device_streams.LOWEST_KIND}: use "
+        "the states of this pipeline's init_fn, batch_fn or "
+        "restore_checkpoint")
 
 
 class LoaderRef:
@@ -396,7 +399,8 @@ class RandomPipeline(pl.RandomPipeline):
           {**kwargs, "seed": first + lane if seed is None else seed})
                 for lane, seed in enumerate(seeds)]
       states = CacheState.start_chains(
-          self.id, [-2 - mode for mode, _ in chains], self._mb_size, 0, None)
+          self.id, [device_streams.counter_kind(mode) for mode, _ in chains],
+          self._mb_size, 0, None)
       return states._replace(key=jnp.asarray(
           np.stack([words for _, words in chains])))
     if seeds is not None:
@@ -412,10 +416,11 @@ class RandomPipeline(pl.RandomPipeline):
         else:
           loader.made_chains(1)
         mode, seed = counter
-        return CacheState.start(self.id, -2 - mode, self._mb_size,
-                                key=jnp.asarray(seed))
+        return CacheState.start(self.id, device_streams.counter_kind(mode),
+                                self._mb_size, key=jnp.asarray(seed))
     key = loader.init_random_data(**kwargs)
-    return CacheState.start(self.id, -1, self._mb_size, key=key)
+    return CacheState.start(self.id, device_streams.RANDOM_KIND,
+                            self._mb_size, key=key)
 
   def restore_lanes(self, saved: List[Dict[str, Any]],
                     arrays: Dict[str, np.ndarray], lanes: Tuple[int, ...],
@@ -427,7 +432,8 @@ class RandomPipeline(pl.RandomPipeline):
     state = super().restore_lanes(saved, arrays, lanes, chain)
     loader = self._ref.loader
     if isinstance(loader, DeviceNumpyDataLoader):
-      loader.made_chains(int((np.asarray(chain) <= -2).sum()))
+      loader.made_chains(int(
+          (np.asarray(chain) < device_streams.RANDOM_KIND).sum()))
     return state
 
   def check_state(self, state: Any, where: str) -> CacheState:

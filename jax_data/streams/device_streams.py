@@ -20,6 +20,25 @@ from jax_data.validation import check_int
 #: Modes of :func:`device_batch`, in the order of its ``mode`` argument.
 DEVICE_MODES = ("independent", "shuffle", "epochs")
 
+#: A device loader's state names its chain's kind of stream in its
+#: ``chain`` field: ``RANDOM_KIND`` a ``jax.random`` chain,
+#: :func:`counter_kind` a counter-based one, down to ``LOWEST_KIND``.
+RANDOM_KIND = -1
+LOWEST_KIND = -1 - len(DEVICE_MODES)
+
+
+def counter_kind(mode: int) -> int:
+  """The kind of a counter-based chain of mode ``mode`` (an index into
+  :data:`DEVICE_MODES`)."""
+  return -2 - mode
+
+
+def are_kinds(codes: np.ndarray) -> bool:
+  """Whether every one of ``codes`` is a kind of stream (``LOWEST_KIND``
+  to ``RANDOM_KIND``)."""
+  codes = np.asarray(codes)
+  return not ((codes > RANDOM_KIND) | (codes < LOWEST_KIND)).any()
+
 
 def sizes_fit(mb_size: int, n: int) -> bool:
   """Whether :func:`device_batch` draws batches of ``mb_size`` of ``n``
