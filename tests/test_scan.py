@@ -8,6 +8,9 @@ import pytest
 from jax import lax
 
 import jax_data
+from jax_data.compiled import random_access
+from jax_data.serving.group_refresh import GroupRefresh
+from jax_data.serving.host import Host
 
 
 def _loop(batch_fn, f, init, state, xs, length, information=False):
@@ -44,6 +47,32 @@ def _same_run(got, want):
 
 
 @pytest.fixture
+def by_step(request, monkeypatch):
+  """With ``True`` (the parameter), jax_data.scan unrolls whole chunks'
+  steps over buffers of their own at every chain count; for each such
+  request, whether a group's read served it (else the general way did)."""
+  served = []
+  if getattr(request, "param", True):
+    monkeypatch.setattr(random_access, "STEP_BYTES", 0)
+    original = Host.serve_steps_into
+    grouped = GroupRefresh.serve_request
+
+    def counted(self, *args, **kwargs):
+      served.append(False)
+      original(self, *args, **kwargs)
+
+    def group(self, *args, by_step=False, **kwargs):
+      done = grouped(self, *args, by_step=by_step, **kwargs)
+      if by_step:
+        served[-1] = done
+      return done
+
+    monkeypatch.setattr(Host, "serve_steps_into", counted)
+    monkeypatch.setattr(GroupRefresh, "serve_request", group)
+  return served
+
+
+@pytest.fixture
 def pipeline():
   loader = jax_data.NumpyDataLoader(x=np.arange(103), y=np.arange(103) % 7)
   pipeline = jax_data.random_reference_data(loader, 5, 4)
@@ -66,7 +95,8 @@ def test_same_batches_and_state_as_batch_fn(pipeline, skip, length):
   _same(batch_fn(got[0][1]), batch_fn(want[0][1]))
 
 
-def test_xs_information_and_epoch_masks(pipeline):
+@pytest.mark.parametrize("by_step", [False, True], indirect=True)
+def test_xs_information_and_epoch_masks(pipeline, by_step):
   init_fn, batch_fn, _ = pipeline
   state = init_fn(seed=1, shuffle=True, in_epochs=True)
   state, _ = batch_fn(state)
@@ -449,9 +479,11 @@ def test_a_scan_between_chunk_boundaries_copies_no_cache(pipeline, chains):
   assert not copies, copies
 
 
+@pytest.mark.parametrize("by_step", [False, True], indirect=True)
 @pytest.mark.parametrize("lengths", [(23, 23), (15, 4), (10, 17)])
 def test_vmapped_chains_at_different_positions_as_each_alone(pipeline,
-                                                             lengths):
+                                                             lengths,
+                                                             by_step):
   """Lanes at different positions have different numbers of whole chunks:
   the loop over them runs for the lane with the most, and the others fetch
   nothing and keep their carry and steps' outputs. Each lane's batches,
@@ -479,6 +511,44 @@ def test_vmapped_chains_at_different_positions_as_each_alone(pipeline,
       _same_run(jax.tree_util.tree_map(lambda a, c=c: a[c], got), want)
       alone[c] = want[0][1]
     states = got[0][1]
+
+
+@pytest.mark.parametrize("skip", [0, 2])
+@pytest.mark.parametrize("length", [3, 13])
+@pytest.mark.parametrize("stream, chains", [("counter", 3), ("exact", 3),
+                                            ("counter", None)])
+def test_steps_over_buffers_of_their_own_as_batch_fn(pipeline, by_step,
+                                                     skip, length, stream,
+                                                     chains):
+  """Whole chunks' steps unrolled over a buffer per step give each chain
+  the batches, carry, outputs and state of batch_fn's loop: chains of one
+  group read step by step into those buffers, others (exact streams, one
+  chain) served a chunk at a time and each step copied out."""
+  init_fn, batch_fn, _ = pipeline
+  states = init_fn(seed=range(chains or 1), stream=stream)
+  for _ in range(skip):
+    states, _ = jax.vmap(batch_fn)(states)
+  run = lambda s: jax_data.scan(_step, 0, s, batch_fn=batch_fn,
+                                length=length)
+  if chains is None:
+    alone = [jax.tree_util.tree_map(lambda a: a[0], states)]
+    got = [jax.jit(run)(alone[0])]
+  else:
+    alone = [jax.tree_util.tree_map(lambda a, c=c: a[c], states)
+             for c in range(chains)]
+    vmapped = jax.jit(jax.vmap(run))(states)
+    got = [jax.tree_util.tree_map(lambda a, c=c: a[c], vmapped)
+           for c in range(chains)]
+  for state, lane in zip(alone, got):
+    want = jax.jit(lambda s: _loop(batch_fn, _step, 0, s, None, length))(
+        state)
+    _same_run(lane, want)
+    _same(batch_fn(lane[0][1]), batch_fn(want[0][1]))
+  whole = (length - (5 - skip) % 5) // 5 if skip else length // 5
+  if whole:
+    assert by_step, "no whole chunk was served a step at a time"
+  grouped = stream == "counter" and chains is not None
+  assert all(served == grouped for served in by_step)
 
 
 @pytest.mark.parametrize("length", [3, 12])

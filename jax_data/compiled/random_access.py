@@ -27,6 +27,7 @@ from jax_data.compiled import pipeline as pl
 from jax_data.compiled import scan as scan_lib
 from jax_data.compiled import states
 from jax_data.compiled.bridge import Bridge
+from jax_data.compiled.bridge import in_per_device_code
 from jax_data.lifetime import STEPS
 from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.host_loader import chain_specs
@@ -38,6 +39,12 @@ from jax_data.types import RandomBatch
 from jax_data.validation import MAX_AXIS
 from jax_data.validation import check_bool
 from jax_data.validation import seed_list
+
+# jax_data.scan unrolls a chunk's steps over a buffer per step for caches
+# of at most this many batches, where all chains' batches of a step take
+# at least STEP_BYTES (RandomPipeline._by_step).
+STEPS_UNROLLED = 8
+STEP_BYTES = 1 << 20
 
 
 def random_reference_data(data_loader: DataLoader,
@@ -439,7 +446,32 @@ class RandomPipeline(pl.RandomPipeline):
         refresh=functools.partial(self.refresh, device_count=device_count),
         observation_count=self._count, mb_size=self._mb_size,
         plain=lambda: super(RandomPipeline, self).scan_batches(
-            f, init, state, xs, length, information, device_count))
+            f, init, state, xs, length, information, device_count),
+        fetch_steps=(self.fetch_steps if device_count == 1
+                     and self._by_step() else None))
+
+  def _by_step(self) -> bool:
+    """Whether :func:`jax_data.scan` unrolls each chunk's steps over a
+    buffer per step (:meth:`fetch_steps`): on a CPU, for caches of 2 to
+    :data:`STEPS_UNROLLED` batches (one batch is read where it is written
+    already), where the chains made so far read at
+    least :data:`STEP_BYTES` a step together (below that XLA's copy of the
+    step's batch out of the chunk stays in a core's cache)."""
+    bridge = self._bridge
+    cache_size = bridge.mask_format.shape[0]
+    step_bytes = sum(math.prod(s.shape[1:]) * s.dtype.itemsize
+                     for s in bridge.leaf_formats)
+    return (bridge.in_place and 2 <= cache_size <= STEPS_UNROLLED
+            and jax.default_backend() == "cpu" and not in_per_device_code()
+            and len(self.host.chains()) * step_bytes >= STEP_BYTES)
+
+  def fetch_steps(self, state: CacheState, chunk: jax.Array,
+                  need: jax.Array):
+    """Chunk ``chunk`` of the state's chain where ``need``, each batch in
+    buffers of its own: ``[(batch, mask)]`` (for
+    :func:`jax_data.compiled.scan.chunked_scan`)."""
+    return self._bridge.fetch_steps(self._owner, state.pipeline,
+                                    state.chain, chunk, need)
 
   def fetch(self, state: CacheState, chunk: jax.Array,
             device_count: int = 1):

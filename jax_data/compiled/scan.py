@@ -311,7 +311,8 @@ def _stacked(sharding: Any) -> Any:
 
 def chunked_scan(f, init, state: CacheState, xs, length: int,
                  information: bool, device_count: int, *, fetch, refresh,
-                 observation_count: int, mb_size: int, plain):
+                 observation_count: int, mb_size: int, plain,
+                 fetch_steps=None):
   """The scan of :func:`scan` over a pipeline with a device cache.
 
   The steps fall in three parts: the rest of the chunk the state is inside
@@ -333,6 +334,11 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
       vmapped chains: 83 MiB more) and was faulted in at every call.
     refresh: ``refresh(state) -> state`` whose cache holds
       ``state.chunk``.
+    fetch_steps: Optional ``fetch_steps(state, chunk, need) -> [(batch,
+      mask)]``: chunk ``chunk`` with each batch in buffers of its own.
+      Given, each whole chunk's steps are unrolled over them, not scanned
+      over one chunk's buffer (whose batch XLA copies out every step), and
+      the cache is left as it is.
     observation_count, mb_size: For ``MiniBatchInformation``.
     plain: ``plain() -> ((carry, state), ys)``: the loop of a ``lax.scan``
       that calls ``batch_fn``, for steps that run in lockstep
@@ -461,11 +467,25 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
   # unbatched_at_one); a known position (reverse mode) needs neither.
   lanes_vary = isinstance(whole, jax.core.Tracer)
 
+  def by_step(carry, spent, j, active, step):
+    """Chunk ``chunk + j``'s steps, unrolled over a buffer per step."""
+    new_carry, chunk_ys = carry, []
+    for k, (batch, mask) in enumerate(fetch_steps(spent, chunk + j, active)):
+      new_carry, y = f(new_carry, item(batch, mask, None if xs is None
+                                       else x_at(step + k)))
+      chunk_ys.append(y)
+    return new_carry, jax.tree_util.tree_map(lambda *v: jnp.stack(v),
+                                             *chunk_ys)
+
   def over_chunk(j, loop):
     carry, ys, spent = loop
     active = j < whole
-    batches, mask, spent = fetch(spent, chunk + j, active)
     step = head + j * cache_size
+    if fetch_steps is not None:
+      new_carry, chunk_ys = by_step(carry, spent, j, active, step)
+      return finish_chunk(carry, ys, spent, active, step, new_carry,
+                          chunk_ys)
+    batches, mask, spent = fetch(spent, chunk + j, active)
     # The mask only goes along when f is given it.
     scanned = (batches, mask if information else None)
     if xs is not None:
@@ -477,6 +497,9 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
                            else None))
 
     new_carry, chunk_ys = lax.scan(inner, carry, scanned)
+    return finish_chunk(carry, ys, spent, active, step, new_carry, chunk_ys)
+
+  def finish_chunk(carry, ys, spent, active, step, new_carry, chunk_ys):
     new_ys = jax.tree_util.tree_map(
         lambda a, v: lax.dynamic_update_slice_in_dim(a, v, step, 0), ys,
         chunk_ys)

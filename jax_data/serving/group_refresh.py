@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
+from typing import Any
 from typing import Callable
 from typing import List
 from typing import NamedTuple
@@ -37,6 +38,7 @@ import numpy as np
 
 from jax_data.loaders.chains import ChunkLayout
 from jax_data.loaders.chains import Span
+from jax_data.loaders.indexed import StepRows
 from jax_data.serving.chain_records import ChainRecord
 from jax_data.serving.chain_records import ChainTable
 from jax_data.serving.chunk_store import ChainStore
@@ -72,7 +74,7 @@ class GroupRefresh:
   def serve_request(self, store: ChainStore, pipeline: int,
                     outs: Sequence[np.ndarray], pipelines: np.ndarray,
                     chains: np.ndarray, chunks: np.ndarray, need: np.ndarray,
-                    plain: bool, cpu: bool) -> bool:
+                    plain: bool, cpu: bool, by_step: bool = False) -> bool:
     """Serves a request of pipeline ``pipeline`` (``Host.serve_into``'s
     arguments) if it is a refresh of every lane, all chains of one group
     read in place, and ``plain`` (one device's, no progress to report);
@@ -87,14 +89,15 @@ class GroupRefresh:
     100 batches took 145-182 us per step produced ahead and 122-159 us read
     in place; 256 chains of 10 batches 671-719 and 415-420 us."""
     lanes = need.size
+    serve = self.serve_steps_into if by_step else self.serve_into
     if (lanes < 2 or not plain or not need.all()
         or not (pipelines == pipeline).all()):
       return False
     in_place = store.reads_in_place(lanes)
     if not (cpu or in_place):
       return False
-    if not self.serve_into(outs, chains, chunks, store.removals,
-                           memory_only=not in_place):
+    if not serve(outs, chains, chunks, store.removals,
+                 memory_only=not in_place):
       return False
     store.note_lanes(lanes)
     return True
@@ -112,10 +115,47 @@ class GroupRefresh:
 
     A failure leaves ``outs`` to the general path, which produces the
     chunks again and reports the failure as it does for any chunk."""
+    buffers = _in_place(outs[:-1])
+    if buffers is None:
+      return False
+
+    def finish(leaves: List[np.ndarray], mask: np.ndarray) -> None:
+      self._layout.check_span(Span(leaves, mask), np.size(chunks))
+      for out, leaf in zip(outs, leaves):
+        if not same_memory(out, leaf):  # a view of the data
+          np.copyto(out, leaf)
+      _write_mask(outs[-1], mask)
+
+    return self._serve(chains, chunks, removals, memory_only,
+                       _Into(*buffers), finish)
+
+  def serve_steps_into(self, steps: Sequence[Sequence[np.ndarray]],
+                       chains: np.ndarray, chunks: np.ndarray, removals: int,
+                       memory_only: bool) -> bool:
+    """:meth:`serve_into` into a buffer per step of the chunks
+    (``steps[k]``: step ``k``'s leaves then its mask, a leading lane axis
+    each), written step by step; whether it did."""
+    if not all(o.flags.c_contiguous and o.flags.writeable
+               for step in steps for o in step):
+      return False
+
+    def finish(leaves: List[Sequence[np.ndarray]], mask: np.ndarray) -> None:
+      del leaves  # read into the steps' buffers themselves
+      for k, step in enumerate(steps):
+        _write_mask(step[-1], mask[:, k])
+
+    return self._serve(chains, chunks, removals, memory_only,
+                       _StepsInto(steps), finish)
+
+  def _serve(self, chains: np.ndarray, chunks: np.ndarray, removals: int,
+             memory_only: bool, allocate: Callable[..., Any],
+             finish: Callable[[Any, np.ndarray], None]) -> bool:
+    """A group's read of chunk ``chunks[g]`` of chain ``chains[g]`` into
+    ``allocate``'s buffers, then ``finish(leaves, mask)``; whether it
+    served them (see :meth:`serve_into`)."""
     chains = np.asarray(chains).reshape(-1)
     chunks = np.asarray(chunks, np.int64).reshape(-1)
-    buffers = _in_place(outs[:-1])
-    if buffers is None or chunks.min() < 0:
+    if chunks.min() < 0:
       return False  # the general path says what is wrong
     group = self._group(chains, removals)
     if group is None or (memory_only and not group.in_memory):
@@ -128,13 +168,8 @@ class GroupRefresh:
         return False
       try:
         leaves, mask = cursor.read_group(  # type: ignore[attr-defined]
-            group.seeds, chunks * self._layout.cache_size, _Into(*buffers),
-            later)
-        self._layout.check_span(Span(leaves, mask), len(chunks))
-        for out, leaf in zip(outs, leaves):
-          if not same_memory(out, leaf):  # a view of the data
-            np.copyto(out, leaf)
-        _write_mask(outs[-1], mask)
+            group.seeds, chunks * self._layout.cache_size, allocate, later)
+        finish(leaves, mask)
         cursor.check()  # type: ignore[attr-defined]
         served = True
       except Exception:  # pylint: disable=broad-except
@@ -200,6 +235,25 @@ class _Into:
       raise ValueError(f"a buffer of {buffer.shape} {buffer.dtype} for "
                        f"rows of {shape} {np.dtype(dtype)}")
     return buffer.reshape(shape)
+
+
+class _StepsInto:
+  """The ``allocate`` of :meth:`~jax_data.loaders.indexed.IndexedCursor.
+  read_group` into a buffer per step: each leaf's steps' buffers, in
+  order, as rows (:class:`~jax_data.loaders.indexed.StepRows`)."""
+
+  interleaved = True
+
+  def __init__(self, steps: Sequence[Sequence[np.ndarray]]):
+    self._leaves = iter(list(zip(*steps))[:-1])  # the masks are written after
+
+  def __call__(self, shape: Tuple[int, ...], dtype) -> StepRows:
+    buffers = next(self._leaves)
+    if (sum(b.size for b in buffers) != math.prod(shape)
+        or any(b.dtype != np.dtype(dtype) for b in buffers)):
+      raise ValueError(f"buffers of {buffers[0].shape} {buffers[0].dtype} "
+                       f"for rows of {shape} {np.dtype(dtype)}")
+    return StepRows(b.reshape((-1,) + tuple(shape[1:])) for b in buffers)
 
 
 def _in_place(leaves: Sequence[np.ndarray]

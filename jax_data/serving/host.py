@@ -301,6 +301,33 @@ class Host:
     finally:
       store.schedule_next(deferred, trim=True)
 
+  def serve_steps_into(self, steps: Sequence[Sequence[np.ndarray]],
+                       pipelines: np.ndarray, chains: np.ndarray,
+                       chunks: np.ndarray, need: np.ndarray,
+                       device_count: int = 1, participants: int = 1
+                       ) -> None:
+    """:meth:`serve_into` for a CPU's buffers of each step of the chunks
+    (``steps[k]``: step ``k``'s leaves then its mask, a leading lane axis
+    each): a group's read writes the rows into them step by step
+    (:meth:`GroupRefresh.serve_request`); other requests are served into
+    buffers of a chunk's layout from this host's pool, and each step is
+    copied out."""
+    store = self._parts.store()
+    if need.size > 1 and self._parts.groups().serve_request(
+        store, self.id, steps, pipelines, chains, chunks, need,
+        device_count * participants == 1 and self._progress is None, True,
+        by_step=True):
+      self.requests += 1
+      store.schedule_next(Served(), trim=True)
+      return
+    chunk = [self._parts.results.empty(shape, dtype)
+             for shape, dtype in self.layout.formats(np.size(need))]
+    self.serve_into(chunk, pipelines, chains, chunks, need, device_count,
+                    participants, cpu=True)
+    for k, step in enumerate(steps):
+      for out, whole in zip(step, chunk):
+        np.copyto(out, whole[:, k])
+
   def _ready(self, store: ChainStore, pipelines: np.ndarray,
              chains: np.ndarray, chunks: np.ndarray, need: np.ndarray,
              device_count: int, participants: int, defer: Served
