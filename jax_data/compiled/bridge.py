@@ -32,12 +32,14 @@ for the whole copy. Other platforms, and ``callback="pure"`` everywhere, use
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import math
 from typing import Any
 from typing import Callable
 from typing import Dict
+from typing import Iterator
 from typing import List
 from typing import Sequence
 from typing import Tuple
@@ -572,16 +574,10 @@ class _Callback:
 
   def __call__(self, owners, pipelines, chains, chunks, need):
     """``pure_callback``: returns the lanes' arrays."""
-    LIVE_HOSTS.begin_request()
-    try:
+    with _request():
       return LIVE_HOSTS.host(_owner(owners)).serve(
           pipelines, chains, chunks, need, self._device_count,
           self._participants)
-    except BaseException:
-      LIVE_HOSTS.note_failed_callback()
-      raise
-    finally:
-      LIVE_HOSTS.end_request()
 
   def into(self, context, outs, owners, pipelines, chains, chunks, need,
            *spent) -> None:
@@ -631,17 +627,11 @@ class _Callback:
     del context
     outs = [np.asarray(o) for o in outs]
     steps = [outs[k:k + width] for k in range(0, len(outs), width)]
-    LIVE_HOSTS.begin_request()
-    try:
+    with _request():
       LIVE_HOSTS.host(_owner(owners)).serve_steps_into(
           steps, np.asarray(pipelines), np.asarray(chains),
           np.asarray(chunks), np.asarray(need), self._device_count,
           self._participants)
-    except BaseException:
-      LIVE_HOSTS.note_failed_callback()
-      raise
-    finally:
-      LIVE_HOSTS.end_request()
 
   def into_kept(self, context, outs, owners, pipelines, chains, chunks, need,
                 *kept) -> None:
@@ -655,18 +645,26 @@ class _Callback:
     outs = [np.asarray(o) for o in outs]
     if not keep:  # fresh buffers of this call, not yet written
       huge_pages.advise(outs)
-    LIVE_HOSTS.begin_request()
-    try:
+    with _request():
       LIVE_HOSTS.host(_owner(owners)).serve_into(
           outs, np.asarray(pipelines),
           np.asarray(chains), np.asarray(chunks), np.asarray(need),
           self._device_count, self._participants, keep_others=keep,
           cpu=True)
-    except BaseException:
-      LIVE_HOSTS.note_failed_callback()
-      raise
-    finally:
-      LIVE_HOSTS.end_request()
+
+
+@contextlib.contextmanager
+def _request() -> Iterator[None]:
+  """A callback's request to a host: counted while it runs
+  (``LIVE_HOSTS.begin_request``), its failure noted."""
+  LIVE_HOSTS.begin_request()
+  try:
+    yield
+  except BaseException:
+    LIVE_HOSTS.note_failed_callback()
+    raise
+  finally:
+    LIVE_HOSTS.end_request()
 
 
 def _owner(owners) -> int:
