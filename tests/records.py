@@ -1,4 +1,5 @@
-"""Sources for tests of worker processes (``processes=True``).
+"""Random-access sources that several test modules read, those of tests of
+worker processes (``processes=True``) among them.
 
 Here, not in a test module, because a worker process unpickles a source by
 importing the module that defines it: this one imports NumPy alone, so
@@ -14,6 +15,35 @@ import sys
 import time
 
 import numpy as np
+
+
+class Computed:
+  """``n`` records computed from the index, read one by one; record
+  ``fail_at`` fails to read."""
+
+  def __init__(self, n, fail_at=None):
+    self.n = n
+    self.fail_at = fail_at
+
+  def __len__(self):
+    return self.n
+
+  def __getitem__(self, i):
+    if i == self.fail_at:
+      raise KeyError(f"record {i} is unreadable")
+    return {"x": np.int64(i)}
+
+
+class ComputedInBatches(Computed):
+  """:class:`Computed`, read in batches; counts the batched reads."""
+
+  def __init__(self, n, fail_at=None):
+    super().__init__(n, fail_at)
+    self.reads = 0
+
+  def __getitems__(self, indices):
+    self.reads += 1
+    return [self[i] for i in indices]
 
 
 class Numbered:

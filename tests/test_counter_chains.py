@@ -17,6 +17,7 @@ from jax_data.counter_chains import CounterStream
 from jax_data.counter_chains import chain_batches
 from jax_data.counter_chains import uniform_runs
 from jax_data.host_loader import StoreLimits
+from tests.records import ComputedInBatches
 
 MODES = [(False, False), (True, False), (True, True)]
 
@@ -205,31 +206,9 @@ def test_a_draw_split_over_threads_gives_the_streams(mode, monkeypatch):
   gatherer.close()
 
 
-class _Virtual:
-  """``n`` records computed from the index, read in batches; counts the
-  batched reads."""
-
-  def __init__(self, n, fail_at=None):
-    self.n = n
-    self.fail_at = fail_at
-    self.reads = 0
-
-  def __len__(self):
-    return self.n
-
-  def __getitem__(self, i):
-    if i == self.fail_at:
-      raise KeyError(f"record {i} is unreadable")
-    return {"x": np.int64(i)}
-
-  def __getitems__(self, indices):
-    self.reads += 1
-    return [self[i] for i in indices]
-
-
 def _loaders(n):
   loaders = [jax_data.NumpyDataLoader(x=np.arange(n)),
-             jax_data.SourceDataLoader(_Virtual(n), workers=0)]
+             jax_data.SourceDataLoader(ComputedInBatches(n), workers=0)]
   try:
     import tensorflow as tf
 
@@ -366,7 +345,7 @@ def test_vmapped_scans_get_each_chains_stream(limits, rows_per_read,
 def test_a_refresh_of_many_chains_reads_once():
   """The chunks of 16 vmapped chains come from one batched read of the
   source, and their next chunks from one more per step ahead."""
-  source = _Virtual(10_000)
+  source = ComputedInBatches(10_000)
   loader = jax_data.SourceDataLoader(source, workers=0)
   pipeline = jax_data.random_reference_data(loader, 4, 8)
   init_fn, batch_fn, release_fn = pipeline
@@ -412,7 +391,7 @@ def test_a_failing_record_fails_the_request_and_is_retried():
   with it, naming the record; once readable, the same request succeeds
   with the chains' exact streams."""
   n, cache, mb, chains = 50, 2, 5, 4
-  source = _Virtual(n)
+  source = ComputedInBatches(n)
   loader = jax_data.SourceDataLoader(source, workers=0)
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(
       loader, cache, mb)
@@ -441,7 +420,7 @@ def test_an_exact_shuffle_larger_than_memory_is_refused_at_init(mode):
   permutation at its first batch: ``init_fn`` refuses it, naming the
   stream and the count, and the counter-based stream of the same records
   serves its exact batches."""
-  loader = jax_data.SourceDataLoader(_Virtual(10**12), workers=0)
+  loader = jax_data.SourceDataLoader(ComputedInBatches(10**12), workers=0)
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(
       loader, 2, 3)
   with pytest.raises(ValueError, match=r"stream='exact'.*1,000,000,000,000 "
@@ -466,7 +445,7 @@ def test_an_exact_shuffle_is_refused_by_its_peak_not_one_permutation(
   monkeypatch.setattr(os, "sysconf", lambda name: pages if (
       name == "SC_PHYS_PAGES") else real(name))
   for count, refused in ((1_200_000, True), (300_000, False)):
-    loader = jax_data.SourceDataLoader(_Virtual(count), workers=0)
+    loader = jax_data.SourceDataLoader(ComputedInBatches(count), workers=0)
     init_fn, _, release_fn = jax_data.random_reference_data(loader, 2, 3)
     if refused:
       with pytest.raises(ValueError, match=r"keeps up to two: 32 bytes per "
@@ -530,7 +509,7 @@ def test_a_failing_record_is_named_by_its_chain_and_spares_the_others():
   bad, failing = next((record, c) for record, drawn in sorted(owners.items())
                       for c in {c for c, _ in drawn}
                       if all(d == c and b >= 2 * cache for d, b in drawn))
-  source = _Virtual(n)
+  source = ComputedInBatches(n)
   loader = jax_data.SourceDataLoader(source, workers=0)
   pipeline = jax_data.random_reference_data(loader, cache, mb)
   init_fn, batch_fn, release_fn = pipeline
@@ -556,7 +535,7 @@ def test_release_while_a_group_is_read():
   the waiting request with PipelineReleasedError, not a hang."""
   armed, started, go_on = (threading.Event() for _ in range(3))
 
-  class Slow(_Virtual):
+  class Slow(ComputedInBatches):
     def __getitems__(self, indices):
       if armed.is_set():  # not the reads of the loader's set-up
         started.set()

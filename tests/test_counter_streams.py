@@ -16,6 +16,7 @@ from jax_data import counter_chains
 from jax_data import counter_streams as cs
 from jax_data.counter_chains import CounterStream
 from jax_data.streams import device_streams
+from tests.records import Computed
 
 # Significance of the statistical tests: with fixed seeds each test is
 # deterministic; a correct generator fails one with this probability.
@@ -526,19 +527,6 @@ def test_a_chunk_costs_no_replay():
       4, 10**9 + 10, 10, 64, 10**8, True, True)[0])
 
 
-class _Virtual:
-  """A random-access source of ``n`` records computed from the index."""
-
-  def __init__(self, n):
-    self.n = n
-
-  def __len__(self):
-    return self.n
-
-  def __getitem__(self, i):
-    return {"x": np.int64(i)}
-
-
 @pytest.mark.parametrize("mode", [{}, {"shuffle": True},
                                   {"shuffle": True, "in_epochs": True}])
 def test_every_loader_draws_the_same_counter_stream(mode, tmp_path,
@@ -552,7 +540,7 @@ def test_every_loader_draws_the_same_counter_stream(mode, tmp_path,
   loaders = [jax_data.NumpyDataLoader(x=np.arange(n)),
              jax_data.NumpyDataLoader(copy=False,
                                       x=np.load(path, mmap_mode="r")),
-             jax_data.SourceDataLoader(_Virtual(n), workers=2)]
+             jax_data.SourceDataLoader(Computed(n), workers=2)]
   try:
     import tensorflow as tf
 
@@ -588,7 +576,7 @@ def test_stream_keyword_defaults_and_errors():
   small = jax_data.NumpyDataLoader(x=np.arange(10))
   assert small.chain_spec(False).stream == "exact"
   assert small.chain_spec(False, stream="counter").stream == "counter"
-  large = jax_data.SourceDataLoader(_Virtual(AUTO_COUNTER_ABOVE + 1))
+  large = jax_data.SourceDataLoader(Computed(AUTO_COUNTER_ABOVE + 1))
   assert large.chain_spec(False, shuffle=True).stream == "counter"
   assert large.chain_spec(False, stream="exact").stream == "exact"
   with pytest.raises(ValueError, match="stream='count'"):
@@ -754,7 +742,7 @@ def test_a_state_far_ahead_is_served_without_replay():
   assert source.reads <= 3 * 10 * 64  # this chunk and two ahead
 
 
-class _Counting(_Virtual):
+class _Counting(Computed):
 
   reads = 0
 
@@ -831,7 +819,7 @@ def test_lanes_of_a_checkpoint_restore_apart(tmp_path):
 
 
 def test_worker_processes_draw_the_same_counter_stream():
-  loader = jax_data.SourceDataLoader(_Virtual(103), workers=2,
+  loader = jax_data.SourceDataLoader(Computed(103), workers=2,
                                      processes=True)
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(loader, 3, 8)
   state = init_fn(seed=11, shuffle=True, stream="counter")
