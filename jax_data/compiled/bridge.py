@@ -350,7 +350,9 @@ class _Ops:
     leading lane axis. On CPU the host writes the rows straight into them,
     and a step's products read them there; sliced out of one chunk's
     buffer, each step's batch was copied first by XLA, every step (256
-    vmapped chains of case (g): 2.2 MB a step)."""
+    vmapped chains of case (g): 2.2 MB a step). Not for per-device code
+    (``RandomPipeline._by_step``), whose outputs would need marking
+    device-varying."""
     formats = self._leaf_formats + [self._mask_format]
     steps = formats[0].shape[0]
     lanes = chains.shape[0]
@@ -360,7 +362,7 @@ class _Ops:
       chunk = self._fetch_lanes(*args)
       return [c[:, k] for k in range(steps) for c in chunk]
 
-    if not self._in_place or _manual_axes():
+    if not self._in_place:
       return copied(*args)
     outs = [jax.ShapeDtypeStruct((lanes,) + s.shape[1:], s.dtype)
             for _ in range(steps) for s in formats]
