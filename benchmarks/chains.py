@@ -6,6 +6,11 @@ call a ``lax.scan`` of ``steps`` steps:
 * compute only: every chain reuses one fixed batch (no data access);
 * device-resident: the data on the device, each chain's indices drawn with
   ``jax.random.randint`` and gathered inside the scan;
+* device-resident, indices given: the same, each step's indices taken
+  from a table drawn before the call (32 sets, in turn), not drawn: the
+  gather and the compute alone, what device-resident would take if its
+  draw cost nothing (a host loader on a CPU gathers the same rows in the
+  same memory; it can move the draw beside compiled code, not the rows);
 * jax_data: ``jax.vmap`` of ``jax_data.scan`` over the stacked states of
   ``init_fn(seed=range(C))`` (independent draws): with the default stream
   of a sequence of seeds, counter-based, whose chains a refresh draws and
@@ -62,6 +67,7 @@ from common import run_child
 
 COMPUTE = "compute only"
 DEVICE = "device-resident"
+GIVEN = "device-resident, indices given"
 JAX_DATA = "jax_data exact"
 COUNTER = "jax_data counter"
 EPOCHS = "jax_data counter, epochs"
@@ -199,7 +205,8 @@ def _section(config: Config, results: list, processes: int) -> Section:
         _spread(timing, ON_DEVICE, DEVICE),
         format_timing(timings[after_idle(COUNTER)], "us"),
         _spread(timing, after_idle(COUNTER), after_idle(COMPUTE)),
-        _spread(timing, after_idle(COUNTER), after_idle(DEVICE))])
+        _spread(timing, after_idle(COUNTER), after_idle(DEVICE)),
+        format_timing(timings[GIVEN], "us"), _spread(timing, GIVEN, DEVICE)])
     floor_bound = timing[FLOOR]["median"] > timing[COMPUTE]["median"]
     bests.append(f"{chains}: {format_ratio(best)}" + (
         f" ({format_ratio(fastest / floor)} of compute + floor)"
@@ -232,7 +239,9 @@ def _section(config: Config, results: list, processes: int) -> Section:
           "cores, per step; 'compute over "
           "a cache' scans each chain over one fixed refresh of random "
           "batches on the device, as jax_data.scan scans its chunks, with "
-          "no host work. Peak RSS: "
+          f"no host work; '{GIVEN}' is device-resident with each step's "
+          "indices taken from a table drawn before the call (no draw in "
+          "the loop). Peak RSS: "
           "jax_data with counter streams in a fresh process, VmHWM above "
           "the resident set before the chains were made (the loader, with "
           "its copy of the data, made before); caches: the "
@@ -263,7 +272,7 @@ def _section(config: Config, results: list, processes: int) -> Section:
                EPOCHS, "epochs / device", AUTO, "auto / device",
                ON_DEVICE, "on the device / device", after_idle(COUNTER),
                "after idle: counter / compute",
-               "after idle: counter / device"],
+               "after idle: counter / device", GIVEN, "given / device"],
       rows=rows,
       targets=[
           Target("(g) jax_data / device-resident, every C", "<= 0.8x",
@@ -285,6 +294,11 @@ def _section(config: Config, results: list, processes: int) -> Section:
                  "floor): what any scan over a host-filled cache pays",
                  "reported, no target", ", ".join(
                      f"{r[0]}, {r[1]}: {r[12]}" for r in rows), None),
+          Target("(g) device-resident, indices given / device-resident: "
+                 "its gather and compute without the draw, the rows a host "
+                 "loader on a CPU moves in the same memory",
+                 "reported, no target", ", ".join(
+                     f"{r[0]}, {r[1]}: {r[-1]}" for r in rows), None),
       ])
 
 
@@ -330,6 +344,15 @@ def _samplers(request: dict[str, Any], data: dict[str, np.ndarray]):
     carry, _ = jax.lax.scan(step, (theta, data_key, key), None, length=steps)
     return carry
 
+  def scan_given(theta, table, key):
+    def step(carry, i):
+      theta, key = carry
+      rows = table[i % table.shape[0]]
+      batch = {k: jnp.take(a, rows, axis=0) for k, a in arrays.items()}
+      return sgld_update(theta, key, batch, n, step_size), None
+    (theta, key), _ = jax.lax.scan(step, (theta, key), jnp.arange(steps))
+    return theta, table, key
+
   cache = request["cache"]
 
   def scan_cached(theta, chunk, key):
@@ -361,6 +384,8 @@ def _samplers(request: dict[str, Any], data: dict[str, np.ndarray]):
       CACHED: (jax.jit(scan_cached), (theta, chunk, keys)),
       DEVICE: (vmapped(scan_device),
                (theta, jax.random.split(jax.random.key(1), chains), keys)),
+      GIVEN: (vmapped(scan_given), (theta, jax.random.randint(
+          jax.random.key(4), (chains, 32, request["mb"]), 0, n), keys)),
   }, theta, keys, step_size
 
 
