@@ -277,6 +277,49 @@ def test_an_invariant_carry_under_shard_map_with_sharded_states(
   np.testing.assert_array_equal(ys, want)
 
 
+@NEEDS_FOUR
+@pytest.mark.parametrize("length", [CACHE - 1, 4 * CACHE])
+def test_a_weak_carry_returned_strong_under_shard_map(pipelines, length):
+  """A Python 0.0 the step adds a float32 sum to, inside ``shard_map``
+  over each device's own chains: its ys of ``carry * a bfloat16`` are
+  bfloat16, as lax.scan's (which traces the step once, the carry weak),
+  the carry given back to the step weak where it varies over the mesh."""
+  init_fn, batch_fn, _ = pipelines.random_reference_data(
+      NumpyDataLoader(x=np.arange(N, dtype=np.float32)), CACHE, MB)
+  mesh = Mesh(np.array(jax.devices()), ("d",))
+  states = init_fn(seed=range(8))
+  # (a bfloat16 of the batch's: a constant would be cast to vary over the
+  # mesh, which runs the steps as one lax.scan)
+  step = lambda c, b: (c + jnp.sum(b["x"]),
+                       c * b["x"][0].astype(jnp.bfloat16))
+
+  def init():
+    init = lax.pcast(0.0, ("d",), to="varying")
+    assert jax.typeof(init).weak_type
+    return init
+
+  def scan(state):
+    return jax_data.scan(step, init(), state, batch_fn=batch_fn,
+                         length=length)
+
+  def reference(state):
+    def body(loop, _):
+      carry, state = loop
+      state, batch = batch_fn(state)
+      carry, y = step(carry, batch)
+      return (carry, state), y
+    return lax.scan(body, (init(), state), None, length=length)
+
+  run = lambda fn: jax.jit(jax.shard_map(
+      jax.vmap(fn), mesh=mesh, in_specs=PartitionSpec("d"),
+      out_specs=PartitionSpec("d")))(states)
+  (carry, _), ys = run(scan)
+  (want_carry, _), want = run(reference)
+  assert ys.dtype == want.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(ys, want)
+  np.testing.assert_array_equal(carry, want_carry)
+
+
 def test_jax_data_scan_under_shard_map_equals_lax_scan(pipelines):
   """Per-step outputs of ``jax_data.scan`` inside ``shard_map`` (one chain
   per device): the buffer they go into varies over the mesh as they do."""

@@ -274,6 +274,32 @@ def test_ys_of_python_numbers_stay_weakly_typed(pipeline, length, chains):
   assert (got_ys[0] * jnp.bfloat16(2)).dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("by_step", [False, True], indirect=True)
+@pytest.mark.parametrize("length", [3, 13])
+@pytest.mark.parametrize("chains", [None, 2])
+def test_a_weak_carry_returned_strong_types_the_ys_as_lax_scan(
+    pipeline, by_step, length, chains):
+  """init=0.0 and a step adding a float32 sum: lax.scan traces the step
+  once with the carry weak, so a y of ``carry * bfloat16(1)`` is a
+  bfloat16 at every step; the chunked loops traced it again with the carry
+  made strong (a float32 y), or failed writing one into the other."""
+  init_fn, batch_fn, _ = pipeline
+  step = lambda total, batch: (total + jnp.sum(batch["x"].astype(
+      jnp.float32)), (total * jnp.bfloat16(1), total))
+  run = lambda s: jax_data.scan(step, 0.0, s, batch_fn=batch_fn,
+                                length=length)
+  want = lambda s: _loop(batch_fn, step, 0.0, s, None, length)
+  if chains is not None:
+    run, want = jax.vmap(run), jax.vmap(want)
+  state = init_fn(seed=range(chains) if chains else 1)
+  got, expected = jax.jit(run)(state), jax.jit(want)(state)
+  _same_run(got, expected)
+  typed = lambda tree: [(jax.typeof(a).dtype, jax.typeof(a).weak_type)
+                        for a in jax.tree_util.tree_leaves(tree)]
+  assert typed((got[0][0], got[1])) == typed((expected[0][0], expected[1]))
+  assert got[1][0].dtype == jnp.bfloat16
+
+
 @pytest.mark.parametrize("init, returned, message", [
     (np.float32(0), lambda t: jnp.int32(1), "init is float32.*int32"),
     (np.zeros(2, np.float32), lambda t: jnp.zeros(3), r"float32\[2\].*\[3\]"),

@@ -268,14 +268,45 @@ def promoted_carry(init: PyTree, returned: PyTree, fun: str = "f",
           f"{fun} returned "
           f"{jax.typeof(jnp.zeros(format.shape, format.dtype)).str_short()}"
           " for it")
-    if given.weak_type and not (given.dtype == format.dtype
-                                and getattr(format, "weak_type", False)):
-      # as lax.scan's _promote_weak_typed_input
+    if given.weak_type and given.dtype != format.dtype:
+      # as lax.scan's _promote_weak_typed_input (a weak leaf f returns in
+      # its dtype, strong, stays: see weak_in_steps)
       dtype = (jnp.promote_types(given.dtype, format.dtype)
                if getattr(format, "weak_type", False) else format.dtype)
       leaf, changed = lax.convert_element_type(leaf, dtype), True
     out.append(leaf)
   return jax.tree_util.tree_unflatten(tree, out) if changed else init
+
+
+def weak_in_steps(f: Callable, init: PyTree, returned: PyTree
+                  ) -> Tuple[Callable, PyTree]:
+  """``f`` and ``init`` for loops of their own that match ``lax.scan``'s:
+  a weakly typed leaf of ``init`` (a Python number) that ``f`` returns in
+  the same dtype but strong, ``lax.scan`` traces ``f`` with once, weak, and
+  its steps' ``y`` follow (``c * bfloat16(1)`` is a bfloat16). The loops
+  here trace ``f`` again after a carry has been through one, strong: so
+  ``f`` is given such leaves weak again, and ``init`` has them strong, as
+  the loops carry them. ``(f, init)`` themselves where no leaf is so.
+  """
+  leaves, tree = jax.tree_util.tree_flatten(init)
+  formats = jax.tree_util.tree_leaves(returned)
+  weak = [jax.typeof(leaf).weak_type and not getattr(s, "weak_type", False)
+          for leaf, s in zip(leaves, formats)]
+  if not any(weak):
+    return f, init
+
+  def weakened(carry):
+    # A weak type's dtype is its kind's default, a Python zero's; a
+    # dynamic update keeps the buffer's weak type.
+    return jax.tree_util.tree_unflatten(tree, [
+        lax.full(jnp.shape(a), jnp.result_type(a).type(0).item()).at[
+            ...].set(a) if w else a
+        for a, w in zip(jax.tree_util.tree_leaves(carry), weak)])
+
+  strong = jax.tree_util.tree_unflatten(tree, [
+      lax.convert_element_type(a, jnp.result_type(a)) if w else a
+      for a, w in zip(leaves, weak)])
+  return lambda carry, item: f(weakened(carry), item), strong
 
 
 def _first_difference(given: list, returned: list, fun: str,
@@ -381,6 +412,7 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
     init = promoted
     closed, carry_format, y_format = trace(init)
     promoted_carry(init, carry_format)
+  f, init = weak_in_steps(f, init, carry_format)
   # Inside shard_map the outputs vary over the mesh axes the inputs vary
   # over: so must the buffer they are written into, a loop carry.
   axes = tuple(sorted(varying_axes((init, state, xs))))
