@@ -428,6 +428,13 @@ def _stream(name, value):
     (dict(stream="counter", shuffle=True), _stream("batch", 9),
      r"'batch': 9.*is not the chain's position before chunk"),
     (dict(stream="counter"), _stream("seed", 7), "disagree"),
+    # An exact stream's seed, which its generator's state does not show,
+    # was taken from the snapshot in silence.
+    (dict(stream="exact"), _stream("seed", 7), "its seed=7 is not the "
+     "chain's seed=1: the chain's spec and its snapshot disagree"),
+    (dict(stream="exact", shuffle=True), _stream("seed", 7), "disagree"),
+    (dict(stream="exact", shuffle=True, in_epochs=True), _stream("seed", 0),
+     "disagree"),
 ])
 def test_edited_positions_and_observations_are_refused(mode, edit, match):
   """Every field of a saved chain is checked at restore: an edited or

@@ -106,6 +106,8 @@ class IndexedCursor(ChainCursor):
                closed: Optional[Callable[[], None]] = None):
     part = getattr(spec, "part", None)
     self._stream = stream_of(spec, batch_rows(spec, layout.mb_size))
+    # The spec's seed (an exact stream takes a snapshot's: see foreign).
+    self._seed = getattr(self._stream, "seed", None)
     # A part of each batch: its columns of the whole batch's indices.
     self._columns = None if part is None else slice(
         part.index * layout.mb_size, (part.index + 1) * layout.mb_size)
@@ -297,6 +299,18 @@ class IndexedCursor(ChainCursor):
 
   def position(self) -> Position:
     return {"version": _POSITION_VERSION, "stream": self._stream.get_state()}
+
+  def foreign(self, position: Position) -> Optional[str]:
+    # Counter-based and ordered positions are compared whole (position_at);
+    # an exact stream's position is its generator's state, which does not
+    # show the seed it was drawn from, and the seed it carries.
+    if not isinstance(self._stream, RandomStream):
+      return None
+    stream = position.get("stream") if isinstance(position, dict) else None
+    seed = stream.get("seed") if isinstance(stream, dict) else None
+    if seed != self._seed:
+      return f"its seed={seed!r} is not the chain's seed={self._seed}"
+    return None
 
   def position_at(self, index: int) -> Optional[Position]:
     # Counter-based and ordered streams reach any batch from its index
