@@ -67,6 +67,17 @@ def _run(batch_fn, steps=STEPS):
   return lambda state: lax.scan(body, state, None, length=steps)
 
 
+def _lax_scan(batch_fn, step, init, length):
+  """What ``jax_data.scan(step, init, state, ...)`` gives: a lax.scan
+  whose body calls ``batch_fn``."""
+  def body(loop, _):
+    carry, state = loop
+    state, batch = batch_fn(state)
+    carry, y = step(carry, batch)
+    return (carry, state), y
+  return lambda state: lax.scan(body, (init, state), None, length=length)
+
+
 def _solo(kwargs, steps=STEPS):
   init_fn, batch_fn, _ = jax_data.random_reference_data(
       NumpyDataLoader(x=np.arange(N)), CACHE, MB)
@@ -253,13 +264,7 @@ def test_an_invariant_carry_under_shard_map_with_sharded_states(
   def scan(state):
     return jax_data.scan(step, 0, state, batch_fn=batch_fn, length=length)
 
-  def reference(state):
-    def body(loop, _):
-      count, state = loop
-      state, batch = batch_fn(state)
-      count, y = step(count, batch)
-      return (count, state), y
-    return lax.scan(body, (0, state), None, length=length)
+  reference = _lax_scan(batch_fn, step, 0, length)
 
   def per_device(fn):
     if vmapped:
@@ -303,12 +308,7 @@ def test_a_weak_carry_returned_strong_under_shard_map(pipelines, length):
                          length=length)
 
   def reference(state):
-    def body(loop, _):
-      carry, state = loop
-      state, batch = batch_fn(state)
-      carry, y = step(carry, batch)
-      return (carry, state), y
-    return lax.scan(body, (init(), state), None, length=length)
+    return _lax_scan(batch_fn, step, init(), length)(state)
 
   run = lambda fn: jax.jit(jax.shard_map(
       jax.vmap(fn), mesh=mesh, in_specs=PartitionSpec("d"),

@@ -23,6 +23,18 @@ def _loop(batch_fn, f, init, state, xs, length, information=False):
   return lax.scan(body, (init, state), xs, length=length)
 
 
+def _both(batch_fn, f, init, length, chains, state):
+  """``jax_data.scan`` and its reference (:func:`_loop`) from ``init``
+  over ``state``, jitted, each vmapped over its chains unless ``chains``
+  is None."""
+  run = lambda s: jax_data.scan(f, init, s, batch_fn=batch_fn,
+                                length=length)
+  want = lambda s: _loop(batch_fn, f, init, s, None, length)
+  if chains is not None:
+    run, want = jax.vmap(run), jax.vmap(want)
+  return jax.jit(run)(state), jax.jit(want)(state)
+
+
 def _step(total, batch):
   return total + jnp.sum(batch["x"]), batch["x"]
 
@@ -261,13 +273,9 @@ def test_ys_of_python_numbers_stay_weakly_typed(pipeline, length, chains):
   init_fn, batch_fn, _ = pipeline
   step = lambda count, batch: (count + 1, (count * 0.5, 1.0,
                                            jnp.sum(batch["x"])))
-  run = lambda s: jax_data.scan(step, 0, s, batch_fn=batch_fn,
-                                length=length)
-  want = lambda s: _loop(batch_fn, step, 0, s, None, length)
-  if chains is not None:
-    run, want = jax.vmap(run), jax.vmap(want)
-  state = init_fn(seed=range(chains) if chains else 1)
-  got_ys, want_ys = jax.jit(run)(state)[1], jax.jit(want)(state)[1]
+  got, want = _both(batch_fn, step, 0, length, chains,
+                    init_fn(seed=range(chains) if chains else 1))
+  got_ys, want_ys = got[1], want[1]
   assert [y.weak_type for y in got_ys] == [True, True, False]
   assert [y.weak_type for y in want_ys] == [True, True, False]
   _same(got_ys, want_ys)
@@ -286,13 +294,8 @@ def test_a_weak_carry_returned_strong_types_the_ys_as_lax_scan(
   init_fn, batch_fn, _ = pipeline
   step = lambda total, batch: (total + jnp.sum(batch["x"].astype(
       jnp.float32)), (total * jnp.bfloat16(1), total))
-  run = lambda s: jax_data.scan(step, 0.0, s, batch_fn=batch_fn,
-                                length=length)
-  want = lambda s: _loop(batch_fn, step, 0.0, s, None, length)
-  if chains is not None:
-    run, want = jax.vmap(run), jax.vmap(want)
-  state = init_fn(seed=range(chains) if chains else 1)
-  got, expected = jax.jit(run)(state), jax.jit(want)(state)
+  got, expected = _both(batch_fn, step, 0.0, length, chains,
+                        init_fn(seed=range(chains) if chains else 1))
   _same_run(got, expected)
   typed = lambda tree: [(jax.typeof(a).dtype, jax.typeof(a).weak_type)
                         for a in jax.tree_util.tree_leaves(tree)]
