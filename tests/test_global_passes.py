@@ -92,7 +92,10 @@ def test_a_mesh_of_explicit_axes(pipelines):
   for got, want in zip(*results):
     np.testing.assert_array_equal(got, want)
   # A carry sharded over the explicit axis enters each block whole; an
-  # array fun closes over must be replicated, which the error says.
+  # array on the mesh that fun closes over is refused, sharded or
+  # replicated, closed over or an argument of the enclosing jit (JAX
+  # cannot close over either inside a shard_map), and the error says to
+  # pass it in the carry (it said to replicate it, which did not help).
   split_fn, release = pipelines.full_data_mapper(loader, 3, 5, mesh=explicit,
                                                  batch_axis="data")
   sharded = jax.device_put(jnp.arange(4.0), jax.sharding.NamedSharding(
@@ -102,10 +105,20 @@ def test_a_mesh_of_explicit_axes(pipelines):
       masking=True))(sharded)
   np.testing.assert_allclose(np.sum(sums), 6 * np.sum(np.arange(count)))
   assert carries.shape == (4, 4)
-  with pytest.raises(ValueError, match="replicate it first"):
-    jax.jit(lambda: split_fn(
-        lambda b, m, c: (jnp.sum(b["x"]) * sharded.sum(), c), None,
-        masking=True))()
+  replicated = jax.device_put(jnp.arange(4.0), jax.sharding.NamedSharding(
+      explicit, jax.sharding.PartitionSpec()))
+  fun = lambda w: lambda b, m, c: (
+      jnp.sum(jnp.where(m, b["x"], 0.0)) * w.sum(), c)
+  for on_mesh in (sharded, replicated):
+    for call in (lambda w: jax.jit(lambda: split_fn(fun(w), None,
+                                                    masking=True))(),
+                 jax.jit(lambda w: split_fn(fun(w), None, masking=True))):
+      with pytest.raises(ValueError, match="mesh of explicit axes.*pass it "
+                         "in the carry, or close over a NumPy array"):
+        call(on_mesh)
+  sums, _ = jax.jit(lambda: split_fn(fun(np.arange(4.0, dtype=np.float32)),
+                                     None, masking=True))()
+  np.testing.assert_allclose(np.sum(sums), 6 * np.sum(np.arange(count)))
   release()
 
 

@@ -177,10 +177,10 @@ class GlobalMapperPipeline(pl.Pipeline):
       if "Closing over inputs to shard_map" not in str(e):
         raise
       raise ValueError(
-          "fun reads an array sharded over an explicit axis of the mesh, "
-          "which JAX cannot close over inside the pass's shard_map: "
-          "replicate it first (jax.sharding.reshard(a, "
-          "jax.sharding.PartitionSpec())), or pass it in the carry. "
+          "fun reads an array placed on a mesh of explicit axes (sharded "
+          "or replicated), which JAX cannot close over inside the pass's "
+          "shard_map, not even as an argument of the enclosing jit: pass "
+          "it in the carry, or close over a NumPy array instead. "
           f"JAX said: {str(e).splitlines()[0]}") from e
     except ValueError as e:
       if "should match the mesh of sharding" not in str(e):
