@@ -352,6 +352,50 @@ def test_every_row_of_small_data_counts_and_older_checkpoints_restore(kind):
     jax_data.state_from_pytree(pipeline(x + 1)[1], older)
 
 
+def test_records_of_other_integer_widths_are_the_same_data(tmp_path):
+  """Records of int64 (Hugging Face's NumPy format), Python ints and int32
+  are served alike as int32, and their checkpoints restore onto each
+  other, as NumpyDataLoader's do: the digest took the first record's own
+  dtype and refused them. A checkpoint saved with that digest restores."""
+  y = np.arange(30, dtype=np.int32)
+  kinds = {"int32": [{"y": v} for v in y],
+           "int64": [{"y": np.int64(v)} for v in y],
+           "int": [{"y": int(v)} for v in y]}
+  trees, expected = {}, {}
+  for name, records in kinds.items():
+    pipeline = jax_data.random_reference_data(
+        jax_data.SourceDataLoader(records), 2, 4)
+    state = pipeline[0](seed=5, shuffle=True)
+    for _ in range(5):
+      state, _ = pipeline[1](state)
+    trees[name] = jax_data.state_to_pytree(pipeline, state)
+    expected[name] = np.asarray(pipeline[1](state)[1]["y"])
+  np.testing.assert_array_equal(expected["int64"], expected["int32"])
+  for saved in kinds:
+    for records in kinds.values():
+      pipeline = jax_data.random_reference_data(
+          jax_data.SourceDataLoader(records), 2, 4)
+      restored = jax_data.state_from_pytree(pipeline, trees[saved])
+      got = np.asarray(pipeline[1](restored)[1]["y"])
+      assert got.dtype == np.int32
+      np.testing.assert_array_equal(got, expected[saved])
+  # Saved before: the sample's leaves digested as int64.
+  loader = jax_data.SourceDataLoader(kinds["int64"])
+  host = json.loads(trees["int64"]["host"].tobytes())
+  host["fingerprint"]["data"] = jax_data.gather.digest_rows(
+      len(y), lambda row: [np.int64(row)], [np.dtype(np.int64)])
+  assert host["fingerprint"]["data"] != loader.content_digest()
+  older = dict(trees["int64"],
+               host=np.frombuffer(json.dumps(host).encode(), np.uint8))
+  pipeline = jax_data.random_reference_data(loader, 2, 4)
+  np.testing.assert_array_equal(
+      pipeline[1](jax_data.state_from_pytree(pipeline, older))[1]["y"],
+      expected["int64"])
+  with pytest.raises(jax_data.CheckpointError, match="data is"):
+    jax_data.state_from_pytree(jax_data.random_reference_data(
+        jax_data.SourceDataLoader([{"y": v + 1} for v in y]), 2, 4), older)
+
+
 def test_a_failed_restore_leaves_no_chain_registered():
   pipeline = _pipeline()
   init_fn, batch_fn, _ = pipeline

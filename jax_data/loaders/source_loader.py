@@ -333,14 +333,25 @@ class SourceDataLoader(HostDataLoader):
     return self._digest
 
   def earlier_digests(self) -> Tuple[str, ...]:
-    return (self._digest_of(1),)
+    """The digests earlier versions gave: of fewer rows (version 1), and
+    of the records' own dtypes where the loader serves others (64-bit
+    leaves served as 32-bit)."""
+    earlier = [self._digest_of(1), self._digest_of(1, served=False),
+               self._digest_of(DIGEST_VERSION, served=False)]
+    return tuple(dict.fromkeys(d for d in earlier
+                               if d != self.content_digest()))
 
-  def _digest_of(self, version: int) -> str:
+  def _digest_of(self, version: int, served: bool = True) -> str:
+    """The digest of the sample of ``version``, its leaves taken in the
+    dtypes the loader serves (``served``: the same records of int64 and of
+    int32 are the same data), or else in the first record's own."""
     self._check_file()
+    dtypes = ([leaf.dtype for leaf in jax.tree.leaves(self._format)]
+              if served else self._first.dtypes)
     return digest_rows(
         self._count, lambda row: self._reader.leaves(
             row, self._reader.records(np.array([row]))[0]),
-        self._first.dtypes, version)
+        dtypes, version)
 
 
 #: Rows of repeated indices copied at a time from where their records were
