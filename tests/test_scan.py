@@ -23,13 +23,13 @@ def _loop(batch_fn, f, init, state, xs, length, information=False):
   return lax.scan(body, (init, state), xs, length=length)
 
 
-def _both(batch_fn, f, init, length, chains, state):
+def _both(batch_fn, f, init, length, chains, state, xs=None):
   """``jax_data.scan`` and its reference (:func:`_loop`) from ``init``
-  over ``state``, jitted, each vmapped over its chains unless ``chains``
-  is None."""
-  run = lambda s: jax_data.scan(f, init, s, batch_fn=batch_fn,
+  over ``state`` (and ``xs``, the same for every chain), jitted, each
+  vmapped over its chains unless ``chains`` is None."""
+  run = lambda s: jax_data.scan(f, init, s, batch_fn=batch_fn, xs=xs,
                                 length=length)
-  want = lambda s: _loop(batch_fn, f, init, s, None, length)
+  want = lambda s: _loop(batch_fn, f, init, s, xs, length)
   if chains is not None:
     run, want = jax.vmap(run), jax.vmap(want)
   return jax.jit(run)(state), jax.jit(want)(state)
@@ -301,6 +301,30 @@ def test_a_weak_carry_returned_strong_types_the_ys_as_lax_scan(
                         for a in jax.tree_util.tree_leaves(tree)]
   assert typed((got[0][0], got[1])) == typed((expected[0][0], expected[1]))
   assert got[1][0].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("by_step", [False, True], indirect=True)
+@pytest.mark.parametrize("length", [3, 13])
+@pytest.mark.parametrize("chains", [None, 2])
+def test_weakly_typed_xs_reach_the_step_weak_as_lax_scan(
+    pipeline, by_step, length, chains):
+  """A schedule of Python numbers (jnp.full(length, 0.1), weakly typed)
+  driving a bfloat16 carry: lax.scan gives the step weak elements, so the
+  carry stays bfloat16 and a y of the element is weak; the elements the
+  chunked loops traced the step with were strong, and the carry was
+  refused as float32 ("f must return a carry of init's shapes and
+  dtypes")."""
+  init_fn, batch_fn, _ = pipeline
+  step = lambda w, bx: (w - bx[1] * w + jnp.sum(bx[0]["x"]).astype(
+      jnp.bfloat16), bx[1])
+  xs = jnp.full(length, 0.1)
+  got, expected = _both(batch_fn, step, jnp.bfloat16(1), length, chains,
+                        init_fn(seed=range(chains) if chains else 1), xs)
+  _same_run(got, expected)
+  typed = lambda tree: [(jax.typeof(a).dtype, jax.typeof(a).weak_type)
+                        for a in jax.tree_util.tree_leaves(tree)]
+  assert typed((got[0][0], got[1])) == typed((expected[0][0], expected[1]))
+  assert got[0][0].dtype == jnp.bfloat16 and jax.typeof(got[1]).weak_type
 
 
 @pytest.mark.parametrize("init, returned, message", [

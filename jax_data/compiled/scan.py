@@ -392,8 +392,11 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
         lambda a: lax.dynamic_index_in_dim(a, step, keepdims=False), xs)
 
   batch0, mask0 = states.batch_at(state.batches, state.mask, 0)
-  x0 = jax.tree_util.tree_map(  # also for xs of no rows
-      lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
+  # Also for xs of no rows; weakly typed xs (jnp.full(n, 0.1)) give f weak
+  # elements, as lax.scan's do, which a carry of bfloat16 stays bfloat16 by.
+  x0 = jax.tree_util.tree_map(
+      lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a),
+                                     weak_type=jax.typeof(a).weak_type),
       xs)
   def trace(init):
     # The information is made inside, as the loops make it: its counts
