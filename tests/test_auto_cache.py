@@ -392,6 +392,10 @@ def test_an_auto_pipeline_without_chains_refuses_states_and_release_holds(
                   length=2)
   with pytest.raises(TypeError, match="has made no chain yet"):
     jax_data.state_to_pytree(auto, foreign)
+  # No state at all is named as such (it was called "a state").
+  with pytest.raises(TypeError, match="got state of type NoneType"):
+    jax_data.scan(lambda c, b: (c, None), 0, None, batch_fn=batch_fn,
+                  length=2)
   release_fn()
   release_fn()
   with pytest.raises(jax_data.PipelineReleasedError):

@@ -666,6 +666,9 @@ def test_bad_arguments_are_named(pipeline):
   state = init_fn(seed=0)
   with pytest.raises(ValueError, match="length"):
     jax_data.scan(_step, 0, state, batch_fn=batch_fn)
+  with pytest.raises(ValueError, match=r"xs is None or holds no arrays, "
+                     r"got xs=\(\), length=None"):
+    jax_data.scan(_step, 0, state, batch_fn=batch_fn, xs=())
   with pytest.raises(ValueError, match="length=3 differs"):
     jax_data.scan(_step, 0, state, batch_fn=batch_fn, xs=jnp.zeros(4),
                   length=3)
@@ -765,8 +768,8 @@ def test_jax_export_of_a_device_loaders_program():
 def test_reverse_mode_with_respect_to_the_carry(kind):
   """jax.grad with respect to init through jax_data.scan: eagerly, and
   under a vmap over init alone (the state shared), for every loader; under
-  jit for the device loader. The vmap probe took JVP tracers and broke the
-  linearization."""
+  jit for the device loader, and for every loader with the state closed
+  over. The vmap probe took JVP tracers and broke the linearization."""
   make = {"host": jax_data.NumpyDataLoader,
           "device": jax_data.DeviceNumpyDataLoader}[kind]
   loader = make(x=np.arange(23, dtype=np.float32))
@@ -789,6 +792,15 @@ def test_reverse_mode_with_respect_to_the_carry(kind):
   if kind == "device":
     np.testing.assert_allclose(jax.jit(jax.grad(loss))(0.3, state), want,
                                rtol=1e-5)
+  # A state closed over keeps its position known under jit and
+  # jax.checkpoint too, at a chunk's start and inside one: its loops were
+  # while loops there, which reverse mode does not go through.
+  for known in (state, batch_fn(batch_fn(state)[0])[0]):
+    want = jax.grad(lambda w, s=known: reference(w, s))(0.3)
+    closed = lambda w, s=known: loss(w, s)
+    for run in (jax.jit(jax.grad(closed)), jax.grad(jax.checkpoint(closed)),
+                jax.jit(jax.grad(jax.checkpoint(closed)))):
+      np.testing.assert_allclose(run(0.3), want, rtol=1e-5)
   release_fn()
 
 

@@ -422,6 +422,8 @@ class RandomPipeline(pl.RandomPipeline):
     """``state``, checked before anything is traced, its chain too where
     it is known (:func:`jax_data.compiled.states.check_chains`)."""
     if self._unlaid is not None:
+      if not isinstance(state, CacheState):
+        states.check_state(state, None, where)  # raises: no state at all
       raise TypeError(
           f"state does not belong to this pipeline: {where} got a state, "
           "and this pipeline (cached_batches_count='auto') has made no "

@@ -92,7 +92,9 @@ def scan(f: Callable[[PyTree, Any], Tuple[PyTree, PyTree]], init: PyTree,
   Call it inside ``jax.jit``, as the example does: outside, its loops are
   built and compiled again on every call (about 0.2 s on a small CPU
   machine), where an eager ``lax.scan`` compiles once per step function.
-  An eager call keeps the position known, which reverse mode needs (below).
+  An eager call keeps the position known, which reverse mode needs (below),
+  and so does a state that the jitted function closes over instead of
+  taking it as an argument.
 
   Where the state's position is a traced value a host loader's loops run
   for a number of steps only known at run time, so reverse-mode
@@ -169,7 +171,9 @@ def _check_length(xs: Optional[PyTree], length: Any) -> int:
         f"{sorted(leading, key=str)}")
   if length is None:
     if not leading:
-      raise ValueError("scan needs length when xs is None, got length=None")
+      raise ValueError(
+          "scan needs length when xs is None or holds no arrays, got "
+          f"xs={xs!r}, length=None")
     return leading.pop()
   length = check_int("length", length, minimum=0, maximum=MAX_AXIS)
   if leading and leading != {length}:
@@ -486,7 +490,16 @@ def chunked_scan(f, init, state: CacheState, xs, length: int,
                     (carry, ys, state))
 
   position = state.position
-  head = jnp.where(position > 0, jnp.minimum(cache_size - position, length), 0)
+  if isinstance(position, jax.core.Tracer):
+    head = jnp.where(position > 0, jnp.minimum(cache_size - position, length),
+                     0)
+  else:
+    # A known position (an eager call, or a state closed over) keeps the
+    # loops' bounds Python ints under jit and jax.checkpoint as well: the
+    # loops are then scans, which reverse mode goes through (jnp's values
+    # of it would be traced there).
+    known = int(position)
+    head = min(cache_size - known, length) if known > 0 else 0
   # The rest of the current chunk (a state inside one).
   carry, ys, state = part(init, ys, state, position, 0, head)
   chunk = jnp.where(head > 0, state.chunk + 1, state.chunk)
