@@ -326,6 +326,33 @@ def test_hdf5_datasets_and_records(tmp_path):
       assert lazy.content_digest() == in_memory.content_digest()
 
 
+def test_a_closed_hdf5_file_is_named(tmp_path):
+  """A loader made inside a with block that closes the file before the run:
+  h5py's reads failed with "identifier is not of specified type". A
+  contiguous dataset, mapped, is read all the same."""
+  h5py = pytest.importorskip("h5py")
+  images, _ = _images()
+  path = tmp_path / "closed.h5"
+  with h5py.File(path, "w") as f:
+    f["plain"] = images
+    f.create_dataset("packed", data=images, chunks=(7, 28, 28))
+  with h5py.File(path, "r") as f:
+    loaders = {"plain": NumpyDataLoader(copy=False, x=f["plain"]),
+               "packed": NumpyDataLoader(copy=False, x=f["packed"]),
+               "source": SourceDataLoader(f["packed"])}
+  for name, loader in loaders.items():
+    init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+        loader, 2, 4)
+    if name == "plain":
+      _, batch = jax.jit(batch_fn)(init_fn(seed=0))
+      assert batch["x"].shape == (4, 28, 28)
+    else:
+      with pytest.raises(Exception, match="its HDF5 file was closed: keep "
+                         "the h5py.File open while the loader reads"):
+        jax.block_until_ready(jax.jit(batch_fn)(init_fn(seed=0)))
+    release_fn()
+
+
 def test_a_contiguous_hdf5_dataset_with_nans_is_mapped(tmp_path):
   """Its mapping is checked against h5py's reads of three rows, byte for
   byte: a NaN (a missing value) among them compared unequal as a value, and

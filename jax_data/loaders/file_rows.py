@@ -290,6 +290,20 @@ def map_hdf5(dataset: Any) -> Optional[np.memmap]:
   return mapped
 
 
+#: Why the reads of an h5py dataset whose file was closed fail (h5py says
+#: "identifier is not of specified type"), and what to do.
+CLOSED_HDF5 = ("its HDF5 file was closed: keep the h5py.File open while the "
+               "loader reads (a with block that ends before the run closes "
+               "it), and close it after release_fn")
+
+
+def closed_hdf5(array: Any) -> bool:
+  """Whether ``array`` is an h5py dataset whose file was closed."""
+  ident = getattr(array, "id", None)
+  return (type(array).__module__.split(".")[0] == "h5py"
+          and ident is not None and not getattr(ident, "valid", True))
+
+
 def read_sliced_rows(array: Any, flat: np.ndarray, out: np.ndarray
                      ) -> np.ndarray:
   """Rows ``flat`` of an array read by slicing (an h5py dataset) written
@@ -299,6 +313,8 @@ def read_sliced_rows(array: Any, flat: np.ndarray, out: np.ndarray
   slice at a time (640 ms against 30 ms for 6,400 random rows of a float32
   (1e6, 32) dataset, measured here).
   """
+  if closed_hdf5(array):
+    raise OSError(f"an h5py dataset the loader reads: {CLOSED_HDF5}")
   order = np.argsort(flat, kind="stable")
   ordered = flat[order]
   starts = np.flatnonzero(np.diff(ordered) > 1) + 1

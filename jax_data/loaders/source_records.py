@@ -28,6 +28,8 @@ from typing import Tuple
 import numpy as np
 
 from jax_data.errors import RecordError  # noqa: F401 (its old home)
+from jax_data.loaders.file_rows import CLOSED_HDF5
+from jax_data.loaders.file_rows import closed_hdf5
 
 # Records a batched read asks for at once (see RecordReader.fill).
 _BLOCK = 16_384
@@ -228,6 +230,9 @@ class RecordReader:
       record = self.source[index]
       return record if self.transform is None else self.transform(record)
     except Exception as e:  # pylint: disable=broad-except
+      if closed_hdf5(self.source):
+        raise RecordError(f"{self.name} over {type(self.source).__name__}: "
+                          f"{CLOSED_HDF5}") from e
       raise RecordError(
           f"{self.name} over {type(self.source).__name__}: "
           f"record {index}: {type(e).__name__}: {e}") from e
