@@ -278,6 +278,21 @@ def test_nested_features_and_repr():
   assert batches["x"].tolist() == [[0, 1]]
 
 
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_features_of_integer_keys(in_memory):
+  """tf.data and JAX take a dict of integer keys; the loader failed making
+  its name ("sequence item 0: expected str instance, int found")."""
+  x = np.arange(20, dtype=np.float32)
+  loader = TensorflowDataLoader(tf.data.Dataset.from_tensor_slices(
+      {1: x, 2: 2 * x}), in_memory=in_memory)
+  assert repr(loader).startswith("TensorflowDataLoader(1, 2; 20 observations")
+  mapper_fn, release_fn = jax_data.full_data_mapper(loader, 2, 4)
+  each, _ = mapper_fn(lambda b, c: ((b[1], b[2]), c), None, batched=False)
+  np.testing.assert_array_equal(each[0], x)
+  np.testing.assert_array_equal(each[1], 2 * x)
+  release_fn()
+
+
 # -- errors -----------------------------------------------------------------
 
 

@@ -371,7 +371,7 @@ class TensorflowDataLoader(HostDataLoader):
                        self.chunk_layout(1, 1).nbytes)
 
   def __repr__(self) -> str:
-    keys = ", ".join(self._format)
+    keys = ", ".join(map(str, self._format))
     memory = ", in memory" if self._arrays is not None else ""
     count = ("unknown number of" if self._count is None
              else f"{self._count}")
