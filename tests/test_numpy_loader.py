@@ -32,6 +32,11 @@ def _stream(loader, chain, chunks):
     (dict(x=np.array([object(), 1], dtype=object)), TypeError, "'x'"),
     (dict(x=np.float32(3.0)), ValueError, "first axis"),
     (dict(copy="yes", x=np.arange(2)), TypeError, "copy='yes'"),
+    # int32 without jax_enable_x64: NumPy's cast served 2**40 as 0.
+    (dict(t=np.array([1, 2**40])), ValueError,
+     r"'t' holds integers from 1 to 1099511627776, which JAX's int32"),
+    (dict(t=np.array([-2**31 - 1, 0])), ValueError, "int32"),
+    (dict(t=np.array([2**32], np.uint64)), ValueError, "uint32"),
 ])
 def test_bad_arrays_are_named(kwargs, error, match):
   for cls in (NumpyDataLoader, DeviceNumpyDataLoader):
@@ -49,6 +54,12 @@ def test_accepts_lists_numpy_and_jax_arrays_with_jax_dtypes():
   batches, _ = loader.get_batches(loader.register_ordered_pipeline(1, 3))
   assert {k: str(v.dtype) for k, v in batches.items()} == fmt
   assert batches["a"].tolist() == [[1, 2, 3]]
+  # 64-bit integers that 32 bits hold are served as they are.
+  edges = NumpyDataLoader(t=np.array([-2**31, 2**31 - 1]),
+                          u=np.array([0, 2**32 - 1], np.uint64))
+  batches, _ = edges.get_batches(edges.register_ordered_pipeline(1, 2))
+  assert batches["t"].tolist() == [[-2**31, 2**31 - 1]]
+  assert batches["u"].tolist() == [[0, 2**32 - 1]]
 
 
 def test_initializer_batch_and_batch_format():

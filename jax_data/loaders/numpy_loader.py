@@ -92,8 +92,26 @@ def _as_host_array(name: str, value: Any, copy: bool) -> np.ndarray:
         f"scalar {name}={value!r}")
   target = jax.dtypes.canonicalize_dtype(native_dtype(array.dtype))
   if copy and array.dtype != target:
+    _check_narrowed(name, array, target)
     array = array.astype(target)
   return array
+
+
+def _check_narrowed(name: str, array: np.ndarray, target: np.dtype) -> None:
+  """Raises if integers of ``array`` do not fit ``target`` (int64 served as
+  int32 without ``jax_enable_x64``): NumPy's cast wraps them, and 2**40
+  became 0 without a word."""
+  if not (array.dtype.kind in "iu" and target.kind in "iu" and array.size):
+    return
+  bounds = np.iinfo(target)
+  low, high = array.min(), array.max()
+  if low < bounds.min or high > bounds.max:
+    raise ValueError(
+        f"array {name!r} holds integers from {low} to {high}, which JAX's "
+        f"{target} (64-bit types are 32-bit without jax_enable_x64) cannot "
+        "hold: enable jax_enable_x64 before making the loader "
+        "(jax.config.update('jax_enable_x64', True)), or pass values that "
+        f"{target} holds")
 
 
 def prepare_arrays(loader: str, copy: Any, arrays: Dict[str, Any]
