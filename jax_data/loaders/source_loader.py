@@ -333,11 +333,11 @@ class SourceDataLoader(HostDataLoader):
     return self._digest
 
   def earlier_digests(self) -> Tuple[str, ...]:
-    """The digests earlier versions gave: of fewer rows (version 1), and
-    of the records' own dtypes where the loader serves others (64-bit
-    leaves served as 32-bit)."""
-    earlier = [self._digest_of(1), self._digest_of(1, served=False),
-               self._digest_of(DIGEST_VERSION, served=False)]
+    """The digests earlier versions gave, of the records' own dtypes
+    (where the loader serves others: 64-bit leaves as 32-bit): of fewer
+    rows (version 1), and of this version's rows."""
+    earlier = [self._digest_of(version, served=False)
+               for version in (1, DIGEST_VERSION)]
     return tuple(dict.fromkeys(d for d in earlier
                                if d != self.content_digest()))
 
