@@ -57,6 +57,11 @@ class ServedHost(Protocol):
                  device_count: int = 1, participants: int = 1) -> None:
     """The lanes' chunks, written into XLA's buffers ``outs``."""
 
+  def serve_group_lanes_second(self, outs, pipelines, chains, chunks,
+                               need) -> bool:
+    """A group's refresh into buffers whose bytes are laid out lane axis
+    second, if it can; whether it did."""
+
   def stop_prefetching(self) -> Optional[Thread]:
     """Ends the host's prefetch thread; returns it to join, if any."""
 

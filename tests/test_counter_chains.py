@@ -995,3 +995,54 @@ def test_indices_drawn_ahead_in_step_order_keep_their_values():
   np.testing.assert_array_equal(flat, drawn.transpose(1, 0, 2).reshape(-1))
   many = np.zeros((1, indexed._INTERLEAVED_ROWS + 1, 1), np.int64)  # pylint: disable=protected-access
   assert indexed._interleaved_order(many) is many  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("cache", [1, 3])
+@pytest.mark.parametrize("shuffle,in_epochs", MODES)
+def test_a_vmapped_scan_reads_a_group_into_its_buffers_as_they_are(
+    cache, shuffle, in_epochs, monkeypatch):
+  """A vmapped ``jax_data.scan`` of counter-based chains on a CPU: a whole
+  chunk's refresh is read by the group straight into compiled code's
+  buffers, whose bytes are laid out lane axis second, as they are
+  (``GroupRefresh.serve_lanes_second_into``), and every chain's batches
+  and masks are its own stream, over chunks and calls, epochs' fillers
+  masked."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("compiled code's buffers are the host's on a CPU")
+  from jax_data.serving import group_refresh
+
+  served = []
+  serve = group_refresh.GroupRefresh.serve_lanes_second_into
+
+  def spied(self, *args, **kwargs):
+    served.append(serve(self, *args, **kwargs))
+    return served[-1]
+
+  monkeypatch.setattr(group_refresh.GroupRefresh, "serve_lanes_second_into",
+                      spied)
+  n, mb, seeds, length = 50, 4, [20, 21, 7, 2**40, 3], 3 * cache + 4
+  loader = jax_data.NumpyDataLoader(x=np.arange(n), y=np.arange(n) * 2.0)
+  init_fn, batch_fn, release_fn = jax_data.random_reference_data(
+      loader, cache, mb)
+  state = _stacked(init_fn, seeds, shuffle=shuffle, in_epochs=in_epochs)
+
+  def f(carry, item):
+    batch, info = item
+    return carry, (batch["x"], batch["y"], info.mask)
+
+  run = jax.jit(jax.vmap(lambda s: jax_data.scan(
+      f, 0, s, batch_fn=batch_fn, length=length, information=True)))
+  for call in range(2):
+    (_, state), (x, y, mask) = run(state)
+    for c, seed in enumerate(seeds):
+      want, want_mask = cs.stream_batches(seed, call * length, length, mb, n,
+                                          shuffle, in_epochs)
+      np.testing.assert_array_equal(x[c], want)
+      np.testing.assert_array_equal(y[c], want * 2.0)
+      np.testing.assert_array_equal(
+          mask[c], np.ones(want.shape, bool) if want_mask is None
+          else want_mask)
+  assert served and all(served)
+  if in_epochs:
+    assert not np.asarray(mask).all()  # the check saw fillers
+  release_fn()

@@ -32,14 +32,12 @@ for the whole copy. Other platforms, and ``callback="pure"`` everywhere, use
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import math
 from typing import Any
 from typing import Callable
 from typing import Dict
-from typing import Iterator
 from typing import List
 from typing import Sequence
 from typing import Tuple
@@ -613,12 +611,19 @@ class _Callback:
     bytes are written lane axis second; lanes that ``need`` nothing are
     left as they are."""
     del context, spent
-    views = []
-    for out in outs:
-      out = np.asarray(out)
-      second = out.reshape(out.shape[1:2] + out.shape[:1] + out.shape[2:])
-      views.append(np.moveaxis(second, 1, 0))
-    self._serve_into(views, owners, pipelines, chains, chunks, need, True)
+    outs = [np.asarray(out) for out in outs]
+    lanes = [np.asarray(a) for a in (pipelines, chains, chunks, need)]
+    with _request():
+      host = LIVE_HOSTS.host(_owner(owners))
+      if (self._device_count * self._participants == 1
+          and host.serve_group_lanes_second(outs, *lanes)):
+        return
+      views = []
+      for out in outs:
+        second = out.reshape(out.shape[1:2] + out.shape[:1] + out.shape[2:])
+        views.append(np.moveaxis(second, 1, 0))
+      host.serve_into(views, *lanes, self._device_count, self._participants,
+                      keep_others=True, cpu=True)
 
   def into_steps(self, width: int, context, outs, owners, pipelines, chains,
                  chunks, need) -> None:
@@ -655,18 +660,20 @@ class _Callback:
           cpu=True)
 
 
-@contextlib.contextmanager
-def _request() -> Iterator[None]:
+class _request:  # pylint: disable=invalid-name
   """A callback's request to a host: counted while it runs
-  (``LIVE_HOSTS.begin_request``), its failure noted."""
-  LIVE_HOSTS.begin_request()
-  try:
-    yield
-  except BaseException:
-    LIVE_HOSTS.note_failed_callback()
-    raise
-  finally:
-    LIVE_HOSTS.end_request()
+  (``LIVE_HOSTS.begin_request``), its failure noted. A class, not a
+  generator's context manager: it runs on every refresh."""
+
+  def __enter__(self) -> None:
+    LIVE_HOSTS.begin_request()
+
+  def __exit__(self, kind, value, traceback) -> None:
+    try:
+      if kind is not None:
+        LIVE_HOSTS.note_failed_callback()
+    finally:
+      LIVE_HOSTS.end_request()
 
 
 def _owner(owners) -> int:

@@ -74,7 +74,8 @@ class GroupRefresh:
   def serve_request(self, store: ChainStore, pipeline: int,
                     outs: Sequence[np.ndarray], pipelines: np.ndarray,
                     chains: np.ndarray, chunks: np.ndarray, need: np.ndarray,
-                    plain: bool, cpu: bool, by_step: bool = False) -> bool:
+                    plain: bool, cpu: bool, by_step: bool = False,
+                    lanes_second: bool = False) -> bool:
     """Serves a request of pipeline ``pipeline`` (``Host.serve_into``'s
     arguments) if it is a refresh of every lane, all chains of one group
     read in place, and ``plain`` (one device's, no progress to report);
@@ -87,9 +88,15 @@ class GroupRefresh:
     beside compiled code): produced ahead, they would take those cores
     from compiled code and be copied once more. On 2 cores, 64 chains of
     100 batches took 145-182 us per step produced ahead and 122-159 us read
-    in place; 256 chains of 10 batches 671-719 and 415-420 us."""
+    in place; 256 chains of 10 batches 671-719 and 415-420 us.
+
+    ``by_step``: ``outs`` are a buffer per step (:meth:`serve_steps_into`);
+    ``lanes_second``: compiled code's buffers as they are, shaped lane axis
+    first with their bytes laid out lane axis second
+    (:meth:`serve_lanes_second_into`)."""
     lanes = need.size
-    serve = self.serve_steps_into if by_step else self.serve_into
+    serve = (self.serve_steps_into if by_step else
+             self.serve_lanes_second_into if lanes_second else self.serve_into)
     if (lanes < 2 or not plain or not need.all()
         or not (pipelines == pipeline).all()):
       return False
@@ -128,6 +135,27 @@ class GroupRefresh:
 
     return self._serve(chains, chunks, removals, memory_only,
                        _Into(*buffers), finish)
+
+  def serve_lanes_second_into(self, outs: Sequence[np.ndarray],
+                              chains: np.ndarray, chunks: np.ndarray,
+                              removals: int, memory_only: bool) -> bool:
+    """:meth:`serve_into` into buffers shaped lane axis first whose bytes
+    are laid out lane axis second (a CPU's refresh through the bridge's
+    ``into_lanes_second_as_first``), taken as they are: each leaf's buffer
+    holds every lane's rows batch by batch, in one piece, which is how the
+    group reads them. No views are made to lay them out lane axis first
+    and none are checked: at 1,024 vmapped chains of one batch a refresh
+    (N = 1e5, 2 cores), that path's Python around the read took about
+    100 us of a step of about 2,200 us."""
+    if not all(o.flags.c_contiguous and o.flags.writeable for o in outs):
+      return False
+
+    def finish(leaves: List[np.ndarray], mask: np.ndarray) -> None:
+      del leaves  # read into the buffers themselves (_read_interleaved)
+      _write_mask_lanes_second(outs[-1], mask)
+
+    return self._serve(chains, chunks, removals, memory_only,
+                       _Into(list(outs[:-1]), True), finish)
 
   def serve_steps_into(self, steps: Sequence[Sequence[np.ndarray]],
                        chains: np.ndarray, chunks: np.ndarray, removals: int,
@@ -279,6 +307,16 @@ def _write_mask(out: np.ndarray, mask: np.ndarray) -> None:
     whole[0][0].fill(mask.flat[0])
   else:
     np.copyto(out, mask)
+
+
+def _write_mask_lanes_second(out: np.ndarray, mask: np.ndarray) -> None:
+  """``mask`` (a leading lane axis) written into ``out``, a buffer of its
+  shape whose bytes are laid out lane axis second."""
+  if mask.size and not any(mask.strides):  # one value: all valid
+    out.reshape(-1).fill(mask.flat[0])
+  else:
+    np.copyto(out.reshape(mask.shape[1:2] + mask.shape[:1] + mask.shape[2:]),
+              mask.swapaxes(0, 1))
 
 
 def same_memory(a: np.ndarray, b: np.ndarray) -> bool:

@@ -301,6 +301,24 @@ class Host:
     finally:
       store.schedule_next(deferred, trim=True)
 
+  def serve_group_lanes_second(self, outs: Sequence[np.ndarray],
+                               pipelines: np.ndarray, chains: np.ndarray,
+                               chunks: np.ndarray, need: np.ndarray) -> bool:
+    """Serves a CPU's refresh of one device into compiled code's buffers as
+    they are (shaped lane axis first, their bytes laid out lane axis
+    second) if a group's read can
+    (:meth:`GroupRefresh.serve_lanes_second_into`); whether it did. The
+    bridge tries this before it lays the buffers out for
+    :meth:`serve_into`."""
+    if need.size < 2 or self._progress is not None:
+      return False
+    if not self._parts.groups().serve_request(
+        self._parts.store(), self.id, outs, pipelines, chains, chunks, need,
+        True, True, lanes_second=True):
+      return False
+    self.requests += 1
+    return True
+
   def serve_steps_into(self, steps: Sequence[Sequence[np.ndarray]],
                        pipelines: np.ndarray, chains: np.ndarray,
                        chunks: np.ndarray, need: np.ndarray,
