@@ -145,8 +145,8 @@ class GroupRefresh:
     holds every lane's rows batch by batch, in one piece, which is how the
     group reads them. No views are made to lay them out lane axis first
     and none are checked: at 1,024 vmapped chains of one batch a refresh
-    (N = 1e5, 2 cores), that path's Python around the read took about
-    100 us of a step of about 2,200 us."""
+    (N = 1e5, 2 cores) the callback took 967 us against 1,014 through the
+    views (medians, alternated), at 16 chains 289 against 332."""
     if not all(o.flags.c_contiguous and o.flags.writeable for o in outs):
       return False
 
