@@ -997,31 +997,45 @@ def test_indices_drawn_ahead_in_step_order_keep_their_values():
   assert indexed._interleaved_order(many) is many  # pylint: disable=protected-access
 
 
+@pytest.mark.parametrize("in_memory", [True, False], ids=["arrays", "memmap"])
 @pytest.mark.parametrize("cache", [1, 3])
 @pytest.mark.parametrize("shuffle,in_epochs", MODES)
 def test_a_vmapped_scan_reads_a_group_into_its_buffers_as_they_are(
-    cache, shuffle, in_epochs, monkeypatch):
+    cache, shuffle, in_epochs, in_memory, tmp_path, monkeypatch):
   """A vmapped ``jax_data.scan`` of counter-based chains on a CPU: a whole
   chunk's refresh is read by the group straight into compiled code's
   buffers, whose bytes are laid out lane axis second, as they are
   (``GroupRefresh.serve_lanes_second_into``), and every chain's batches
   and masks are its own stream, over chunks and calls, epochs' fillers
-  masked."""
+  masked. Over a memmap, refreshes too small to read in place are the
+  store's (produced ahead), and the group is asked once per refresh, not
+  again through lane-first views."""
   if jax.default_backend() != "cpu":
     pytest.skip("compiled code's buffers are the host's on a CPU")
   from jax_data.serving import group_refresh
+  from jax_data.serving.host import Host
 
-  served = []
+  served, tried = [], []
   serve = group_refresh.GroupRefresh.serve_lanes_second_into
+  serve_views = Host.serve_into
 
   def spied(self, *args, **kwargs):
     served.append(serve(self, *args, **kwargs))
     return served[-1]
 
+  def spied_views(self, *args, **kwargs):
+    tried.append(kwargs.get("group_tried", False))
+    return serve_views(self, *args, **kwargs)
+
   monkeypatch.setattr(group_refresh.GroupRefresh, "serve_lanes_second_into",
                       spied)
+  monkeypatch.setattr(Host, "serve_into", spied_views)
   n, mb, seeds, length = 50, 4, [20, 21, 7, 2**40, 3], 3 * cache + 4
-  loader = jax_data.NumpyDataLoader(x=np.arange(n), y=np.arange(n) * 2.0)
+  x = np.arange(n)
+  if not in_memory:
+    np.save(tmp_path / "x.npy", x)
+    x = np.load(tmp_path / "x.npy", mmap_mode="r")
+  loader = jax_data.NumpyDataLoader(copy=False, x=x, y=np.arange(n) * 2.0)
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(
       loader, cache, mb)
   state = _stacked(init_fn, seeds, shuffle=shuffle, in_epochs=in_epochs)
@@ -1042,7 +1056,10 @@ def test_a_vmapped_scan_reads_a_group_into_its_buffers_as_they_are(
       np.testing.assert_array_equal(
           mask[c], np.ones(want.shape, bool) if want_mask is None
           else want_mask)
-  assert served and all(served)
+  assert served and (all(served) if in_memory else not any(served))
+  # Each refresh the group declined went the store's way without asking it
+  # again; the others never got there.
+  assert sum(tried) == served.count(False)
   if in_epochs:
     assert not np.asarray(mask).all()  # the check saw fillers
   release_fn()

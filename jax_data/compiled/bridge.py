@@ -615,15 +615,15 @@ class _Callback:
     lanes = [np.asarray(a) for a in (pipelines, chains, chunks, need)]
     with _request():
       host = LIVE_HOSTS.host(_owner(owners))
-      if (self._device_count * self._participants == 1
-          and host.serve_group_lanes_second(outs, *lanes)):
+      tried = self._device_count * self._participants == 1
+      if tried and host.serve_group_lanes_second(outs, *lanes):
         return
       views = []
       for out in outs:
         second = out.reshape(out.shape[1:2] + out.shape[:1] + out.shape[2:])
         views.append(np.moveaxis(second, 1, 0))
       host.serve_into(views, *lanes, self._device_count, self._participants,
-                      keep_others=True, cpu=True)
+                      keep_others=True, cpu=True, group_tried=tried)
 
   def into_steps(self, width: int, context, outs, owners, pipelines, chains,
                  chunks, need) -> None:

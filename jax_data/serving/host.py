@@ -272,18 +272,23 @@ class Host:
   def serve_into(self, outs: Sequence[np.ndarray], pipelines: np.ndarray,
                  chains: np.ndarray, chunks: np.ndarray, need: np.ndarray,
                  device_count: int = 1, participants: int = 1,
-                 keep_others: bool = False, cpu: bool = False) -> None:
+                 keep_others: bool = False, cpu: bool = False,
+                 group_tried: bool = False) -> None:
     """Like :meth:`serve`, but copies the lanes into ``outs`` (compiled
     code's own output buffers, a leading lane axis each) with NumPy, which
     releases the GIL; the next chunks are produced after the copy, which
     holds up the device, not during it (see :meth:`ChainStore.chunks`).
     Lanes that ``need`` nothing get zeros, or with ``keep_others`` are left
     as they are (``outs`` are the caches themselves). A group's refresh goes
-    to :meth:`GroupRefresh.serve_request` first (``cpu``: on a CPU)."""
+    to :meth:`GroupRefresh.serve_request` first (``cpu``: on a CPU), unless
+    the caller tried that already (``group_tried``:
+    :meth:`serve_group_lanes_second`)."""
     store = self._parts.store()
-    if need.size > 1 and self._parts.groups().serve_request(
-        store, self.id, outs, pipelines, chains, chunks, need,
-        device_count * participants == 1 and self._progress is None, cpu):
+    if (need.size > 1 and not group_tried
+        and self._parts.groups().serve_request(
+            store, self.id, outs, pipelines, chains, chunks, need,
+            device_count * participants == 1 and self._progress is None,
+            cpu)):
       self.requests += 1
       return
     deferred = Served()
