@@ -865,15 +865,18 @@ def _stacked(init_fn, seeds, **mode):
       *[init_fn(seed=s, stream="counter", **mode) for s in seeds])
 
 
-@pytest.mark.parametrize("in_memory", [True, False], ids=["arrays", "memmap"])
-def test_a_group_of_chains_is_served_as_one(in_memory, pipelines, tmp_path,
+@pytest.mark.parametrize("rows", ["arrays", "memmap", "dropped"])
+def test_a_group_of_chains_is_served_as_one(rows, pipelines, tmp_path,
                                             monkeypatch):
-  """On a CPU device, a refresh of vmapped counter-based chains over arrays
-  in memory is read straight into compiled code's buffers by the group,
-  whatever the store's limits: the chains' records and cursors are not
-  touched and nothing is stored, and a chain served alone afterwards goes
-  on with its exact stream. Over a memmap, and through pure_callback, the
-  store's path serves them as before (chunks read ahead)."""
+  """On a CPU device, a refresh of vmapped counter-based chains whose rows
+  are read as fast as from memory is read straight into compiled code's
+  buffers by the group, whatever the store's limits: the chains' records
+  and cursors are not touched and nothing is stored, and a chain served
+  alone afterwards goes on with its exact stream. Arrays in memory are
+  from the first refresh; a memmap's rows once a gather showed them in the
+  page cache (the first refresh is the store's, as are all of a memmap
+  whose pages are dropped after each read, and all through
+  pure_callback: chunks read ahead)."""
   from jax_data.serving import group_refresh
 
   served = []
@@ -886,10 +889,11 @@ def test_a_group_of_chains_is_served_as_one(in_memory, pipelines, tmp_path,
   monkeypatch.setattr(group_refresh.GroupRefresh, "serve_into", spied)
   n, cache, mb, chains = 1000, 4, 8, 6
   x = np.arange(n)
-  if not in_memory:
+  if rows != "arrays":
     np.save(tmp_path / "x.npy", x)
     x = np.load(tmp_path / "x.npy", mmap_mode="r")
-  loader = jax_data.NumpyDataLoader(copy=False, x=x)
+  loader = jax_data.NumpyDataLoader(copy=False, x=x,
+                                    drop_file_pages=rows == "dropped")
   pipeline = pipelines.random_reference_data(loader, cache, mb)
   init_fn, batch_fn, release_fn = pipeline
   stacked = _stacked(init_fn, range(50, 50 + chains), shuffle=True)
@@ -907,13 +911,19 @@ def test_a_group_of_chains_is_served_as_one(in_memory, pipelines, tmp_path,
         got[c], cs.stream_batches(50 + c, 0, 2 * cache + 1, mb, n, True,
                                   False)[0])
   assert host.wait_idle()
-  grouped = (in_memory and pipelines.callback == "auto"
+  grouped = (rows != "dropped" and pipelines.callback == "auto"
              and jax.default_backend() == "cpu")
-  assert (served and all(served)) if grouped else not any(served)
-  after = [(host.chain(c).next_index, host.chain(c).cursor.position())
-           for c in host.chains()]
-  assert (after == before) == grouped
-  assert any(host.chain(c).chunks for c in host.chains()) != grouped
+  if not grouped:
+    assert not any(served)
+  elif rows == "memmap":
+    assert served[0] is False and served[1:] and all(served[1:])
+  else:
+    assert served and all(served)
+    after = [(host.chain(c).next_index, host.chain(c).cursor.position())
+             for c in host.chains()]
+    assert after == before
+  assert any(host.chain(c).chunks for c in host.chains()) != (
+      grouped and rows == "arrays")
   # One chain alone, through the store's path, from where the group left it.
   alone = jax.tree_util.tree_map(lambda a: a[3], stacked)
   _, batch = jax.jit(batch_fn)(alone)
@@ -997,19 +1007,20 @@ def test_indices_drawn_ahead_in_step_order_keep_their_values():
   assert indexed._interleaved_order(many) is many  # pylint: disable=protected-access
 
 
-@pytest.mark.parametrize("in_memory", [True, False], ids=["arrays", "memmap"])
+@pytest.mark.parametrize("rows", ["arrays", "memmap", "dropped"])
 @pytest.mark.parametrize("cache", [1, 3])
 @pytest.mark.parametrize("shuffle,in_epochs", MODES)
 def test_a_vmapped_scan_reads_a_group_into_its_buffers_as_they_are(
-    cache, shuffle, in_epochs, in_memory, tmp_path, monkeypatch):
+    cache, shuffle, in_epochs, rows, tmp_path, monkeypatch):
   """A vmapped ``jax_data.scan`` of counter-based chains on a CPU: a whole
   chunk's refresh is read by the group straight into compiled code's
   buffers, whose bytes are laid out lane axis second, as they are
   (``GroupRefresh.serve_lanes_second_into``), and every chain's batches
   and masks are its own stream, over chunks and calls, epochs' fillers
-  masked. Over a memmap, refreshes too small to read in place are the
-  store's (produced ahead), and the group is asked once per refresh, not
-  again through lane-first views."""
+  masked. A memmap's refreshes too small to read in place are the store's
+  (produced ahead) until a gather showed its rows in the page cache, and
+  all of them where its pages are dropped after each read; the group is
+  asked once per refresh, not again through lane-first views."""
   if jax.default_backend() != "cpu":
     pytest.skip("compiled code's buffers are the host's on a CPU")
   from jax_data.serving import group_refresh
@@ -1032,10 +1043,11 @@ def test_a_vmapped_scan_reads_a_group_into_its_buffers_as_they_are(
   monkeypatch.setattr(Host, "serve_into", spied_views)
   n, mb, seeds, length = 50, 4, [20, 21, 7, 2**40, 3], 3 * cache + 4
   x = np.arange(n)
-  if not in_memory:
+  if rows != "arrays":
     np.save(tmp_path / "x.npy", x)
     x = np.load(tmp_path / "x.npy", mmap_mode="r")
-  loader = jax_data.NumpyDataLoader(copy=False, x=x, y=np.arange(n) * 2.0)
+  loader = jax_data.NumpyDataLoader(copy=False, x=x, y=np.arange(n) * 2.0,
+                                    drop_file_pages=rows == "dropped")
   init_fn, batch_fn, release_fn = jax_data.random_reference_data(
       loader, cache, mb)
   state = _stacked(init_fn, seeds, shuffle=shuffle, in_epochs=in_epochs)
@@ -1056,7 +1068,12 @@ def test_a_vmapped_scan_reads_a_group_into_its_buffers_as_they_are(
       np.testing.assert_array_equal(
           mask[c], np.ones(want.shape, bool) if want_mask is None
           else want_mask)
-  assert served and (all(served) if in_memory else not any(served))
+  if rows == "arrays":
+    assert served and all(served)
+  elif rows == "memmap":
+    assert served[0] is False and served[1:] and all(served[1:])
+  else:
+    assert served and not any(served)
   # Each refresh the group declined went the store's way without asking it
   # again; the others never got there.
   assert sum(tried) == served.count(False)

@@ -156,3 +156,31 @@ def test_chunks_read_ahead_are_checked_when_served(tmp_path):
     f.truncate(1000)
   with pytest.raises(OSError, match="was truncated to 1000 bytes"):
     chunk.check()
+
+
+def test_rows_read_as_fast_as_memory_only_once_a_gather_showed_it(
+    tmp_path, monkeypatch):
+  """A memmap's rows count as read from the page cache (a group of chains
+  may then read them while compiled code waits) only once a gather of
+  random rows took no longer than one in memory would; not before, not
+  after a slow one, and never where pages are dropped after each read."""
+  from jax_data.loaders import file_rows
+
+  array, values = _memmap(tmp_path)
+  flat = np.random.default_rng(0).integers(0, len(array), 300)
+  out = np.empty((flat.size, 6))
+  rows = MappedRows(array, Gatherer(threads=2, part_bytes=64))
+  assert not rows.reads_page_cache()
+  np.testing.assert_array_equal(rows.read(flat, out), values[flat])
+  assert rows.reads_page_cache()
+  monkeypatch.setattr(file_rows, "_SLOW_ROW_SECONDS", -1.0)  # every one slow
+  rows.read(flat, out)
+  assert not rows.reads_page_cache()
+  monkeypatch.undo()
+  rows.read(flat, out)
+  assert rows.reads_page_cache()
+  rows.close()
+  dropping = MappedRows(array, Gatherer(), drop_pages=True)
+  np.testing.assert_array_equal(dropping.read(flat, out), values[flat])
+  assert not dropping.reads_page_cache()
+  dropping.close()

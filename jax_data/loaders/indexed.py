@@ -90,9 +90,10 @@ class IndexedCursor(ChainCursor):
       through ``split`` (a loader's
       :attr:`~jax_data.loaders.gather.Gatherer.draws_early`: where cores
       are to spare).
-    in_memory: ``read`` reads arrays held in memory (no file, no decoding):
-      reading rows while compiled code waits costs no more than reading
-      them ahead (see ``Host.serve_into``).
+    in_memory: Whether ``read`` now reads rows as fast as from memory
+      (arrays in memory, a memmap's pages in the page cache; no disk, no
+      decoding): reading them while compiled code waits costs no more than
+      reading them ahead (see ``Host.serve_into``). Default: never.
     closed: Called once when the cursor closes (a loader ends its threads
       when its last cursor closes).
   """
@@ -102,7 +103,7 @@ class IndexedCursor(ChainCursor):
                rows: Optional[Hashable] = None,
                split: Optional[Split] = None,
                ahead: Optional[Ahead] = None, early: bool = False,
-               in_memory: bool = False,
+               in_memory: Optional[Callable[[], bool]] = None,
                closed: Optional[Callable[[], None]] = None):
     part = getattr(spec, "part", None)
     self._stream = stream_of(spec, batch_rows(spec, layout.mb_size))
@@ -118,7 +119,7 @@ class IndexedCursor(ChainCursor):
     self._split = split
     self._ahead = ahead
     self._early = early
-    self.in_memory = in_memory
+    self._in_memory = in_memory
     self._closed = closed
     # A group's next indices, drawn once it had read its last chunk (on
     # the group's first cursor): ((seeds, firsts), their future).
@@ -156,6 +157,10 @@ class IndexedCursor(ChainCursor):
               zip(leaves, self._layout.leaf_shapes())]
     return Chunk(leaves, self._all_valid if mask is None else mask,
                  self._check)
+
+  def reads_memory(self) -> bool:
+    """Whether rows are now read as fast as from memory (``in_memory``)."""
+    return self._in_memory is not None and self._in_memory()
 
   def group_key(self) -> Optional[Hashable]:
     # Made once: a refresh of 1,024 chains asks each of them, and hashing

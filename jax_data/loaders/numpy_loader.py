@@ -249,9 +249,15 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
                          split=self._gatherer.split,
                          ahead=self._gatherer.submit,
                          early=self._gatherer.draws_early,
-                         in_memory=all(type(leaf) is np.ndarray
-                                       for leaf in self._leaves),
+                         in_memory=self._reads_memory,
                          closed=self._cursor_closed)
+
+  def _reads_memory(self) -> bool:
+    """Whether every leaf's rows are now read as fast as from memory:
+    arrays in memory, memmaps whose reads come from the page cache."""
+    return all(type(leaf) is np.ndarray if mapped is None
+               else mapped.reads_page_cache()
+               for leaf, mapped in zip(self._leaves, self._mapped))
 
   def _cursor_closed(self) -> None:
     """A cursor closed; the last one ends the idle threads (a loader kept

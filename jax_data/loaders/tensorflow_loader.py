@@ -451,7 +451,7 @@ class TensorflowDataLoader(HostDataLoader):
                              split=self._gatherer.split,
                              ahead=self._gatherer.submit,
                              early=self._gatherer.draws_early,
-                             in_memory=True)
+                             in_memory=lambda: True)
       source = MemoryRows(self._arrays, shard, self._gatherer)
       if isinstance(spec, OrderedChain):
         return OrderedMemoryCursor(source, spec, layout)

@@ -50,7 +50,6 @@ _REMEMBERED = 8
 class _Group(NamedTuple):
   lead: ChainRecord  # its cursor draws and reads for all
   seeds: np.ndarray  # uint64, one per lane
-  in_memory: bool  # the cursors read arrays in memory
 
 
 class GroupRefresh:
@@ -83,12 +82,17 @@ class GroupRefresh:
 
     Read in place are the refreshes the store would read so (too large to
     keep ahead), and, on a CPU device (``cpu``), whose compiled code runs
-    on the host's cores, those of groups over arrays in memory whatever
-    their size (files and decoded records are still produced ahead,
-    beside compiled code): produced ahead, they would take those cores
-    from compiled code and be copied once more. On 2 cores, 64 chains of
-    100 batches took 145-182 us per step produced ahead and 122-159 us read
-    in place; 256 chains of 10 batches 671-719 and 415-420 us.
+    on the host's cores, those of groups whose rows are read as fast as
+    from memory (``IndexedCursor.reads_memory``: arrays in memory, memmaps
+    whose pages are in the page cache) whatever their size: produced
+    ahead, they would take those cores from compiled code and be copied
+    once more. Rows read from disk and decoded records are still produced
+    ahead, beside compiled code. On 2 cores, 64 chains of 100 batches took
+    145-182 us per step produced ahead and 122-159 us read in place; 256
+    chains of 10 batches 671-719 and 415-420 us. Over a memmap in the page
+    cache ("auto"'s caches, N = 1e5, medians alternated in one process)
+    256 chains took 1,015 us per step produced ahead and 526 read in
+    place, 16 chains 36 and 29; 1,024 chains of one batch 11,909 and 2,035.
 
     ``by_step``: ``outs`` are a buffer per step (:meth:`serve_steps_into`);
     ``lanes_second``: compiled code's buffers as they are, shaped lane axis
@@ -115,8 +119,9 @@ class GroupRefresh:
     """Writes chunk ``chunks[g]`` of chain ``chains[g]`` into lane ``g`` of
     ``outs`` (each leaf's and the mask's buffer, a leading lane axis) if
     the lanes are chains of one group and the buffers hold every lane's
-    rows in one piece (with ``memory_only``, only if the group reads
-    arrays in memory: ``IndexedCursor.in_memory``); whether it did.
+    rows in one piece (with ``memory_only``, only if the group's rows are
+    now read as fast as from memory: ``IndexedCursor.reads_memory``);
+    whether it did.
     ``removals``: the store's count of chains taken out, which makes
     remembered groups stale.
 
@@ -186,7 +191,8 @@ class GroupRefresh:
     if chunks.min() < 0:
       return False  # the general path says what is wrong
     group = self._group(chains, removals)
-    if group is None or (memory_only and not group.in_memory):
+    if group is None or (memory_only
+                         and not group.lead.cursor.reads_memory()):  # type: ignore[attr-defined]
       return False
     lead, cursor = group.lead, group.lead.cursor
     served = False
@@ -245,8 +251,7 @@ class GroupRefresh:
       return None
     seeds = [record.cursor.seed  # type: ignore[attr-defined]
              for record in records]
-    return _Group(lead, np.asarray(seeds, np.uint64),
-                  bool(getattr(lead.cursor, "in_memory", False)))
+    return _Group(lead, np.asarray(seeds, np.uint64))
 
 
 class _Into:
