@@ -19,6 +19,9 @@ call a ``lax.scan`` of ``steps`` steps:
   in_epochs=True``: what SG-MCMC users often run); and counter chains with
   ``cached_batches_count="auto"`` (caches sized for the chain count:
   1,000 batches for one chain here, 123 for 16, 7 at 256, 1 at 1,024);
+  the last also over memmaps of the same arrays (``copy=False``, files
+  written just before, so in the page cache: many chains over data kept
+  out of the process's memory);
 * compute over a cache: every chain scans over one fixed refresh of
   ``cache`` random batches on the device, again and again, as
   ``jax_data.scan`` scans its chunks (no host work: XLA slicing each
@@ -72,6 +75,7 @@ JAX_DATA = "jax_data exact"
 COUNTER = "jax_data counter"
 EPOCHS = "jax_data counter, epochs"
 AUTO = 'jax_data counter, cache "auto"'
+MEMMAP = 'jax_data counter, cache "auto", memmap'
 ON_DEVICE = "jax_data on the device"
 FLOOR = "gather floor"
 CACHED = "compute over a cache"
@@ -206,6 +210,8 @@ def _section(config: Config, results: list, processes: int) -> Section:
         format_timing(timings[after_idle(COUNTER)], "us"),
         _spread(timing, after_idle(COUNTER), after_idle(COMPUTE)),
         _spread(timing, after_idle(COUNTER), after_idle(DEVICE)),
+        format_timing(timings[MEMMAP], "us"), _spread(timing, MEMMAP, AUTO),
+        _spread(timing, MEMMAP, DEVICE),
         format_timing(timings[GIVEN], "us"), _spread(timing, GIVEN, DEVICE)])
     floor_bound = timing[FLOOR]["median"] > timing[COMPUTE]["median"]
     bests.append(f"{chains}: {format_ratio(best)}" + (
@@ -256,7 +262,10 @@ def _section(config: Config, results: list, processes: int) -> Section:
           "device-resident has a target of its own); "
           f"{ON_DEVICE}: DeviceNumpyDataLoader (the data on the device), "
           "each chain's counter-based stream drawn in the step "
-          "(init_fn(seed=range(C), stream='counter')). None of the three "
+          "(init_fn(seed=range(C), stream='counter')); "
+          f"{MEMMAP}: {AUTO} over memmaps of the same arrays "
+          "(copy=False, the files written just before: in the page "
+          "cache). None of the four "
           "is in the targets' 'best'. Each repeat waits until the process "
           "is idle (50 ms or more), then times two calls of each "
           "contender: the columns above and the targets are the second, "
@@ -272,7 +281,9 @@ def _section(config: Config, results: list, processes: int) -> Section:
                EPOCHS, "epochs / device", AUTO, "auto / device",
                ON_DEVICE, "on the device / device", after_idle(COUNTER),
                "after idle: counter / compute",
-               "after idle: counter / device", GIVEN, "given / device"],
+               "after idle: counter / device", MEMMAP,
+               "memmap / in memory", "memmap / device", GIVEN,
+               "given / device"],
       rows=rows,
       targets=[
           Target("(g) jax_data / device-resident, every C", "<= 0.8x",
@@ -294,6 +305,10 @@ def _section(config: Config, results: list, processes: int) -> Section:
                  "floor): what any scan over a host-filled cache pays",
                  "reported, no target", ", ".join(
                      f"{r[0]}, {r[1]}: {r[12]}" for r in rows), None),
+          Target("(g) jax_data counter, cache 'auto', over memmaps in the "
+                 "page cache / over the arrays in memory", "reported, no "
+                 "target", ", ".join(f"{r[0]}, {r[1]}: {r[-4]}"
+                                     for r in rows), None),
           Target("(g) device-resident, indices given / device-resident: "
                  "its gather and compute without the draw, the rows a host "
                  "loader on a CPU moves in the same memory",
@@ -563,7 +578,15 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
       failed[DATARAX] = str(e).splitlines()[0][:120]
   releases = []
   auto = {**request, "cache": "auto"}
+  import tempfile
+
   import jax_data
+  files = tempfile.TemporaryDirectory()
+  mapped = {}
+  for key, array in data.items():
+    np.save(os.path.join(files.name, f"{key}.npy"), array)
+    mapped[key] = np.load(os.path.join(files.name, f"{key}.npy"),
+                          mmap_mode="r")
   for name, stream, init, asked, loader in (
       (JAX_DATA, "exact", {}, request, None),
       (COUNTER, "auto", {}, request, None),
@@ -571,7 +594,9 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
        None),
       (AUTO, "counter", {}, auto, None),
       (ON_DEVICE, "counter", {}, request,
-       jax_data.DeviceNumpyDataLoader(**data))):
+       jax_data.DeviceNumpyDataLoader(**data)),
+      (MEMMAP, "counter", {}, auto,
+       jax_data.NumpyDataLoader(copy=False, **mapped))):
     run_fn, carry, release_fn = _jax_data(asked, data, theta, keys,
                                           step_size, stream, loader, **init)
     contenders[name] = (run_fn, carry)
@@ -600,6 +625,7 @@ def child(request: dict[str, Any]) -> dict[str, Any]:
   samples[FLOOR] = [floor] * request["repeats"]
   for release_fn in releases:
     release_fn()
+  files.cleanup()
   return {**{name: {"samples": s, "median": float(np.median(s))}
              for name, s in samples.items()},
           **{name: {"failed": why} for name, why in failed.items()}}
