@@ -420,6 +420,56 @@ def test_a_failing_record_of_a_batched_read_is_named(workers):
   release_fn()
 
 
+class Labelled:
+  """Records with integer labels (Python ints: int64 leaves) of which
+  record ``wide`` holds one that int32 cannot; read one by one or in
+  batches."""
+
+  def __init__(self, wide, batched):
+    self.wide = wide
+    if batched:
+      self.__getitems__ = lambda indices: [self[i] for i in indices]
+
+  def __len__(self):
+    return 300
+
+  def __getitem__(self, i):
+    label = 3_000_000_000 + i if i == self.wide else -i
+    return {"x": np.float32(i), "y": label, "z": np.array([i, -label])}
+
+
+@pytest.mark.parametrize("read", ["alone", "threads", "processes",
+                                  "batched"])
+def test_integers_that_jax_holds_in_32_bits_are_checked(read):
+  """Without jax_enable_x64 a record's int64 leaves are served as int32,
+  as JAX holds them: values that fit come through exactly, and one that
+  does not is named (record, leaf, value) where NumPy's cast would have
+  wrapped it without a word, by every way records are read."""
+  if jax.config.jax_enable_x64:
+    pytest.skip("64-bit integers are served as they are")
+  workers = 0 if read == "alone" else 2
+  processes = read == "processes"
+  source = (Labelled(None, read == "batched") if not processes
+            else [Labelled(None, False)[i] for i in range(300)])
+  mapper_fn, release_fn = jax_data.full_data_mapper(
+      SourceDataLoader(source, workers=workers, processes=processes), 2, 50)
+  (y, z), _ = mapper_fn(lambda b, c: ((b["y"], b["z"]), c), None)
+  assert y.dtype == z.dtype == jnp.int32
+  np.testing.assert_array_equal(y, -np.arange(300))
+  np.testing.assert_array_equal(z[:, 1], np.arange(300))
+  release_fn()
+  source = (Labelled(123, read == "batched") if not processes
+            else [Labelled(123, False)[i] for i in range(300)])
+  mapper_fn, release_fn = jax_data.full_data_mapper(
+      SourceDataLoader(source, workers=workers, processes=processes), 2, 50)
+  with pytest.raises(Exception, match=re.escape(
+      "record 123 has ['y'] = 3000000123, which JAX's int32 (64-bit types "
+      "are 32-bit without jax_enable_x64) cannot hold: enable "
+      "jax_enable_x64")):
+    jax.block_until_ready(mapper_fn(lambda b, c: (b["y"], c), None))
+  release_fn()
+
+
 class ReadOnConversion:
   """A leaf read when converted to an array, as an h5py dataset or a zarr
   array is: the read of leaf ``failing`` fails."""

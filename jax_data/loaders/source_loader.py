@@ -128,7 +128,10 @@ class SourceDataLoader(HostDataLoader):
   each read, as :class:`~jax_data.NumpyDataLoader` checks its memmaps (a
   file truncated meanwhile then raises ``OSError``, where a read past its
   end would kill the process); ``NumpyDataLoader(copy=False, x=memmap)``
-  reads such rows faster.
+  reads such rows faster. Leaves are served in the dtypes JAX keeps
+  (64-bit ones as 32-bit without ``jax_enable_x64``); a record read with
+  an integer that such a dtype cannot hold raises a ``RecordError`` that
+  names it, where NumPy's cast would wrap it.
 
   >>> import numpy as np
   >>> import jax_data

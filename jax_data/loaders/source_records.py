@@ -30,6 +30,10 @@ import numpy as np
 from jax_data.errors import RecordError  # noqa: F401 (its old home)
 from jax_data.loaders.file_rows import CLOSED_HDF5
 from jax_data.loaders.file_rows import closed_hdf5
+from jax_data.loaders.narrowing import cannot_hold
+from jax_data.loaders.narrowing import first_outside
+from jax_data.loaders.narrowing import narrows
+from jax_data.loaders.narrowing import within
 
 # Records a batched read asks for at once (see RecordReader.fill).
 _BLOCK = 16_384
@@ -369,20 +373,52 @@ class RecordReader:
         part = slice(low, low + _BLOCK)
         self.fill(indices[part], rows[part], out, stop)
       return
+    what = f"{self.name} over {type(self.source).__name__}"
     if self.batched is not None:
       records = self.records(indices)
       stacked = self.first.stack(records) if len(records) > 1 else None
       if stacked is not None:  # all alike: written leaf by leaf
-        for leaf, array in zip(out, stacked):
-          leaf[rows] = array
+        write_columns(what, self.first.paths, indices, rows, out, stacked)
         return
     else:  # one by one: a stop takes effect before the next
       records = (self.load(int(i)) for i in indices)
+    # The bounds of leaves whose integers their buffers may not hold.
+    bounds = [np.iinfo(leaf.dtype) if narrows(dtype, leaf.dtype) else None
+              for dtype, leaf in zip(self.first.dtypes, out)]
     for index, row, record in zip(indices, rows, records):
-      for leaf, array in zip(out, self.leaves(int(index), record)):
+      for leaf, array, path, fits in zip(
+          out, self.leaves(int(index), record), self.first.paths, bounds):
+        if fits is not None and not within(array, fits):
+          check_fits(what, path, np.asarray([index]), array[None],
+                     leaf.dtype)
         leaf[row] = array
       if stop is not None and stop.done():
         return
+
+
+def write_columns(what: str, paths: Sequence[str], indices: np.ndarray,
+                  rows: np.ndarray, out: Sequence[np.ndarray],
+                  columns: Sequence[np.ndarray]) -> None:
+  """Writes the leaves of records ``indices``, stacked (``columns``), into
+  rows ``rows`` of ``out``; integers that a leaf's buffer cannot hold are
+  named (:func:`check_fits`; ``what`` names the loader and its source)."""
+  for leaf, column, path in zip(out, columns, paths):
+    if narrows(column.dtype, leaf.dtype):
+      check_fits(what, path, indices, column, leaf.dtype)
+    leaf[rows] = column
+
+
+def check_fits(what: str, path: str, indices: np.ndarray, array: np.ndarray,
+               dtype: np.dtype) -> None:
+  """Raises a :class:`RecordError` if leaf ``path`` of records ``indices``
+  (``array``, a leading record axis) holds integers that ``dtype`` (its
+  buffer's: JAX's) cannot (:mod:`~jax_data.loaders.narrowing`)."""
+  found = first_outside(array, dtype)
+  if found is not None:
+    at, value = found
+    raise RecordError(
+        f"{what}: record {int(indices[at])} has {path} = "
+        f"{cannot_hold(value, dtype)} (transform= can make them)")
 
 
 def _scalar_dtype(kind: type) -> Optional[np.dtype]:

@@ -41,6 +41,7 @@ from jax_data.errors import PipelineReleasedError
 from jax_data.loaders.source_records import RecordError
 from jax_data.loaders.source_records import RecordFormat
 from jax_data.loaders.source_records import RecordReader
+from jax_data.loaders.source_records import write_columns
 
 USE_THREADS = "or use processes=False (worker threads)"
 
@@ -599,8 +600,8 @@ class WorkerPool:
       if alone is not None:
         self._end_own(alone)
     for part, future in zip(parts, futures):
-      for leaf, block in zip(out, future.result()):
-        leaf[first[part]] = block
+      write_columns(self._describe, self._first.paths, unique[part],
+                    first[part], out, future.result())
 
   def _name_ending_record(self, records: np.ndarray, ended_at: int,
                           future: concurrent.futures.Future) -> None:
