@@ -3,6 +3,7 @@ checkpoints."""
 
 import copy
 import logging
+import re
 import threading
 import time
 
@@ -60,6 +61,41 @@ def test_accepts_lists_numpy_and_jax_arrays_with_jax_dtypes():
   batches, _ = edges.get_batches(edges.register_ordered_pipeline(1, 2))
   assert batches["t"].tolist() == [[-2**31, 2**31 - 1]]
   assert batches["u"].tolist() == [[0, 2**32 - 1]]
+
+
+def test_integers_wider_than_jax_keeps_are_checked_without_a_copy(tmp_path):
+  """copy=False serves 64-bit integers as JAX keeps them (int32 without
+  jax_enable_x64) from the user's arrays: values that fit come through
+  exactly; one that does not is refused at construction for an array in
+  memory, and named (array, row, value) by the read that meets it for a
+  memmap, which is not read whole up front. Before, NumPy's cast wrapped
+  it without a word (3,000,000,013 served as -1,294,967,283)."""
+  if jax.config.jax_enable_x64:
+    pytest.skip("64-bit integers are served as they are")
+  wide = np.arange(40, dtype=np.int64) - 20
+  wide[13] = 3_000_000_013
+  with pytest.raises(ValueError, match=r"array 'y' holds integers from -20 "
+                     r"to 3000000013, which JAX's int32"):
+    NumpyDataLoader(copy=False, x=np.arange(40.0), y=wide)
+  np.save(tmp_path / "y.npy", wide)
+  np.save(tmp_path / "fits.npy", np.arange(40, dtype=np.int64) - 20)
+  for name, fits in (("y.npy", False), ("fits.npy", True)):
+    loader = NumpyDataLoader(copy=False, x=np.arange(40.0),
+                             y=np.load(tmp_path / name, mmap_mode="r"))
+    for chain in (loader.register_ordered_pipeline(2, 10),
+                  loader.register_random_pipeline(2, 10, seed=0,
+                                                  shuffle=True)):
+      if fits:
+        batches, _ = loader.get_batches(chain)
+        assert batches["y"].dtype == np.int32
+        np.testing.assert_array_equal(batches["y"], batches["x"] - 20)
+      else:
+        with pytest.raises(ValueError, match=re.escape(
+            "array 'y' holds at row 13 the integer 3000000013, which JAX's "
+            "int32 (64-bit types are 32-bit without jax_enable_x64) cannot "
+            "hold")):
+          for _ in range(4):  # row 13 is among the first 40 rows read
+            loader.get_batches(chain)
 
 
 def test_initializer_batch_and_batch_format():

@@ -30,6 +30,9 @@ from jax_data.loaders.gather import digest_rows
 from jax_data.loaders.gather import is_run
 from jax_data.loaders.host_loader import HostDataLoader
 from jax_data.loaders.indexed import IndexedCursor
+from jax_data.loaders.narrowing import cannot_hold
+from jax_data.loaders.narrowing import first_outside
+from jax_data.loaders.narrowing import narrows
 from jax_data.types import PyTree
 from jax_data.validation import check_bool
 from jax_data.validation import is_jax_dtype
@@ -94,6 +97,8 @@ def _as_host_array(name: str, value: Any, copy: bool) -> np.ndarray:
   if copy and array.dtype != target:
     _check_narrowed(name, array, target)
     array = array.astype(target)
+  elif array.dtype != target and type(array) is np.ndarray:
+    _check_narrowed(name, array, target)  # in memory: checked once, now
   return array
 
 
@@ -204,7 +209,11 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
 
   Args:
     copy: Copy the arrays (default). With False, arrays are referenced and
-      memmaps stay on disk.
+      memmaps stay on disk. Either way leaves are served in the dtypes JAX
+      keeps (64-bit ones as 32-bit without ``jax_enable_x64``); integers
+      such a dtype cannot hold are refused (below), those of a memmap by
+      the read that meets them (a ``ValueError`` naming the array, row and
+      value), as it is not read whole up front.
     drop_file_pages: Unmap the pages of memmaps (and mapped HDF5 datasets)
       as they are read (a few rows at a time), so they do not count in the
       process's RSS (on Linux; elsewhere the kernel may keep them). Every
@@ -212,7 +221,9 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
     **reference_data: The arrays, one per keyword.
 
   Raises:
-    ValueError: no arrays, empty arrays, or first axes of different lengths.
+    ValueError: no arrays, empty arrays, first axes of different lengths,
+      or integers of an array in memory that JAX's dtype for it cannot hold
+      (2**40 in int64 without ``jax_enable_x64``).
     TypeError: an array that cannot become a JAX array (strings, objects).
   """
 
@@ -226,8 +237,8 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
                                          reference_data)
     self._format = observation_format_of(self._arrays)
     # Arrays in the order of the format's leaves (sorted keys).
-    self._leaves = [self._arrays[k] for k in
-                    jax.tree_util.tree_leaves({k: k for k in self._arrays})]
+    self._names = jax.tree_util.tree_leaves({k: k for k in self._arrays})
+    self._leaves = [self._arrays[k] for k in self._names]
     self._gatherer = Gatherer()
     self._mapped = [MappedRows(leaf, self._gatherer, drop_file_pages)
                     if isinstance(leaf, np.memmap) else None
@@ -303,7 +314,12 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
     first = int(flat[0])
     leaves = []
     taken = []  # gathered together, in one split over the threads
-    for array, mapped, buffer in zip(self._leaves, self._mapped, out):
+    narrowed = []  # leaves read in their own dtype, checked, then cast
+    for k, (array, mapped, buffer) in enumerate(zip(self._leaves,
+                                                    self._mapped, out)):
+      if narrows(array.dtype, buffer.dtype):  # not copied (copy=False)
+        narrowed.append((k, buffer))
+        buffer = np.empty(buffer.shape, array.dtype)
       if mapped is not None:
         leaves.append(mapped.read(flat, buffer, run))
       elif not isinstance(array, np.ndarray):
@@ -315,4 +331,12 @@ class NumpyDataLoader(ArrayData, HostDataLoader):
         leaves.append(buffer)
     if taken:
       self._gatherer.take_all(taken, flat)
+    for k, buffer in narrowed:
+      found = first_outside(leaves[k], buffer.dtype)
+      if found is not None:
+        raise ValueError(
+            f"array {self._names[k]!r} holds at row {int(flat[found[0]])} "
+            f"the integer {cannot_hold(found[1], buffer.dtype)}")
+      np.copyto(buffer, leaves[k], casting="unsafe")
+      leaves[k] = buffer
     return leaves
