@@ -7,6 +7,7 @@ import copy
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -264,6 +265,36 @@ def test_dtypes_follow_jax_defaults():
     wide = TensorflowDataLoader(pipeline)
     assert str(wide.initializer_batch()["i64"].dtype) == "int64"
     assert str(wide.observation_format["f64"].dtype) == "float64"
+
+
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_integers_that_jax_holds_in_32_bits_are_checked(in_memory):
+  """An int64 feature is served as int32 without jax_enable_x64: values
+  that fit come through exactly, and one that does not is named (its key
+  and value) where NumPy's cast wrapped it without a word: at
+  construction when the pipeline is read into memory, else by the read
+  that meets it."""
+  if jax.config.jax_enable_x64:
+    pytest.skip("64-bit integers are served as they are")
+  labels = np.arange(30, dtype=np.int64) - 15
+  fits = TensorflowDataLoader(tf.data.Dataset.from_tensor_slices(
+      {"x": np.arange(30.0), "label": {"id": labels}}), in_memory=in_memory)
+  batches, _ = fits.get_batches(fits.register_ordered_pipeline(1, 30))
+  assert batches["label"]["id"].dtype == jnp.int32
+  np.testing.assert_array_equal(batches["label"]["id"][0], labels)
+  labels[13] = 3_000_000_013
+  message = re.escape(
+      "yields ['label']['id'] = 3000000013, which JAX's int32 (64-bit types "
+      "are 32-bit without jax_enable_x64) cannot hold")
+  pipeline = tf.data.Dataset.from_tensor_slices(
+      {"x": np.arange(30.0), "label": {"id": labels}})
+  if in_memory:
+    with pytest.raises(ValueError, match=message):
+      TensorflowDataLoader(pipeline, in_memory=True)
+    return
+  loader = TensorflowDataLoader(pipeline)
+  with pytest.raises(Exception, match=message):
+    loader.get_batches(loader.register_ordered_pipeline(1, 30))
 
 
 def test_nested_features_and_repr():

@@ -358,8 +358,11 @@ class TensorflowDataLoader(HostDataLoader):
     self._shared: "weakref.WeakValueDictionary[Any, SharedReads]" = (
         weakref.WeakValueDictionary())
     self._shared_lock = threading.Lock()
-    self._reading = Reading(self.chunk_layout(1, 1).leaves, repr(self),
-                            self._count, stated)
+    self._reading = Reading(
+        self.chunk_layout(1, 1).leaves, repr(self), self._count, stated,
+        paths=tuple(jax.tree_util.keystr(path) for path, _ in
+                    jax.tree_util.tree_flatten_with_path(
+                        self.observation_format)[0]))
     if in_memory:
       self._arrays, self._reading = _read_all(self._pipeline, self._reading)
       self._count = self._reading.count

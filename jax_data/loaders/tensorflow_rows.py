@@ -34,6 +34,9 @@ from jax_data.loaders.chains import LaterRows
 from jax_data.loaders.chains import LeafFormat
 from jax_data.loaders.gather import Gatherer
 from jax_data.loaders.gather import is_run
+from jax_data.loaders.narrowing import cannot_hold
+from jax_data.loaders.narrowing import first_outside
+from jax_data.loaders.narrowing import narrows
 from jax_data.streams.sampling import Held
 from jax_data.streams.sampling import HeldRows
 from jax_data.streams.sampling import ObservationRange
@@ -52,6 +55,7 @@ class Reading:
     count_stated: Whether ``count`` was given by the user (the pipeline's
       own length is unknown).
     threads: The threads that the loader's chains read in.
+    paths: The leaves' key paths, for messages.
   """
   formats: Tuple[LeafFormat, ...]
   name: str
@@ -59,6 +63,7 @@ class Reading:
   count_stated: bool
   threads: "ReadThreads" = dataclasses.field(
       default_factory=lambda: ReadThreads(), compare=False, repr=False)
+  paths: Tuple[str, ...] = ()
 
   def reader(self) -> "Reader":
     """A new :class:`Reader` for a chain's iterators, in ``threads``."""
@@ -94,11 +99,26 @@ class Reading:
   def as_rows(self, element: Any) -> Rows:
     """An element of the pipeline as NumPy arrays in the loader's dtypes."""
     leaves = []
-    for fmt, tensor in zip(self.formats, tf.nest.flatten(element)):
+    for k, (fmt, tensor) in enumerate(zip(self.formats,
+                                          tf.nest.flatten(element))):
       array = np.asarray(tensor)  # a read-only view: no copy, unlike .numpy()
-      leaves.append(array if array.dtype == fmt.dtype
-                    else array.astype(fmt.dtype))
+      if array.dtype != fmt.dtype:
+        if narrows(array.dtype, fmt.dtype):
+          self._check_fits(k, array, fmt.dtype)
+        array = array.astype(fmt.dtype)
+      leaves.append(array)
     return leaves
+
+  def _check_fits(self, k: int, array: np.ndarray, dtype: np.dtype) -> None:
+    """Raises if leaf ``k`` of an element holds integers that the loader's
+    ``dtype`` (JAX's) cannot: the cast would wrap them without a word."""
+    found = first_outside(array, dtype)
+    if found is not None:
+      path = self.paths[k] if k < len(self.paths) else f"leaf {k}"
+      raise ValueError(
+          f"the pipeline of {self.name} yields {path} = "
+          f"{cannot_hold(found[1], dtype)} (the pipeline's map can make "
+          "them)")
 
 
 # How often a read that waits for its element looks at its stop event.
