@@ -17,6 +17,7 @@ from jax import lax
 import jax_data
 from jax_data import NumpyDataLoader
 from jax_data import SourceDataLoader
+from jax_data.serving import chain_records
 from tests import scripts
 
 # Tests that build pipelines with the `pipelines` fixture run with both ways
@@ -79,6 +80,69 @@ def test_chunks_that_failed_ahead_are_tried_again_when_asked_for(pipelines):
     state, batch = step(state)
     plain, expected = batch_plain(plain)
     np.testing.assert_array_equal(batch["x"], expected["x"], err_msg=str(k))
+
+
+class GatedLoader(NumpyDataLoader):
+  """Its second chunk (counting every call) waits for ``gate``, then
+  fails: a read that began before the disk recovered."""
+
+  def __init__(self, **arrays):
+    super().__init__(**arrays)
+    self.calls = 0
+    self.entered, self.gate = threading.Event(), threading.Event()
+
+  def get_batches(self, chain_id):
+    self.calls += 1
+    if self.calls == 2:
+      self.entered.set()
+      self.gate.wait(timeout=60)
+      raise OSError("read began before the disk recovered")
+    return super().get_batches(chain_id)
+
+
+def test_a_chunk_whose_production_ahead_fails_once_asked_for_is_produced_again(
+    pipelines, monkeypatch):
+  """A request that finds its chunk being produced ahead waits for that
+  production; if it fails, the request produces the chunk again rather than
+  raise an error from a read that began before it came (CI saw the stale
+  error once a loader had recovered)."""
+  claimed = threading.Event()
+  claim = chain_records.Shelf.claim
+
+  def noting_claim(self, record, index, device_count):
+    answer = claim(self, record, index, device_count)
+    if index == 1:
+      claimed.set()
+    return answer
+
+  monkeypatch.setattr(chain_records.Shelf, "claim", noting_claim)
+  loader = GatedLoader(x=np.arange(40))
+  init_fn, batch_fn, _ = pipelines.random_reference_data(loader, 2, 4)
+  init_plain, batch_plain, _ = pipelines.random_reference_data(
+      NumpyDataLoader(x=np.arange(40)), 2, 4)
+  step, plain_step = jax.jit(batch_fn), jax.jit(batch_plain)
+  state, plain = init_fn(seed=0), init_plain(seed=0)
+  for _ in range(2):  # chunk 0
+    state, batch = step(state)
+    plain, expected = plain_step(plain)
+    np.testing.assert_array_equal(batch["x"], expected["x"])
+  assert loader.entered.wait(60)  # chunk 1 is being produced ahead
+  answers = {}
+
+  def ask():
+    try:
+      answers["batch"] = step(state)[1]
+    except Exception as e:  # pylint: disable=broad-except
+      answers["error"] = e
+
+  thread = threading.Thread(target=ask)
+  thread.start()
+  assert claimed.wait(60)  # the request waits on that production
+  loader.gate.set()
+  thread.join(60)
+  assert "error" not in answers, answers.get("error")
+  _, expected = plain_step(plain)
+  np.testing.assert_array_equal(answers["batch"]["x"], expected["x"])
 
 
 def test_failure_names_loader_chain_and_error_and_other_chains_work(pipelines):

@@ -56,6 +56,7 @@ from typing import List
 from typing import Optional
 from typing import Protocol
 from typing import Sequence
+from typing import Set
 from typing import Tuple
 
 from jax_data.loaders.chains import Chunk
@@ -293,21 +294,29 @@ class ChainStore:
 
     Raises:
       HostLoaderError: the loader failed (the first failure in lane
-        order); a later request tries the failed chunks again.
+        order); a later request tries the failed chunks again, and so does
+        this one where it found a chunk being produced ahead, before any
+        request, which then failed (the loader may have recovered since
+        that production began).
     """
     in_place = (into is not None and device_count == 1
                 and self._shelf.reads_in_place(len(wanted)))
     # Per (chain, index): record, index, future, ready, stored.
     claims: List[Tuple[ChainRecord, int, Any, bool, bool]] = []
+    joined: Set[int] = set()  # lanes that found a production ahead
     mine, direct, targets = [], {}, {}
     try:
       self._claim(wanted, device_count, into, in_place, claims, mine,
-                  direct, targets)
+                  direct, targets, joined)
       if mine:
         self._producer.produce_many(mine, targets)
     except BaseException as e:  # Ctrl-C between a claim and its answer
       self._abandon(mine, e)
       raise
+    failed = [lane for lane in sorted(joined)
+              if claims[lane][2].exception() is not None]
+    if failed:
+      self._claim_again(claims, failed, device_count)
     failure = None
     for record, index, future, _, stored in claims:
       if future.exception() is not None:
@@ -332,10 +341,12 @@ class ChainStore:
              into: Optional[Sequence[Chunk]], in_place: bool,
              claims: List[Tuple[ChainRecord, int, Any, bool, bool]],
              mine: List[Job], direct: Dict[Tuple[int, int], Job],
-             targets: Dict[int, Chunk]) -> None:
+             targets: Dict[int, Chunk], joined: Set[int]) -> None:
     """Claims the chunks of :meth:`chunks`: appends each one's claim to
     ``claims``, and the jobs this request must produce itself to ``mine``
-    as soon as they are claimed (see :meth:`_abandon`)."""
+    as soon as they are claimed (see :meth:`_abandon`); adds to ``joined``
+    the lanes whose chunk was being produced ahead, claimed by no request
+    before."""
     for lane, (chain, index) in enumerate(wanted):
       record = self._chains.record(chain)
       if index < 0:
@@ -352,10 +363,13 @@ class ChainStore:
           record.requested = index  # the shelf's claim notes it otherwise
         if stored:
           before = record.chunks.get(index)
+          ahead = before is not None and before.pending is None
           try:
             future, produce = self._shelf.claim(record, index, device_count)
             if produce:
               mine.append((record, index, future))
+            elif ahead:  # the claim counted it: pending is set now
+              joined.add(lane)
           except BaseException as e:  # Ctrl-C inside the claim
             entry = record.chunks.get(index)
             if entry is not None and entry is not before:  # put by it
@@ -371,6 +385,29 @@ class ChainStore:
         targets[id(job[2])] = into[lane]
         mine.append(job)
       claims.append((record, index, job[2], False, False))
+
+  def _claim_again(self, claims: List[Tuple[ChainRecord, int, Any, bool,
+                                             bool]],
+                   lanes: Sequence[int], device_count: int) -> None:
+    """Claims and produces once more the chunks of ``lanes``: each was
+    being produced ahead when this request claimed it, and that production
+    failed. It may have begun before the loader recovered; a request that
+    came after the recovery gets a chunk produced after it."""
+    mine: List[Job] = []
+    try:
+      for lane in lanes:
+        record, index, future, _, _ = claims[lane]
+        with self._lock:
+          self._shelf.forget(record, index, future)
+          again, produce = self._shelf.claim(record, index, device_count)
+        if produce:
+          mine.append((record, index, again))
+        claims[lane] = (record, index, again, False, True)
+      if mine:
+        self._producer.produce_many(mine)
+    except BaseException as e:  # Ctrl-C between a claim and its answer
+      self._abandon(mine, e)
+      raise
 
   def _abandon(self, mine: Sequence[Job], error: BaseException) -> None:
     """Settles the futures of the jobs this request claimed and left
