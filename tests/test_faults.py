@@ -145,6 +145,57 @@ def test_a_chunk_whose_production_ahead_fails_once_asked_for_is_produced_again(
   np.testing.assert_array_equal(answers["batch"]["x"], expected["x"])
 
 
+def test_every_device_of_a_replicated_state_produces_a_failed_ahead_chunk_again(
+    pipelines, monkeypatch):
+  """Each device of a replicated state asks for the chunk; both requests
+  found it being produced ahead, and neither raises the error of that
+  production once it fails (the second used to)."""
+  both_claimed, claims = threading.Event(), []
+  claim = chain_records.Shelf.claim
+
+  def noting_claim(self, record, index, device_count):
+    answer = claim(self, record, index, device_count)
+    if index == 1:
+      claims.append(index)
+      if len(claims) == 2:
+        both_claimed.set()
+    return answer
+
+  monkeypatch.setattr(chain_records.Shelf, "claim", noting_claim)
+  pipeline = pipelines.random_reference_data(GatedLoader(x=np.arange(40)), 2,
+                                             4)
+  plain = pipelines.random_reference_data(NumpyDataLoader(x=np.arange(40)),
+                                          2, 4)
+  chain, plain_chain = int(pipeline[0](seed=0).chain), int(
+      plain[0](seed=0).chain)
+  for _ in range(2):  # both devices take chunk 0; chunk 1 is produced ahead
+    pipeline.host.chunk(chain, 0, device_count=2)
+  assert pipeline.host.loader.entered.wait(60)
+  answers = [None, None]
+
+  def ask(device):
+    try:
+      answers[device] = pipeline.host.chunk(chain, 1, device_count=2)
+    except Exception as e:  # pylint: disable=broad-except
+      answers[device] = e
+
+  threads = [threading.Thread(target=ask, args=(d,)) for d in range(2)]
+  for thread in threads:
+    thread.start()
+  assert both_claimed.wait(60)  # both wait on that production
+  pipeline.host.loader.gate.set()
+  for thread in threads:
+    thread.join(60)
+  # Produced once more for both requests: neither is still awaited.
+  assert pipeline.host.chain(chain).chunks[1].pending == 0
+  expected = plain.host.chunk(plain_chain, 1)
+  for answer in answers:
+    assert not isinstance(answer, Exception), answer
+    for got, want in zip(answer.leaves + [answer.mask],
+                         expected.leaves + [expected.mask]):
+      np.testing.assert_array_equal(got, want)
+
+
 def test_failure_names_loader_chain_and_error_and_other_chains_work(pipelines):
   loader = FlakyLoader(fail_chain=1, fail_at=2, persistent=True,
                        x=np.arange(20))

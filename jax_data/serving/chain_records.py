@@ -150,6 +150,7 @@ class Entry:
   """A stored chunk and how many more requests are expected for it."""
   future: StoredFuture
   pending: Optional[int] = None  # None: produced ahead, not yet requested
+  ahead: bool = False  # produced ahead of any request (claim_ahead)
 
 
 @dataclasses.dataclass
@@ -380,7 +381,7 @@ class Shelf:
     jobs = []
     for record, index in zip(records, indices):
       if index not in record.chunks:
-        entry = Entry(StoredFuture(self._changed))
+        entry = Entry(StoredFuture(self._changed), ahead=True)
         self.put(record, index, entry)
         jobs.append((record, index, entry.future))
     return jobs

@@ -345,8 +345,9 @@ class ChainStore:
     """Claims the chunks of :meth:`chunks`: appends each one's claim to
     ``claims``, and the jobs this request must produce itself to ``mine``
     as soon as they are claimed (see :meth:`_abandon`); adds to ``joined``
-    the lanes whose chunk was being produced ahead, claimed by no request
-    before."""
+    the lanes whose chunk this request found being produced ahead of any
+    request (each device's request of a replicated state, not only the
+    first)."""
     for lane, (chain, index) in enumerate(wanted):
       record = self._chains.record(chain)
       if index < 0:
@@ -363,12 +364,11 @@ class ChainStore:
           record.requested = index  # the shelf's claim notes it otherwise
         if stored:
           before = record.chunks.get(index)
-          ahead = before is not None and before.pending is None
           try:
             future, produce = self._shelf.claim(record, index, device_count)
             if produce:
               mine.append((record, index, future))
-            elif ahead:  # the claim counted it: pending is set now
+            elif record.chunks[index].ahead:  # every device's request
               joined.add(lane)
           except BaseException as e:  # Ctrl-C inside the claim
             entry = record.chunks.get(index)
@@ -392,7 +392,9 @@ class ChainStore:
     """Claims and produces once more the chunks of ``lanes``: each was
     being produced ahead when this request claimed it, and that production
     failed. It may have begun before the loader recovered; a request that
-    came after the recovery gets a chunk produced after it."""
+    came after the recovery gets a chunk produced after it. The first of a
+    replicated state's requests to come here claims the chunk anew, for
+    all ``device_count`` requests; the others join that claim."""
     mine: List[Job] = []
     try:
       for lane in lanes:
