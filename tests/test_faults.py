@@ -196,6 +196,102 @@ def test_every_device_of_a_replicated_state_produces_a_failed_ahead_chunk_again(
       np.testing.assert_array_equal(got, want)
 
 
+def _noting_claims_of(index, monkeypatch, fire=None):
+  """An event set once ``Shelf.claim`` has claimed chunk ``index``; with
+  ``fire``, ``fire(produce)`` runs after each such claim."""
+  claimed = threading.Event()
+  claim = chain_records.Shelf.claim
+
+  def noting_claim(self, record, at, device_count):
+    answer = claim(self, record, at, device_count)
+    if at == index:
+      claimed.set()
+      if fire is not None:
+        fire(answer[1])
+    return answer
+
+  monkeypatch.setattr(chain_records.Shelf, "claim", noting_claim)
+  return claimed
+
+
+def test_release_reaches_a_request_waiting_on_a_production_ahead(monkeypatch):
+  """A request waits on a chunk being produced ahead, and the pipeline is
+  released: the request raises the release's error (the exit hook's, when
+  the interpreter exits), not one of its own from producing the chunk
+  again on a released chain."""
+  claimed = _noting_claims_of(1, monkeypatch)
+  loader = GatedLoader(x=np.arange(40))
+  pipeline = jax_data.random_reference_data(loader, 2, 4)
+  chain = int(pipeline[0](seed=0).chain)
+  pipeline.host.chunk(chain, 0)  # chunk 1 is produced ahead, at the gate
+  assert loader.entered.wait(60)
+  answers = {}
+
+  def ask():
+    try:
+      answers["chunk"] = pipeline.host.chunk(chain, 1)
+    except BaseException as e:  # pylint: disable=broad-except
+      answers["error"] = e
+
+  thread = threading.Thread(target=ask)
+  thread.start()
+  assert claimed.wait(60)  # the request waits on the production ahead
+  error = jax_data.PipelineReleasedError("the release's own error")
+  pipeline.host.release(error)
+  thread.join(60)
+  loader.gate.set()
+  assert not thread.is_alive()
+  assert answers.get("error") is error, answers
+
+
+def test_ctrl_c_inside_the_claim_of_a_chunk_produced_again_leaves_it_usable(
+    monkeypatch):
+  """Ctrl-C lands inside the claim by which a request produces again a
+  chunk whose production ahead failed: the chunk is not left on the shelf
+  unanswered (the next request waited for it forever), and the next
+  request gets the chunk a plain loader gives."""
+  armed = [False]
+
+  def fire(produce):
+    if produce and armed[0]:  # the claim anew, which produces
+      armed[0] = False
+      raise KeyboardInterrupt
+
+  claimed = _noting_claims_of(1, monkeypatch, fire)
+  loader = GatedLoader(x=np.arange(40))
+  pipeline = jax_data.random_reference_data(loader, 2, 4)
+  chain = int(pipeline[0](seed=0).chain)
+  pipeline.host.chunk(chain, 0)
+  assert loader.entered.wait(60)  # chunk 1 is being produced ahead
+  answers = {}
+
+  def ask(key):
+    try:
+      answers[key] = pipeline.host.chunk(chain, 1)
+    except BaseException as e:  # pylint: disable=broad-except
+      answers[key] = e
+
+  armed[0] = True
+  first = threading.Thread(target=ask, args=("first",), daemon=True)
+  first.start()
+  assert claimed.wait(60)  # it joined the production ahead
+  loader.gate.set()  # which fails; the request claims chunk 1 anew
+  first.join(60)
+  assert isinstance(answers.get("first"), KeyboardInterrupt), answers
+  second = threading.Thread(target=ask, args=("second",), daemon=True)
+  second.start()
+  second.join(60)
+  assert "second" in answers, "the request after the interrupt never ended"
+  plain = jax_data.random_reference_data(NumpyDataLoader(x=np.arange(40)), 2,
+                                         4)
+  want = plain.host.chunk(int(plain[0](seed=0).chain), 1)
+  for got, expected in zip(answers["second"].leaves + [answers["second"].mask],
+                           want.leaves + [want.mask]):
+    np.testing.assert_array_equal(got, expected)
+  pipeline[2]()
+  plain[2]()
+
+
 def test_failure_names_loader_chain_and_error_and_other_chains_work(pipelines):
   loader = FlakyLoader(fail_chain=1, fail_at=2, persistent=True,
                        x=np.arange(20))

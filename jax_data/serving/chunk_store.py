@@ -363,19 +363,11 @@ class ChainStore:
         if not stored:
           record.requested = index  # the shelf's claim notes it otherwise
         if stored:
-          before = record.chunks.get(index)
-          try:
-            future, produce = self._shelf.claim(record, index, device_count)
-            if produce:
-              mine.append((record, index, future))
-            elif record.chunks[index].ahead:  # every device's request
-              joined.add(lane)
-          except BaseException as e:  # Ctrl-C inside the claim
-            entry = record.chunks.get(index)
-            if entry is not None and entry is not before:  # put by it
-              settle(entry.future, error=interrupted(e))
-              self._shelf.forget(record, index, entry.future)
-            raise
+          future, produce = self._guarded_claim(record, index, device_count)
+          if produce:
+            mine.append((record, index, future))
+          elif record.chunks[index].ahead:  # every device's request
+            joined.add(lane)
       if stored:
         claims.append((record, index, future, future.done(), True))
         continue
@@ -400,8 +392,10 @@ class ChainStore:
       for lane in lanes:
         record, index, future, _, _ = claims[lane]
         with self._lock:
+          if self._released:  # the release's error is the answer
+            continue
           self._shelf.forget(record, index, future)
-          again, produce = self._shelf.claim(record, index, device_count)
+          again, produce = self._guarded_claim(record, index, device_count)
         if produce:
           mine.append((record, index, again))
         claims[lane] = (record, index, again, False, True)
@@ -409,6 +403,22 @@ class ChainStore:
         self._producer.produce_many(mine)
     except BaseException as e:  # Ctrl-C between a claim and its answer
       self._abandon(mine, e)
+      raise
+
+  def _guarded_claim(self, record: ChainRecord, index: int,
+                     device_count: int) -> Tuple[Any, bool]:
+    """``Shelf.claim`` of chunk ``index`` of ``record`` (with the store's
+    lock held): if Ctrl-C lands inside it, the entry the claim put is
+    settled with the interrupt and forgotten before it goes on, so that
+    no chunk is left on the shelf that no one will answer."""
+    before = record.chunks.get(index)
+    try:
+      return self._shelf.claim(record, index, device_count)
+    except BaseException as e:
+      entry = record.chunks.get(index)
+      if entry is not None and entry is not before:  # put by it
+        settle(entry.future, error=interrupted(e))
+        self._shelf.forget(record, index, entry.future)
       raise
 
   def _abandon(self, mine: Sequence[Job], error: BaseException) -> None:
