@@ -292,6 +292,50 @@ def test_ctrl_c_inside_the_claim_of_a_chunk_produced_again_leaves_it_usable(
   plain[2]()
 
 
+def test_release_while_a_cursor_is_trimmed_closes_it(monkeypatch):
+  """``release_fn`` runs while the prefetch thread trims a chain's cursor
+  (which holds the chain while it drops what it keeps): the cursor is
+  closed once the trim is done, as one that was producing is (a cursor
+  left open kept its loader's workers)."""
+  from jax_data.host_loader import StoreLimits
+  from jax_data.loaders import indexed
+  entered, gate = threading.Event(), threading.Event()
+  closed = []
+  trim, close = indexed.IndexedCursor.trim, indexed.IndexedCursor.close
+
+  def gated_trim(cursor):
+    if not entered.is_set():
+      entered.set()
+      gate.wait(60)
+    return trim(cursor)
+
+  def noting_close(cursor):
+    closed.append(cursor)
+    return close(cursor)
+
+  monkeypatch.setattr(indexed.IndexedCursor, "trim", gated_trim)
+  monkeypatch.setattr(indexed.IndexedCursor, "close", noting_close)
+  loader = NumpyDataLoader(x=np.arange(20_000, dtype=np.float32))
+  loader.store_limits = StoreLimits(store_bytes=1 << 20)
+  init_fn, batch_fn, release_fn = pipeline = jax_data.random_reference_data(
+      loader, 4, 32)
+  run = jax.jit(lambda s: lax.scan(lambda s, _: batch_fn(s), s, None,
+                                   length=8))
+  records = []
+  for epoch in range(40):  # until the store trims a chain's cursor
+    state = run(init_fn(seed=epoch, shuffle=True))[0]
+    records.append(pipeline.host.chain(int(state.chain)))
+    pipeline.host.wait_idle(1.0)
+    if entered.is_set():
+      break
+  assert entered.is_set()  # a trim is running, holding its chain
+  release_fn()
+  gate.set()
+  assert pipeline.host.wait_idle(30)
+  assert [r.number for r in records if not r.closed] == []
+  assert len(closed) == len(records)
+
+
 def test_failure_names_loader_chain_and_error_and_other_chains_work(pipelines):
   loader = FlakyLoader(fail_chain=1, fail_at=2, persistent=True,
                        x=np.arange(20))

@@ -181,6 +181,9 @@ class ChainRecord:
       kept 70 each after 120 chunks, 28 MiB, more as they run).
     reached: The furthest chunk the cursor stood before: its first, or the
       one after the furthest it produced (:meth:`note_position`).
+    closing: A close was asked for (the pipeline's release). One that came
+      while ``produce_lock`` was held and did not wait for it is done by
+      the holder once it lets go (:meth:`let_go`).
   """
   number: int
   spec: ChainSpec
@@ -198,6 +201,7 @@ class ChainRecord:
   keep: int = 2
   computes: bool = False
   reached: int = 0
+  closing: bool = False
 
   @property
   def regenerates(self) -> bool:
@@ -208,8 +212,11 @@ class ChainRecord:
     return self.keep == 0
 
   def close(self, blocking: bool) -> None:
-    """Closes the cursor once, unless it is producing and ``blocking`` is
-    False."""
+    """Closes the cursor once; if it is at work and ``blocking`` is False,
+    whoever holds it closes it when done (:meth:`let_go`)."""
+    # Noted before the lock is tried: a holder that lets go after the try
+    # then sees it.
+    self.closing = True
     if not self.produce_lock.acquire(blocking=blocking):
       return
     try:
@@ -218,6 +225,13 @@ class ChainRecord:
         self.cursor.close()
     finally:
       self.produce_lock.release()
+
+  def let_go(self) -> None:
+    """Releases ``produce_lock``, and closes the cursor if a close came
+    while it was held (a release does not wait for a cursor at work)."""
+    self.produce_lock.release()
+    if self.closing:
+      self.close(blocking=True)
 
   def stand_at(self, index: int) -> bool:
     """Moves the cursor to chunk ``index`` if it can seek there directly (a
@@ -273,8 +287,11 @@ class ChainRecord:
   def snapshot_before(self, index: int) -> Tuple[int, Position]:
     """The newest snapshot at or before chunk ``index``: (its index,
     position)."""
-    with self.produce_lock:
+    self.produce_lock.acquire()
+    try:
       return self.nearest_snapshot(index)
+    finally:
+      self.let_go()
 
 
 # Bytes a stored chunk costs besides its arrays (its future, entry, chunk

@@ -94,4 +94,4 @@ class CursorBudget:
               RuntimeWarning, stacklevel=1)
         self.note(record)
     finally:
-      record.produce_lock.release()
+      record.let_go()

@@ -216,7 +216,7 @@ class GroupRefresh:
     # The release left its cursor to close, as it was reading; a read it
     # cancelled fails, and the cursor must be closed all the same (its
     # loader's workers end when its last cursor closes).
-    if released:
+    if released or lead.closing:
       lead.close(blocking=True)
     return served
 

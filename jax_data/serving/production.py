@@ -169,8 +169,8 @@ class Producer:
     finally:
       for record in locked:
         record.produce_lock.release()
-      if self._released is not None:  # released while producing
-        for record in locked:
+      for record in locked:  # closed while producing (after all let go)
+        if self._released is not None or record.closing:
           record.close(blocking=True)
     return left
 
@@ -332,11 +332,12 @@ class Producer:
                out: Optional[Chunk] = None) -> Chunk:
     if self._released is not None:
       raise PipelineReleasedError(self._released)
+    record.produce_lock.acquire()
     try:
-      with record.produce_lock:
-        chunk = self._produce_locked(record, index, out)
-        self._held.note(record)
+      chunk = self._produce_locked(record, index, out)
+      self._held.note(record)
     finally:
+      record.let_go()
       if self._released is not None:  # released while producing
         record.close(blocking=True)
     return chunk  # no trimming here: see ChainStore.trim_idle
