@@ -35,7 +35,8 @@ def _stream(loader, chain, chunks):
     (dict(copy="yes", x=np.arange(2)), TypeError, "copy='yes'"),
     # int32 without jax_enable_x64: NumPy's cast served 2**40 as 0.
     (dict(t=np.array([1, 2**40])), ValueError,
-     r"'t' holds integers from 1 to 1099511627776, which JAX's int32"),
+     r"'t' holds integers from 1 to 1099511627776 \(the first outside at "
+     r"row 1: 1099511627776\), which JAX's int32"),
     (dict(t=np.array([-2**31 - 1, 0])), ValueError, "int32"),
     (dict(t=np.array([2**32], np.uint64)), ValueError, "uint32"),
 ])
@@ -75,7 +76,8 @@ def test_integers_wider_than_jax_keeps_are_checked_without_a_copy(tmp_path):
   wide = np.arange(40, dtype=np.int64) - 20
   wide[13] = 3_000_000_013
   with pytest.raises(ValueError, match=r"array 'y' holds integers from -20 "
-                     r"to 3000000013, which JAX's int32"):
+                     r"to 3000000013 \(the first outside at row 13: "
+                     r"3000000013\), which JAX's int32"):
     NumpyDataLoader(copy=False, x=np.arange(40.0), y=wide)
   np.save(tmp_path / "y.npy", wide)
   np.save(tmp_path / "fits.npy", np.arange(40, dtype=np.int64) - 20)
@@ -96,6 +98,44 @@ def test_integers_wider_than_jax_keeps_are_checked_without_a_copy(tmp_path):
             "hold")):
           for _ in range(4):  # row 13 is among the first 40 rows read
             loader.get_batches(chain)
+
+
+@pytest.mark.parametrize("kind", ["memmap", "hdf5 contiguous", "hdf5 chunked"])
+def test_a_device_loader_checks_integers_of_arrays_it_moves_whole(tmp_path,
+                                                                 kind):
+  """DeviceNumpyDataLoader(copy=False) over a memmap or an HDF5 dataset
+  moves the array to the device whole: an integer that int32 cannot hold
+  is refused there, named with its row, as NumpyDataLoader refuses it when
+  read. It came through wrapped (3,000,000,013 as -1,294,967,283), or
+  saturated from a chunked HDF5 dataset."""
+  if jax.config.jax_enable_x64:
+    pytest.skip("64-bit integers are served as they are")
+  y = np.arange(10, dtype=np.int64)
+  y[6] = 3_000_000_013
+  fits = np.arange(10, dtype=np.int64) - 5
+  match = (r"array 'y' holds integers from 0 to 3000000013 \(the first "
+           r"outside at row 6: 3000000013\), which JAX's int32")
+  if kind == "memmap":
+    np.save(tmp_path / "y.npy", y)
+    np.save(tmp_path / "fits.npy", fits)
+    wide = np.load(tmp_path / "y.npy", mmap_mode="r")
+    narrow = np.load(tmp_path / "fits.npy", mmap_mode="r")
+  else:
+    h5py = pytest.importorskip("h5py")
+    chunks = (3,) if kind == "hdf5 chunked" else None
+    f = h5py.File(tmp_path / "y.h5", "w")
+    f.create_dataset("y", data=y, chunks=chunks)
+    f.create_dataset("fits", data=fits, chunks=chunks)
+    wide, narrow = f["y"], f["fits"]
+  for copied in (True, False):
+    with pytest.raises(ValueError, match=match):
+      DeviceNumpyDataLoader(copy=copied, y=wide)
+  loader = DeviceNumpyDataLoader(copy=False, y=narrow)
+  mapper_fn, release_fn = jax_data.full_data_mapper(loader, 2, 5)
+  values, _ = mapper_fn(lambda batch, carry: (batch["y"], carry), None)
+  release_fn()
+  assert np.asarray(values).dtype == np.int32
+  assert np.asarray(values).reshape(-1).tolist() == fits.tolist()
 
 
 def test_initializer_batch_and_batch_format():

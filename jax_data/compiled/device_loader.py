@@ -32,7 +32,9 @@ from jax_data.loaders.gather import digest_rows
 from jax_data.loaders.gather import sample_rows
 from jax_data.loaders.loader import DataLoader
 from jax_data.loaders.loader import DeviceDataLoader
+from jax_data.loaders.narrowing import narrows
 from jax_data.loaders.numpy_loader import ArrayData
+from jax_data.loaders.numpy_loader import check_narrowed
 from jax_data.loaders.numpy_loader import observation_format_of
 from jax_data.loaders.numpy_loader import prepare_arrays
 from jax_data.streams import device_streams
@@ -70,6 +72,13 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
     arrays, self._count = prepare_arrays(type(self).__name__, copy,
                                          reference_data)
     self._format = observation_format_of(arrays)
+    for k, v in arrays.items():
+      if (type(v) is not np.ndarray
+          and narrows(v.dtype, self._format[k].dtype)):
+        # A memmap or HDF5 dataset of copy=False (prepare_arrays checked
+        # those in memory): NumpyDataLoader checks the rows it reads;
+        # moved whole, all are checked before the cast.
+        check_narrowed(k, v, self._format[k].dtype)
     # jnp.asarray of a memmap on a CPU device can alias the file's pages,
     # which would die with SIGBUS if the file shrank: copy it.
     self._arrays = {

@@ -95,26 +95,46 @@ def _as_host_array(name: str, value: Any, copy: bool) -> np.ndarray:
         f"scalar {name}={value!r}")
   target = jax.dtypes.canonicalize_dtype(native_dtype(array.dtype))
   if copy and array.dtype != target:
-    _check_narrowed(name, array, target)
+    check_narrowed(name, array, target)
     array = array.astype(target)
   elif array.dtype != target and type(array) is np.ndarray:
-    _check_narrowed(name, array, target)  # in memory: checked once, now
+    check_narrowed(name, array, target)  # in memory: checked once, now
   return array
 
 
-def _check_narrowed(name: str, array: np.ndarray, target: np.dtype) -> None:
-  """Raises if integers of ``array`` do not fit ``target`` (int64 served as
-  int32 without ``jax_enable_x64``): NumPy's cast wraps them, and 2**40
-  became 0 without a word."""
-  if not (array.dtype.kind in "iu" and target.kind in "iu" and array.size):
+# Rows of an array checked for integers too wide per block: a memmap or an
+# HDF5 dataset checked whole is read block by block, not into one copy.
+_CHECKED_BYTES = 64 << 20
+
+
+def check_narrowed(name: str, array: Any, target: np.dtype) -> None:
+  """Raises if integers of ``array`` (in memory, a memmap or an HDF5
+  dataset) do not fit ``target`` (int64 served as int32 without
+  ``jax_enable_x64``), naming the range and the first row outside it:
+  NumPy's cast wraps them, and 2**40 became 0 without a word."""
+  if not (array.dtype.kind in "iu" and target.kind in "iu"
+          and np.prod(array.shape)):
     return
   bounds = np.iinfo(target)
-  low, high = array.min(), array.max()
-  if low < bounds.min or high > bounds.max:
+  row_bytes = array.dtype.itemsize * int(np.prod(array.shape[1:]))
+  rows = max(1, _CHECKED_BYTES // max(row_bytes, 1))
+  low = high = first = None
+  for start in range(0, array.shape[0], rows):
+    block = np.asarray(array[start:start + rows])
+    if not block.size:
+      continue
+    block_low, block_high = block.min(), block.max()
+    if first is None and (block_low < bounds.min or block_high > bounds.max):
+      at, value = first_outside(block, target)
+      first = (start + at, value)
+    low = block_low if low is None else min(low, block_low)
+    high = block_high if high is None else max(high, block_high)
+  if first is not None:
     raise ValueError(
-        f"array {name!r} holds integers from {low} to {high}, which JAX's "
-        f"{target} (64-bit types are 32-bit without jax_enable_x64) cannot "
-        "hold: enable jax_enable_x64 before making the loader "
+        f"array {name!r} holds integers from {low} to {high} (the first "
+        f"outside at row {first[0]}: {first[1]}), which JAX's {target} "
+        "(64-bit types are 32-bit without jax_enable_x64) cannot hold: "
+        "enable jax_enable_x64 before making the loader "
         "(jax.config.update('jax_enable_x64', True)), or pass values that "
         f"{target} holds")
 
