@@ -82,7 +82,9 @@ def test_documented_error(expression, raised, message, tmp_path):
       eval(expression, namespace)  # pylint: disable=eval-used
     return
   errors = {"TypeError": TypeError, "ValueError": ValueError,
-            "CheckpointError": jax_data.CheckpointError}
+            "CheckpointError": jax_data.CheckpointError,
+            "IsADirectoryError": IsADirectoryError,
+            "FileNotFoundError": FileNotFoundError}
   with pytest.raises(errors[raised]) as info:
     eval(expression, namespace)  # pylint: disable=eval-used
   assert message in str(info.value)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -213,6 +214,9 @@ def test_other_arguments_are_named():
     jax_data.DataRestore(pipeline, lanes="x")
   with pytest.raises(TypeError, match="lanes=1.5"):
     jax_data.DataRestore(pipeline, lanes=[1.5])
+  with pytest.raises(ValueError, match=re.escape(
+      "lanes must name at least one lane, got lanes=[]")):
+    jax_data.DataRestore(pipeline, lanes=[])
   with pytest.raises(ValueError, match="DataSave got a state of another "
                      "pipeline"):
     jax_data.DataSave(pipeline, jax_data.random_reference_data(

@@ -297,7 +297,9 @@ def test_bad_arguments_raise_before_tracing(pipelines):
   with pytest.raises(ValueError, match="device_count=0"):
     batch_fn(init_fn(), device_count=0)
   other_init, _, _ = pipelines.random_reference_data(loader, 3, 2)
-  with pytest.raises(TypeError, match="does not belong to this pipeline"):
+  # Of another cache size: named a state of another pipeline.
+  with pytest.raises(ValueError, match="batch_fn got a state of another "
+                     "pipeline"):
     batch_fn(other_init())
   # Traced flags and seeds: JAX's generic conversion errors named nothing.
   state = init_fn(seed=1, stream="counter")

@@ -470,6 +470,17 @@ def test_integers_that_jax_holds_in_32_bits_are_checked(read):
   release_fn()
 
 
+def test_a_first_record_whose_integers_jax_cannot_hold_is_refused_when_made():
+  """Record 0 is read and checked when the loader is made: an integer in it
+  that JAX's int32 cannot hold is named then, as NumpyDataLoader names
+  one, not by the first batch from inside compiled code."""
+  if jax.config.jax_enable_x64:
+    pytest.skip("64-bit integers are served as they are")
+  with pytest.raises(jax_data.RecordError, match=re.escape(
+      "record 0 has ['x'] = 1099511627776, which JAX's int32")):
+    SourceDataLoader([{"x": 2**40}] * 3, workers=0)
+
+
 class ReadOnConversion:
   """A leaf read when converted to an array, as an h5py dataset or a zarr
   array is: the read of leaf ``failing`` fails."""

@@ -298,6 +298,12 @@ def _read_tree(tree: Any, pipeline: pl.Pipeline
     raise CheckpointError(
         f"checkpoint has no field {', '.join(map(repr, missing))}: it is not "
         "a jax_data checkpoint, or was cut short")
+  if any(isinstance(leaf, jax.core.Tracer)
+         for leaf in jax.tree_util.tree_leaves(tree)):
+    raise TypeError(
+        "state_from_pytree needs a concrete tree, got a traced one (inside "
+        "jax.jit, vmap or scan): restore the state outside, and give the "
+        "compiled function the state it returns")
   try:
     host = json.loads(np.asarray(tree["host"], np.uint8).tobytes().decode())
   except (TypeError, ValueError) as e:
@@ -536,9 +542,15 @@ def restore_checkpoint(path: Union[str, bytes, os.PathLike], pipeline: Any,
     CheckpointError: the file is corrupt, truncated or not a checkpoint of
       :func:`save_checkpoint`, or it does not fit this pipeline (the message
       shows both sides).
-    OSError: the file cannot be opened.
+    OSError: the file cannot be opened (its message names ``path``).
   """
   path = _file_name(path)
+  if os.path.isdir(path):
+    raise IsADirectoryError(
+        f"path must be a checkpoint's file, got path={path!r}, a directory")
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+        f"path={path!r} does not exist: no checkpoint was saved there")
   with open(path, "rb") as f:
     tree = read_tree(f, path)
   return state_from_pytree(pipeline, tree, lanes)

@@ -226,5 +226,8 @@ class DataRestore(ocp.args.CheckpointArgs):
                       f"got lanes={self.lanes!r}")
     if self.lanes is not None:
       self.lanes = list(self.lanes)  # a generator is read once
+      if not self.lanes:
+        raise ValueError(
+            f"lanes must name at least one lane, got lanes={self.lanes!r}")
       for lane in self.lanes:
         check_int("lanes", lane, minimum=0)

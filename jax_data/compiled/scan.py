@@ -166,9 +166,11 @@ def _check_length(xs: Optional[PyTree], length: Any) -> int:
   leading = {jnp.shape(x)[0] if jnp.ndim(x) else None
              for x in jax.tree_util.tree_leaves(xs)}
   if None in leading or len(leading) > 1:
+    scalars = (" (a list of numbers is a pytree of scalars to JAX: give "
+               "jnp.asarray(xs))" if None in leading else "")
     raise ValueError(
         "xs must be arrays with one common leading axis, got leading axes "
-        f"{sorted(leading, key=str)}")
+        f"{sorted(leading, key=str)} of xs={xs!r:.200}{scalars}")
   if length is None:
     if not leading:
       raise ValueError(

@@ -32,13 +32,19 @@ def check_state(state: Any, expected: CacheState, where: str) -> CacheState:
     raise TypeError(
         f"{where} expects a CacheState from this pipeline's init_fn, got "
         f"state of type {type(state).__name__}")
+  # A state of another pipeline (of another cache or batch size, or a
+  # full-data pass's) is named so, before its structure or shapes differ.
+  ids = _known_integers(state.pipeline)
+  if ids is not None:
+    check_identity(ids, int(expected.pipeline), where)
   got = jax.tree_util.tree_structure(state)
   want = jax.tree_util.tree_structure(expected)
   if got != want:
     raise TypeError(
         f"state does not belong to this pipeline: its structure is {got}, "
         f"expected {want}")
-  pairs = list(zip(jax.tree_util.tree_leaves(state),
+  paths, _ = jax.tree_util.tree_flatten_with_path(state)
+  pairs = list(zip([leaf for _, leaf in paths],
                    jax.tree_util.tree_leaves(expected)))
   # Each field with the same extra leading axes: states stacked.
   stacked = {np.shape(g)[:np.ndim(g) - np.ndim(w)]
@@ -52,17 +58,34 @@ def check_state(state: Any, expected: CacheState, where: str) -> CacheState:
         "jax.random.PRNGKey given as seed is a sequence of two), where it "
         "takes one chain's: map it over them with jax.vmap, or give "
         "init_fn one integer seed")
-  for g, w in pairs:
+  for (path, g), w in zip(paths, jax.tree_util.tree_leaves(expected)):
     # Inside vmap/pmap a state has its unbatched shapes again.
     if np.shape(g) != np.shape(w) or dtype_of(g) != dtype_of(w):
+      value = _known_integers(g, kinds="iufb")
+      shown = ("" if value is None or value.size > 8
+               else f" ({value.tolist()})")
       raise TypeError(
-          f"state does not belong to this pipeline: a field has shape "
-          f"{np.shape(g)} and dtype {dtype_of(g)}, expected "
-          f"{np.shape(w)} and {dtype_of(w)}")
+          f"state does not belong to this pipeline: {where} got a state "
+          f"whose state{jax.tree_util.keystr(path)} has shape {np.shape(g)} "
+          f"and dtype {dtype_of(g)}{shown}, expected {np.shape(w)} and "
+          f"{dtype_of(w)}: use the states of this pipeline's init_fn, "
+          "batch_fn or restore_checkpoint")
   check_fits(state, expected, where)
   check_identity(state.pipeline, int(expected.pipeline), where)
   check_counters(state, np.shape(expected.mask)[0], where)
   return state
+
+
+def _known_integers(field: Any, kinds: str = "iu") -> Any:
+  """A state field's values as a NumPy array if they are known (not
+  traced) and of one of ``kinds`` (integers); else None."""
+  if isinstance(field, jax.core.Tracer):
+    return None
+  try:
+    values = np.asarray(field)
+  except (TypeError, ValueError, jax.errors.TracerArrayConversionError):
+    return None
+  return values if values.dtype.kind in kinds else None
 
 
 def dtype_of(leaf: Any) -> np.dtype:

@@ -16,6 +16,7 @@ import functools
 import threading
 import time
 import warnings
+from typing import Any
 from typing import Callable
 from typing import Dict
 from typing import List
@@ -104,6 +105,18 @@ class _WorkerChoice:
     return self._chosen
 
 
+
+def _by_record_number(source: Any) -> bool:
+  """False for a mapping whose keys are not record numbers (a dict of
+  arrays, a DataFrame), where ``source[0]`` is no record."""
+  keys = getattr(source, "keys", None)
+  if not callable(keys):
+    return True
+  try:
+    return 0 in keys()
+  except Exception:  # pylint: disable=broad-except
+    return True  # read as a source: its first record says what is wrong
+
 class SourceDataLoader(HostDataLoader):
   """Host loader over a random-access source: ``len(source)`` and
   ``source[i]``.
@@ -189,6 +202,14 @@ class SourceDataLoader(HostDataLoader):
       raise TypeError(
           "source must have len(source) and source[i] (a random-access "
           f"source), got source={source!r} of type {type(source).__name__}")
+    if not _by_record_number(source):
+      # A dict of arrays (NumpyDataLoader's data), a DataFrame: source[0]
+      # is not the first record.
+      raise TypeError(
+          "source must be indexed by record number (source[0] the first "
+          f"record), got source={source!r:.200} of type "
+          f"{type(source).__name__} with keys {list(source.keys())[:8]}; a "
+          "dict of arrays, one per field, is NumpyDataLoader(**source)")
     if transform is not None and not callable(transform):
       raise TypeError(
           f"transform must be callable or None, got transform={transform!r}")

@@ -253,8 +253,11 @@ class RecordReader:
 
   def check_first(self, paths: List[str], leaves: List[Any]
                    ) -> List[np.ndarray]:
+    # JAX's dtypes: the main process checks the first record, workers not.
+    import jax  # pylint: disable=import-outside-toplevel
+
     # pylint: disable-next=import-outside-toplevel
-    from jax_data.validation import is_jax_dtype  # imports JAX
+    from jax_data.validation import is_jax_dtype
     arrays = []
     for path, leaf in zip(paths, leaves):
       array = self.array(0, path, leaf)
@@ -268,6 +271,10 @@ class RecordReader:
             f"record 0 has {path} of dtype {array.dtype} ({type(leaf).__name__}"
             "), which cannot become a JAX array; drop it or turn it into "
             "numbers with transform=")
+      target = jax.dtypes.canonicalize_dtype(array.dtype)
+      if narrows(array.dtype, target):  # refused now, not in compiled code
+        check_fits(f"{self.name} over {type(self.source).__name__}", path,
+                   np.zeros(1, np.int64), array[None], target)
       arrays.append(array)
     if not arrays:
       raise TypeError("record 0 has no array leaves: " + repr(leaves))
