@@ -105,7 +105,6 @@ class _WorkerChoice:
     return self._chosen
 
 
-
 def _by_record_number(source: Any) -> bool:
   """False for a mapping whose keys are not record numbers (a dict of
   arrays, a DataFrame), where ``source[0]`` is no record."""
@@ -116,6 +115,7 @@ def _by_record_number(source: Any) -> bool:
     return 0 in keys()
   except Exception:  # pylint: disable=broad-except
     return True  # read as a source: its first record says what is wrong
+
 
 class SourceDataLoader(HostDataLoader):
   """Host loader over a random-access source: ``len(source)`` and
