@@ -2,6 +2,7 @@
 NumpyDataLoader's streams over the stacked records."""
 
 import collections
+import collections.abc
 import concurrent.futures
 import gc
 import io
@@ -468,6 +469,41 @@ def test_integers_that_jax_holds_in_32_bits_are_checked(read):
       "jax_enable_x64")):
     jax.block_until_ready(mapper_fn(lambda b, c: (b["y"], c), None))
   release_fn()
+
+
+
+class FieldNamedRecords(collections.abc.Sequence):
+  """A source (``len`` and ``source[i]``) that also names its records'
+  fields with ``keys()``, as some dataset wrappers do."""
+
+  def __len__(self):
+    return 10
+
+  def __getitem__(self, index):
+    if not 0 <= index < 10:
+      raise IndexError(index)
+    return {"x": np.float32(index), "y": np.int32(index % 3)}
+
+  def keys(self):
+    return ["x", "y"]
+
+
+def test_a_source_indexed_by_field_is_refused_and_one_with_keys_is_not():
+  """A dict of arrays (NumpyDataLoader's data) or a DataFrame, whose [0] is
+  no record, is refused naming source= (it failed on record 0 with a
+  KeyError); a sequence of records that also has keys() is a source."""
+  with pytest.raises(TypeError, match=re.escape(
+      "source must be indexed by record number (source[0] the first "
+      "record), got source={'x'")):
+    SourceDataLoader({"x": np.arange(10.0)}, workers=0)
+  pandas = pytest.importorskip("pandas")
+  with pytest.raises(TypeError, match="DataFrame"):
+    SourceDataLoader(pandas.DataFrame(np.zeros((5, 3))), workers=0)
+  mapper_fn, release_fn = jax_data.full_data_mapper(
+      SourceDataLoader(FieldNamedRecords(), workers=0), 2, 5)
+  xs, _ = mapper_fn(lambda b, c: (b["x"], c), None)
+  release_fn()
+  assert np.asarray(xs).reshape(-1).tolist() == list(range(10))
 
 
 def test_a_first_record_whose_integers_jax_cannot_hold_is_refused_when_made():

@@ -11,6 +11,7 @@ read, transformed and checked by a pool of worker threads.
 
 from __future__ import annotations
 
+import collections.abc
 import concurrent.futures
 import functools
 import threading
@@ -106,13 +107,16 @@ class _WorkerChoice:
 
 
 def _by_record_number(source: Any) -> bool:
-  """False for a mapping whose keys are not record numbers (a dict of
-  arrays, a DataFrame), where ``source[0]`` is no record."""
-  keys = getattr(source, "keys", None)
-  if not callable(keys):
+  """False where ``source[0]`` is no record: a mapping whose keys are not
+  record numbers (a dict of arrays), or a table of columns (a pandas
+  DataFrame, whose ``[0]`` is a column). A sequence that also has a
+  ``keys()`` (its fields' names) is read as a source."""
+  if hasattr(source, "columns") and hasattr(source, "iloc"):
+    return False
+  if not isinstance(source, collections.abc.Mapping):
     return True
   try:
-    return 0 in keys()
+    return 0 in source
   except Exception:  # pylint: disable=broad-except
     return True  # read as a source: its first record says what is wrong
 
@@ -209,7 +213,9 @@ class SourceDataLoader(HostDataLoader):
           "source must be indexed by record number (source[0] the first "
           f"record), got source={source!r:.200} of type "
           f"{type(source).__name__} with keys {list(source.keys())[:8]}; a "
-          "dict of arrays, one per field, is NumpyDataLoader(**source)")
+          "dict of arrays, one per field, is NumpyDataLoader(**source), and "
+          "a DataFrame's columns NumpyDataLoader(**{c: df[c].to_numpy() for "
+          "c in df})")
     if transform is not None and not callable(transform):
       raise TypeError(
           f"transform must be callable or None, got transform={transform!r}")
