@@ -472,6 +472,35 @@ def test_integers_that_jax_holds_in_32_bits_are_checked(read):
 
 
 
+
+class ExitsAt:
+  """Record 13's read calls sys.exit, as argparse or a decoder's fatal
+  path may in a library the source calls."""
+
+  def __len__(self):
+    return 30
+
+  def __getitem__(self, index):
+    if index == 13:
+      sys.exit(1)
+    return {"x": np.float32(index)}
+
+
+@pytest.mark.parametrize("read", ["alone", "threads", "processes"])
+def test_a_record_whose_read_calls_sys_exit_is_named(read):
+  """SystemExit from a record's read fails that record, named as any
+  other failure is (it escaped the records' error and said only
+  'SystemExit: 1'), by every way records are read."""
+  loader = SourceDataLoader(ExitsAt(), workers=0 if read == "alone" else 2,
+                            processes=read == "processes")
+  mapper_fn, release_fn = jax_data.full_data_mapper(loader, 2, 5)
+  try:
+    with pytest.raises(Exception, match=re.escape("record 13: SystemExit: 1")):
+      jax.block_until_ready(mapper_fn(lambda b, c: (b["x"], c), None))
+  finally:
+    release_fn()
+
+
 class FieldNamedRecords(collections.abc.Sequence):
   """A source (``len`` and ``source[i]``) that also names its records'
   fields with ``keys()``, as some dataset wrappers do."""

@@ -198,6 +198,12 @@ def batched_read(source: Any) -> Optional[Callable[[List[int]], Any]]:
   return batched
 
 
+#: What a source's read or a transform raises that fails its record (named
+#: in a RecordError): an Exception, or SystemExit (``sys.exit`` in
+#: argparse, a decoder's fatal path). KeyboardInterrupt stops the
+#: production instead, as a real Ctrl-C does.
+USER_FAILURES = (Exception, SystemExit)
+
 class RecordReader:
   """Reads, transforms and checks the records of a source.
 
@@ -233,7 +239,7 @@ class RecordReader:
     try:
       record = self.source[index]
       return record if self.transform is None else self.transform(record)
-    except Exception as e:  # pylint: disable=broad-except
+    except USER_FAILURES as e:
       if closed_hdf5(self.source):
         raise RecordError(f"{self.name} over {type(self.source).__name__}: "
                           f"{CLOSED_HDF5}") from e
@@ -246,7 +252,7 @@ class RecordReader:
     read when converted, as an h5py dataset is) names the record."""
     try:
       return np.asarray(leaf)
-    except Exception as e:  # pylint: disable=broad-except
+    except USER_FAILURES as e:
       raise RecordError(
           f"{self.name} over {type(self.source).__name__}: record {index} "
           f"{path}: {type(e).__name__}: {e}") from e
@@ -338,7 +344,7 @@ class RecordReader:
       return [self.load(int(i)) for i in indices]
     try:
       records = list(self.batched(indices.tolist()))
-    except Exception as e:  # pylint: disable=broad-except
+    except USER_FAILURES as e:
       if hasattr(self.source, "__getitem__"):
         # Read one by one, the record that fails names itself.
         for index in indices.tolist():
@@ -357,7 +363,7 @@ class RecordReader:
     for index, record in zip(indices, records):
       try:
         out.append(self.transform(record))
-      except Exception as e:  # pylint: disable=broad-except
+      except USER_FAILURES as e:
         raise RecordError(
             f"{self.name} over {type(self.source).__name__}: "
             f"record {int(index)}: {type(e).__name__}: {e}") from e
