@@ -244,6 +244,42 @@ def test_release_reaches_a_request_waiting_on_a_production_ahead(monkeypatch):
   assert answers.get("error") is error, answers
 
 
+def test_release_after_a_production_ahead_failed_is_the_answer(monkeypatch):
+  """The production ahead a request waits on fails, and the pipeline is
+  released before the request produces the chunk again: the request
+  raises the release's error, not the stale one of that production."""
+  from jax_data.serving import chunk_store
+  claimed = _noting_claims_of(1, monkeypatch)
+  error = jax_data.PipelineReleasedError("the release's own error")
+  again = chunk_store.ChainStore._claim_again
+
+  def released_first(self, *args):
+    pipeline.host.release(error)
+    return again(self, *args)
+
+  monkeypatch.setattr(chunk_store.ChainStore, "_claim_again", released_first)
+  loader = GatedLoader(x=np.arange(40))
+  pipeline = jax_data.random_reference_data(loader, 2, 4)
+  chain = int(pipeline[0](seed=0).chain)
+  pipeline.host.chunk(chain, 0)  # chunk 1 is produced ahead, at the gate
+  assert loader.entered.wait(60)
+  answers = {}
+
+  def ask():
+    try:
+      answers["chunk"] = pipeline.host.chunk(chain, 1)
+    except BaseException as e:  # pylint: disable=broad-except
+      answers["error"] = e
+
+  thread = threading.Thread(target=ask)
+  thread.start()
+  assert claimed.wait(60)
+  loader.gate.set()  # the production ahead fails
+  thread.join(60)
+  assert not thread.is_alive()
+  assert answers.get("error") is error, answers
+
+
 def test_ctrl_c_inside_the_claim_of_a_chunk_produced_again_leaves_it_usable(
     monkeypatch):
   """Ctrl-C lands inside the claim by which a request produces again a

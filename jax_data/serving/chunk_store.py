@@ -245,7 +245,8 @@ class ChainStore:
     self._lock = threading.Lock()
     self._shelf = Shelf(chains.layout, self._limits, chains.keep)
     self._held = CursorBudget()
-    self._released = False  # then nothing is claimed ahead
+    # The release's error, once released: then nothing is claimed ahead.
+    self._released: Optional[BaseException] = None
     self._producer = Producer(chains.layout, self.name, self._limits,
                               self._held, verify_calls)
     self._scheduler = scheduler
@@ -392,7 +393,10 @@ class ChainStore:
       for lane in lanes:
         record, index, future, _, _ = claims[lane]
         with self._lock:
-          if self._released:  # the release's error is the answer
+          if self._released is not None:  # its error is the answer
+            released = Answer()
+            settle(released, error=self._released)
+            claims[lane] = (record, index, released, False, False)
             continue
           self._shelf.forget(record, index, future)
           again, produce = self._guarded_claim(record, index, device_count)
@@ -490,8 +494,8 @@ class ChainStore:
       for _ in range(self._shelf.ahead()):
         indices = [self._following(index) for index in indices]
         with self._lock:  # none once released: they would keep the loader
-          jobs = [] if self._released else self._shelf.claim_ahead(
-              records, indices)
+          jobs = ([] if self._released is not None
+                  else self._shelf.claim_ahead(records, indices))
         if jobs:
           self._producer.produce_many(jobs)
     finally:
@@ -552,7 +556,7 @@ class ChainStore:
     wait for a production."""
     records = self._chains.release()
     with self._lock:
-      self._released = True
+      self._released = error
       self._producer.release(
           f"this pipeline over {self.name} was released by its release_fn; "
           "create a new pipeline to draw more data")
