@@ -214,11 +214,11 @@ def _noting_claims_of(index, monkeypatch, fire=None):
   return claimed
 
 
-def test_release_reaches_a_request_waiting_on_a_production_ahead(monkeypatch):
-  """A request waits on a chunk being produced ahead, and the pipeline is
-  released: the request raises the release's error (the exit hook's, when
-  the interpreter exits), not one of its own from producing the chunk
-  again on a released chain."""
+def _waiting_on_a_production_ahead(monkeypatch):
+  """A pipeline over a :class:`GatedLoader` whose chunk 1 is being produced
+  ahead (waiting at the gate), and a thread whose request for chunk 1 waits
+  on that production: ``(pipeline, loader, thread, answers)``, the
+  request's chunk or error in ``answers``."""
   claimed = _noting_claims_of(1, monkeypatch)
   loader = GatedLoader(x=np.arange(40))
   pipeline = jax_data.random_reference_data(loader, 2, 4)
@@ -236,6 +236,16 @@ def test_release_reaches_a_request_waiting_on_a_production_ahead(monkeypatch):
   thread = threading.Thread(target=ask)
   thread.start()
   assert claimed.wait(60)  # the request waits on the production ahead
+  return pipeline, loader, thread, answers
+
+
+def test_release_reaches_a_request_waiting_on_a_production_ahead(monkeypatch):
+  """A request waits on a chunk being produced ahead, and the pipeline is
+  released: the request raises the release's error (the exit hook's, when
+  the interpreter exits), not one of its own from producing the chunk
+  again on a released chain."""
+  pipeline, loader, thread, answers = _waiting_on_a_production_ahead(
+      monkeypatch)
   error = jax_data.PipelineReleasedError("the release's own error")
   pipeline.host.release(error)
   thread.join(60)
@@ -249,7 +259,8 @@ def test_release_after_a_production_ahead_failed_is_the_answer(monkeypatch):
   released before the request produces the chunk again: the request
   raises the release's error, not the stale one of that production."""
   from jax_data.serving import chunk_store
-  claimed = _noting_claims_of(1, monkeypatch)
+  pipeline, loader, thread, answers = _waiting_on_a_production_ahead(
+      monkeypatch)
   error = jax_data.PipelineReleasedError("the release's own error")
   again = chunk_store.ChainStore._claim_again
 
@@ -258,22 +269,6 @@ def test_release_after_a_production_ahead_failed_is_the_answer(monkeypatch):
     return again(self, *args)
 
   monkeypatch.setattr(chunk_store.ChainStore, "_claim_again", released_first)
-  loader = GatedLoader(x=np.arange(40))
-  pipeline = jax_data.random_reference_data(loader, 2, 4)
-  chain = int(pipeline[0](seed=0).chain)
-  pipeline.host.chunk(chain, 0)  # chunk 1 is produced ahead, at the gate
-  assert loader.entered.wait(60)
-  answers = {}
-
-  def ask():
-    try:
-      answers["chunk"] = pipeline.host.chunk(chain, 1)
-    except BaseException as e:  # pylint: disable=broad-except
-      answers["error"] = e
-
-  thread = threading.Thread(target=ask)
-  thread.start()
-  assert claimed.wait(60)
   loader.gate.set()  # the production ahead fails
   thread.join(60)
   assert not thread.is_alive()
