@@ -1140,3 +1140,83 @@ def test_device_batch_names_a_bad_argument(arguments, error, message):
       jnp.zeros(2, jnp.uint32), np.int64(3), 3, 10, np.int64(2))
   assert indices.tolist() == cs.stream_batches(
       0, 3, 1, 3, 10, True, True)[0][0].tolist()
+
+
+# The words of docs/counter_streams.rst ("The words, for a
+# reimplementation"), in Python integers, written from that text.
+_M = 0xFFFFFFFF
+_G = 0x9E3779B9
+
+
+def _f(x):
+  x ^= x >> 16
+  x = (x * 0x85EBCA6B) & _M
+  x ^= x >> 13
+  x = (x * 0xC2B2AE35) & _M
+  return x ^ (x >> 16)
+
+
+def _absorbed(h, *words):
+  for w in words:
+    h = _f(((h ^ w) * _G) & _M)
+  return h
+
+
+def _doc_uniform(seed, t, n):
+  s0, s1, t0, t1 = seed & _M, seed >> 32, t & _M, t >> 32
+
+  def u(tag, a):
+    return _absorbed(_absorbed(_G, tag, s0, s1), t0, t1, a, s0, s1)
+
+  span = 2**64 if n > 2**32 else 2**32
+  a = 0
+  while True:
+    low = u(0x85A308D3, a)
+    if n <= 2**24:
+      h = low
+    else:
+      high = u(0x13198A2E, a)
+      h = low ^ high if n <= 2**32 else (high << 32) | (low ^ high)
+    if h < span - span % n:
+      return h % n
+    a += 1
+
+
+def _doc_permute(seed, e, o, n):
+  s0, s1, e0, e1 = seed & _M, seed >> 32, e & _M, e >> 32
+  f, g = (_absorbed(p, e0, e1, p) for p in
+          (_absorbed(_G, tag, s0, s1) for tag in (0x243F6A88, 0x082EFA98)))
+  k = [_f(((_f(((f ^ r) * _G) & _M) ^ g) * _G) & _M) for r in range(13)]
+  if n <= 16:
+    h = [_f(((_f(((k[0] ^ i) * _G) & _M) ^ k[1]) * _G) & _M)
+         for i in range(n)]
+    return next(i for i in range(n) if sum(x < h[i] for x in h) == o)
+  b = max(2, (n - 1).bit_length())
+  lbits, rbits = b // 2, b - b // 2
+  left, right = o >> rbits, o & ((1 << rbits) - 1)
+  while True:
+    for r in range(12):
+      if r % 2 == 0:
+        left ^= _f(right ^ k[r]) & ((1 << lbits) - 1)
+      else:
+        right ^= _f(left ^ k[r]) & ((1 << rbits) - 1)
+    if (left << rbits | right) < n:
+      break
+  value = left << rbits | right
+  return value ^ (k[12] & 1) if value < 2 else value
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 16, 17, 1000, 2**24 + 3, 2**32 + 5,
+                               10**12])
+def test_the_documented_words_give_the_streams(n):
+  """docs/counter_streams.rst states the streams' words so that they can
+  be implemented again without jax_data: an implementation of that text
+  gives the library's draws and permutations."""
+  for seed in (0, 1, 2**32 + 7, 2**64 - 1):
+    positions = [0, 1, 2, 63, 2**33 + 5, 10**15 + 3]
+    assert [_doc_uniform(seed, t, n) for t in positions] == cs.uniform(
+        seed, positions, n).tolist()
+    for epoch in (0, 1, 2**40 + 9):
+      offsets = sorted({0, min(1, n - 1), n // 2, n - 1})
+      assert [_doc_permute(seed, epoch, o, n) for o in offsets] == (
+          cs.permute(seed, epoch, offsets, n).tolist())
