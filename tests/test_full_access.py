@@ -503,6 +503,37 @@ def test_custom_rules_are_those_of_each_call():
   release_fn()
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _clip_gradient(low, high, v):
+  return v
+
+
+_clip_gradient.defvjp(lambda low, high, v: (v, None),
+                      lambda low, high, _, g: (jnp.clip(g, low, high),))
+
+
+def test_a_custom_rules_static_arguments_are_those_of_each_call():
+  """A custom_vjp's nondiff_argnums (Python floats, as in JAX's clip_gradient
+  example) are the rule's own values at each call: the second bound gave
+  the first call's gradient (found by a review)."""
+  x = np.arange(7, dtype=np.float32)
+  mapper_fn, release_fn = jax_data.full_data_mapper(
+      jax_data.NumpyDataLoader(x=x), 2, 3)
+
+  def gradients(high):
+    mapped = jax.grad(lambda w: jnp.sum(mapper_fn(
+        lambda b, m, c: (jnp.sum(_clip_gradient(-high, high, b["x"] * w) * m),
+                         c), 0.0, masking=True)[0]))(1.0)
+    plain = jax.grad(lambda w: jnp.sum(
+        _clip_gradient(-high, high, jnp.asarray(x) * w)))(1.0)
+    return float(mapped), float(plain)
+
+  for high in (0.5, 0.25):
+    # Each row's gradient 1 clipped to high, times its x (they sum to 21).
+    assert gradients(high) == (high * 21, high * 21)
+  release_fn()
+
+
 @pytest.mark.parametrize("kind", ["full_reference_data", "full_data_mapper"])
 def test_release_frees_a_device_loaders_arrays(kind):
   """A pass over a device loader holds its arrays in the compiled code;

@@ -208,7 +208,7 @@ def rules(wrapped: Any, depth: int = 2 * _DEPTH) -> list:
   if depth < 0:
     return []
   if hasattr(wrapped, "f") and hasattr(wrapped, "transforms"):
-    return rules(wrapped.f, depth - 1)
+    return _static_args(wrapped.transforms) + rules(wrapped.f, depth - 1)
   if isinstance(wrapped, functools.partial):
     return rules(wrapped.func, depth - 1)
   if not isinstance(wrapped, types.FunctionType):
@@ -222,6 +222,22 @@ def rules(wrapped: Any, depth: int = 2 * _DEPTH) -> list:
     except ValueError:  # an empty cell
       pass
   return found
+
+
+def _static_args(transforms: Any, depth: int = 4) -> list:
+  """The keys of the static arguments JAX binds to a rule through its
+  wrappers' transforms (``custom_vjp``'s ``nondiff_argnums``, held as
+  ``Unhashable`` or hashed by id): the rule is traced with them, so a
+  gradient clipped at 0.25 is not the pass of one clipped at 0.5. The
+  transforms' other contents (tree structures, avals) follow the jaxpr."""
+  if depth < 0:
+    return []
+  if type(transforms).__name__ in ("Unhashable", "_HashableByObjectId"):
+    return [value_key(getattr(transforms, "val", transforms), captured=True)]
+  if isinstance(transforms, (tuple, list)):
+    return [key for part in transforms
+            for key in _static_args(part, depth - 1)]
+  return []
 
 
 def closed_jaxprs(param: Any) -> list:
