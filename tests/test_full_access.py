@@ -534,6 +534,59 @@ def test_a_custom_rules_static_arguments_are_those_of_each_call():
   release_fn()
 
 
+class _Settings:
+  scale = 1.0
+
+
+_RULE_SCALE = 1.0
+
+
+@jax.custom_vjp
+def _scaled_by_global(v):
+  return v
+
+
+_scaled_by_global.defvjp(lambda v: (v, None), lambda _, g: (g * _RULE_SCALE,))
+
+
+@pytest.mark.parametrize("reads", ["attribute, vjp", "attribute, jvp",
+                                   "global"])
+def test_a_custom_rule_that_reads_changed_values_is_traced_again(reads):
+  """A custom rule is traced when the pass is differentiated, reading an
+  object's attribute or a module's global then: a value changed between
+  calls is this call's, as in JAX without jax_data (the first call's
+  gradient came back; found by a review)."""
+  global _RULE_SCALE
+  x = np.arange(7, dtype=np.float32)
+  mapper_fn, release_fn = jax_data.full_data_mapper(
+      jax_data.NumpyDataLoader(x=x), 2, 3)
+  settings = _Settings()
+
+  def rule():
+    if reads == "global":
+      return _scaled_by_global
+    if reads == "attribute, jvp":
+      f = jax.custom_jvp(lambda v: v)
+      f.defjvp(lambda p, t: (p[0], t[0] * settings.scale))
+      return f
+    f = jax.custom_vjp(lambda v: v)
+    f.defvjp(lambda v: (v, None), lambda _, g: (g * settings.scale,))
+    return f
+
+  def gradient(f):
+    return float(jax.grad(lambda w: jnp.sum(mapper_fn(
+        lambda b, m, c: (jnp.sum(f(b["x"] * w) * m), c), 0.0,
+        masking=True)[0]))(1.0))
+
+  try:
+    for scale in (1.0, 3.0):
+      settings.scale = _RULE_SCALE = scale
+      assert gradient(rule()) == 21 * scale
+  finally:
+    _RULE_SCALE = 1.0
+    release_fn()
+
+
 @pytest.mark.parametrize("kind", ["full_reference_data", "full_data_mapper"])
 def test_release_frees_a_device_loaders_arrays(kind):
   """A pass over a device loader holds its arrays in the compiled code;

@@ -55,8 +55,8 @@ _BY_VALUE = (type(None), bool, int, float, complex, str, bytes, np.dtype,
 _DEPTH = 4
 
 
-def value_key(value: Any, depth: int = _DEPTH, captured: bool = False
-              ) -> Any:
+def value_key(value: Any, depth: int = _DEPTH, captured: bool = False,
+              traced: bool = False) -> Any:
   """A key equal for values a host function cannot tell apart: equal
   numbers, strings and tuples and small dicts of them; functions of the
   same code over the same closure; otherwise the same object (an array, a
@@ -64,14 +64,18 @@ def value_key(value: Any, depth: int = _DEPTH, captured: bool = False
   ``captured``: ``value`` is bound by a function of the user's (not
   JAX's: :func:`_users`), in its closure, defaults or a
   ``functools.partial``, where a dict is read when the callback runs (and
-  may change between calls), so the same object."""
+  may change between calls), so the same object. ``traced``: ``value`` is
+  a custom rule's, or reached from one, read when the rule is traced (once
+  per pass), not when it runs: an object is keyed by its attributes and a
+  function by the globals its code names, so that a changed
+  ``self.scale`` or module global makes another pass."""
   if isinstance(value, (float, complex)):
     # By their bits: 0.0 == -0.0, but a host function tells them apart.
     return (type(value), struct.pack("<dd", value.real, value.imag))
   if isinstance(value, _BY_VALUE):
     return (type(value), value)
   if isinstance(value, tuple):
-    return tuple(value_key(v, depth, captured) for v in value)
+    return tuple(value_key(v, depth, captured, traced) for v in value)
   if (not captured and isinstance(value, dict) and len(value) <= 64 and all(
       isinstance(v, _BY_VALUE) for v in value.values())):
     # Options built anew on each trace and bound as arguments (JAX's print
@@ -81,14 +85,16 @@ def value_key(value: Any, depth: int = _DEPTH, captured: bool = False
   if depth > 0 and isinstance(value, types.MethodType):
     # A new bound method on every attribute access: its function, and the
     # object itself, whose attributes are read when it is called.
-    return (types.MethodType, value_key(value.__func__, depth - 1),
-            _Same(value.__self__))
+    return (types.MethodType,
+            value_key(value.__func__, depth - 1, traced=traced),
+            value_key(value.__self__, depth - 1, True, traced))
   if depth > 0 and isinstance(value, functools.partial):
     users = _users(value.func)
-    return (functools.partial, value_key(value.func, depth - 1),
-            value_key(value.args, depth - 1, captured=users),
+    return (functools.partial, value_key(value.func, depth - 1,
+                                         traced=traced),
+            value_key(value.args, depth - 1, users, traced),
             value_key(tuple(sorted(value.keywords.items())), depth - 1,
-                      captured=users))
+                      users, traced))
   if depth > 0 and isinstance(value, types.FunctionType):
     # JAX wraps a callback in a new function on every trace, and user code
     # often passes a new lambda: what it calls is its code and closure.
@@ -98,14 +104,26 @@ def value_key(value: Any, depth: int = _DEPTH, captured: bool = False
     users = _users(value)
     for cell in value.__closure__ or ():
       try:
-        cells.append(value_key(cell.cell_contents, depth - 1,
-                               captured=users))
+        cells.append(value_key(cell.cell_contents, depth - 1, users,
+                               traced))
       except ValueError:  # an empty cell
         cells.append(None)
+    named = (tuple((name, value_key(value.__globals__[name], depth - 1, True,
+                                    traced))
+                   for name in value.__code__.co_names
+                   if name in value.__globals__)
+             if traced and users else ())  # JAX's own read no settings
     return (value.__code__, tuple(cells),
-            value_key(value.__defaults__, depth - 1, captured=users),
+            value_key(value.__defaults__, depth - 1, users, traced),
             _Same(value.__kwdefaults__) if value.__kwdefaults__ else None,
-            _Same(value.__globals__))
+            _Same(value.__globals__), named)
+  if (traced and depth > 0 and not isinstance(value, type)
+      and len(getattr(value, "__dict__", None) or {}) <= 64
+      and getattr(value, "__dict__", None)):
+    # An object a rule reads attributes of when it is traced.
+    return (_Same(value), tuple(sorted(
+        (name, value_key(v, depth - 1, True, traced))
+        for name, v in vars(value).items())))
   return _Same(value)
 
 
@@ -214,7 +232,7 @@ def rules(wrapped: Any, depth: int = 2 * _DEPTH) -> list:
   if not isinstance(wrapped, types.FunctionType):
     return []
   if not (wrapped.__module__ or "").startswith("jax._src.interpreters"):
-    return [value_key(wrapped)]
+    return [value_key(wrapped, traced=True)]
   found = []
   for cell in wrapped.__closure__ or ():
     try:
