@@ -117,13 +117,13 @@ def value_key(value: Any, depth: int = _DEPTH, captured: bool = False,
             value_key(value.__defaults__, depth - 1, users, traced),
             _Same(value.__kwdefaults__) if value.__kwdefaults__ else None,
             _Same(value.__globals__), named)
-  if (traced and depth > 0 and not isinstance(value, type)
-      and len(getattr(value, "__dict__", None) or {}) <= 64
-      and getattr(value, "__dict__", None)):
+  attributes = getattr(value, "__dict__", None) if traced else None
+  if (depth > 0 and attributes and len(attributes) <= 64
+      and not isinstance(value, (type, types.ModuleType))):
     # An object a rule reads attributes of when it is traced.
     return (_Same(value), tuple(sorted(
         (name, value_key(v, depth - 1, True, traced))
-        for name, v in vars(value).items())))
+        for name, v in attributes.items())))
   return _Same(value)
 
 
