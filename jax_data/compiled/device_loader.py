@@ -142,6 +142,11 @@ class DeviceNumpyDataLoader(ArrayData, DeviceDataLoader):
       return None
     check_keywords("a counter-based chain of DeviceNumpyDataLoader", kwargs,
                    ("seed", "shuffle", "in_epochs", "stream"))
+    if kwargs.get("stream") not in (None, "counter"):
+      raise ValueError(
+          "stream must be 'counter' on a DeviceNumpyDataLoader (its "
+          "counter-based streams are the host loaders'; the exact ones are "
+          f"drawn on the host only), got stream={kwargs['stream']!r}")
     if kwargs.get("stream") != "counter":
       given = ", ".join(f"{name}={value!r}"
                         for name, value in sorted(kwargs.items()))
