@@ -35,7 +35,7 @@ def check_state(state: Any, expected: CacheState, where: str) -> CacheState:
         f"state of type {type(state).__name__}")
   # A state of another pipeline (of another cache or batch size, or a
   # full-data pass's) is named so, before its structure or shapes differ.
-  ids = _known_integers(state.pipeline)
+  ids = _known_values(state.pipeline)
   if ids is not None:
     check_identity(ids, int(expected.pipeline), where)
   got = jax.tree_util.tree_structure(state)
@@ -62,7 +62,7 @@ def check_state(state: Any, expected: CacheState, where: str) -> CacheState:
   for (path, _), (g, w) in zip(paths, pairs):
     # Inside vmap/pmap a state has its unbatched shapes again.
     if np.shape(g) != np.shape(w) or dtype_of(g) != dtype_of(w):
-      value = _known_integers(g, kinds="iufb")
+      value = _known_values(g, kinds="iufb")
       shown = ("" if value is None or value.size > 8
                else f" ({value.tolist()})")
       raise TypeError(
@@ -76,9 +76,10 @@ def check_state(state: Any, expected: CacheState, where: str) -> CacheState:
   return state
 
 
-def _known_integers(field: Any, kinds: str = "iu") -> Any:
+def _known_values(field: Any, kinds: str = "iu") -> Any:
   """A state field's values as a NumPy array if they are known (not
-  traced) and of one of ``kinds`` (integers); else None."""
+  traced) and of one of the dtype ``kinds`` (by default integers); else
+  None."""
   if isinstance(field, jax.core.Tracer):
     return None
   try:

@@ -204,6 +204,7 @@ def batched_read(source: Any) -> Optional[Callable[[List[int]], Any]]:
 #: production instead, as a real Ctrl-C does.
 USER_FAILURES = (Exception, SystemExit)
 
+
 class RecordReader:
   """Reads, transforms and checks the records of a source.
 
